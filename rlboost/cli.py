@@ -1,0 +1,151 @@
+"""The `rlboost` command.
+
+Subcommands that need the servers find them through the settings (external URLs) or the data
+dir (embedded servers started by `rlboost up`). Benchmarks live one per module in
+`rlboost/benchmarks/` and are dispatched by name, so adding one needs no change here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pkgutil
+import sys
+
+from rlboost.config import ConfigError, Settings, load_settings
+from rlboost.logs import configure_logging
+from rlboost.services import EmbeddedServices, ServiceError
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    s = load_settings(args.config)
+    if args.data_dir:
+        s.services.data_dir = args.data_dir
+    if args.log_json:
+        s.log_json = True
+    configure_logging(json=s.log_json, level=s.log_level)
+    return s
+
+
+def cmd_up(args: argparse.Namespace, s: Settings) -> int:
+    svc = EmbeddedServices(s.services)
+    st, started = svc.up()
+    word = "started" if started else "already running"
+    print(f"{word}: nats {svc.nats_url(st)} (JetStream in {svc.data_dir / 'jetstream'}), redis {svc.redis_url(st)}")
+    print(f"state: {svc.state_path}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace, s: Settings) -> int:
+    stopped = EmbeddedServices(s.services).stop_recorded()
+    print(f"stopped {len(stopped)} server process(es)" + (f": pids {stopped}" if stopped else ""))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace, s: Settings) -> int:
+    from rlboost.status import show_status
+
+    return show_status(s, as_json=args.json)
+
+
+def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
+    names = _bench_names()
+    if args.name not in names:
+        print(f"unknown benchmark {args.name!r}; available: {', '.join(sorted(names))}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"rlboost.benchmarks.{args.name}")
+    return int(module.main(args.rest, s) or 0)
+
+
+def _bench_names() -> set[str]:
+    import rlboost.benchmarks as b
+
+    return {m.name for m in pkgutil.iter_modules(b.__path__) if not m.name.startswith("_")}
+
+
+def _run_module(module: str):
+    """A subcommand implemented as `main(argv, settings)` in another module (lazy import:
+    `rlboost status` must not pay for importing torch)."""
+
+    def run(args: argparse.Namespace, s: Settings) -> int:
+        return int(importlib.import_module(module).main(args.rest, s) or 0)
+
+    return run
+
+
+COMMANDS = {
+    "demo": ("rlboost.demo", "the main job: start services and run the demo"),
+    "smoke": ("rlboost.smoke", "dataflow smoke: requests -> consumer -> checkpoints -> results"),
+    "worker": ("workers.main", "run a rollout worker: rlboost worker --pool NAME --engine ENGINE"),
+    "replay": ("rlboost.replay", "print the life of a request or a step from the streams"),
+    "init-model": ("trainer.bootstrap", "build and warm-start the small local model"),
+    "run": ("trainer.run", "run RL training with a rollout policy"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlboost", description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="TOML settings file (default: $RLBOOST_CONFIG)")
+    p.add_argument("--data-dir", help="state dir of the embedded servers (default: $RLBOOST_DATA_DIR)")
+    p.add_argument("--log-json", action="store_true", help="JSON log lines instead of console lines")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("up", help="start embedded NATS (JetStream) and Redis on free loopback ports").set_defaults(fn=cmd_up)
+    sub.add_parser("down", help="stop the embedded servers started by `up`").set_defaults(fn=cmd_down)
+    st = sub.add_parser("status", help="servers, streams, queue depths and live workers")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=cmd_status)
+    b = sub.add_parser("bench", help="benchmarks; each ends with one JSON line")
+    b.add_argument("name")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=cmd_bench)
+    for name, (module, help_) in COMMANDS.items():
+        c = sub.add_parser(name, help=help_, add_help=False)
+        c.add_argument("rest", nargs=argparse.REMAINDER)
+        c.set_defaults(fn=_run_module(module))
+    return p
+
+
+def _delegation_point(argv: list[str]) -> int:
+    takes_value = {"--config", "--data-dir"}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok in takes_value:
+            i += 2
+        elif tok.startswith("-"):
+            i += 1
+        elif tok in COMMANDS:
+            return i + 1
+        elif tok == "bench":
+            return min(i + 2, len(argv))
+        else:
+            break
+    return len(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after a delegated command (and a bench name) belongs to that command's own
+    # parser: split it off before argparse sees option strings it does not know.
+    cut = _delegation_point(argv)
+    args = build_parser().parse_args(argv[:cut])
+    if cut < len(argv):
+        args.rest = argv[cut:]
+    try:
+        s = _settings(args)
+        return args.fn(args, s)
+    except (ConfigError, ServiceError, ConnectionError) as e:
+        print(f"rlboost: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def print_result(result: dict) -> None:
+    """Benchmarks and jobs end with exactly one JSON line on stdout."""
+    print(json.dumps(result, sort_keys=False), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Open the NATS, JetStream and checkpoint-store clients a process needs, in one place."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from rlboost import bus, wire
+from rlboost.checkpoint import CheckpointStore
+from rlboost.config import Settings
+
+
+@dataclass
+class Clients:
+    nc: NATS
+    js: JetStreamContext
+    store: CheckpointStore
+
+
+@asynccontextmanager
+async def open_clients(nats_url: str, redis_url: str, name: str, settings: Settings | None = None,
+                       pools: tuple[str, ...] = ()) -> AsyncIterator[Clients]:
+    """Connect, provision (idempotent), and close everything on the way out."""
+    nc = await bus.connect(nats_url, name=name)
+    store = CheckpointStore(redis_url)
+    try:
+        try:
+            await store.ping()
+        except Exception as e:
+            raise ConnectionError(f"cannot reach Redis: {e}") from e
+        js = nc.jetstream()
+        w = settings.worker if settings else None
+        spec = wire.ConsumerSpec(ack_wait_s=w.ack_wait_s, max_deliver=w.max_deliver) if w else wire.ConsumerSpec()
+        await bus.provision(js, pools=pools, consumer=spec)
+        yield Clients(nc=nc, js=js, store=store)
+    finally:
+        await store.close()
+        if nc.is_connected:
+            await nc.drain()

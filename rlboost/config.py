@@ -1,0 +1,109 @@
+"""One typed settings object, from defaults, then a TOML file, then RLBOOST_* environment variables.
+
+Environment names are the dotted path upper-cased with `__` between levels, plus two short
+aliases users expect: RLBOOST_NATS_URL and RLBOOST_REDIS_URL (= services.nats_url / redis_url).
+Example: RLBOOST_WORKER__SLOTS=64 sets `worker.slots`.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A config file or environment value that does not fit the settings schema."""
+
+
+def default_data_dir() -> str:
+    return str(Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "rlboost")
+
+
+class ServicesSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    data_dir: str = msgspec.field(default_factory=default_data_dir)
+    # Empty = use the embedded servers recorded in data_dir (started by `rlboost up`).
+    nats_url: str = ""
+    redis_url: str = ""
+    bind: str = "127.0.0.1"  # embedded servers listen on loopback unless told otherwise
+    nats_user: str = ""
+    nats_password: str = ""
+    redis_password: str = ""
+    startup_timeout_s: float = 15.0
+
+
+class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pool: str = "spot"
+    engine: str = "emulated"
+    slots: int = 32  # concurrent requests in the running batch
+    checkpoint_tokens: int = 16  # K: checkpoint + publish every K tokens ...
+    checkpoint_ms: float = 250.0  # ... or every T ms, whichever first
+    lease_ttl_s: float = 8.0  # < ack_wait, so a redelivered request's lease has expired
+    heartbeat_s: float = 1.0
+    drain_grace_s: float = 5.0
+    ack_wait_s: float = 10.0
+    max_deliver: int = 20
+    model_dir: str = ""
+    speed: float = 1.0  # emulated engine: >1 runs faster than the modelled H100, 0 = no sleeping
+
+
+class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    services: ServicesSettings = msgspec.field(default_factory=ServicesSettings)
+    worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
+    log_json: bool = False
+    log_level: str = "info"
+
+
+_ALIASES = {"RLBOOST_NATS_URL": ("services", "nats_url"), "RLBOOST_REDIS_URL": ("services", "redis_url"),
+            "RLBOOST_DATA_DIR": ("services", "data_dir")}
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in environ.items():
+        if name in _ALIASES:
+            path: tuple[str, ...] = _ALIASES[name]
+        elif name.startswith("RLBOOST_") and "__" in name:
+            path = tuple(p.lower() for p in name[len("RLBOOST_"):].split("__"))
+        elif name in ("RLBOOST_LOG_JSON", "RLBOOST_LOG_LEVEL"):
+            path = (name[len("RLBOOST_"):].lower(),)
+        else:
+            continue
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
+    """Defaults < TOML file (explicit path, else $RLBOOST_CONFIG) < environment."""
+    environ = dict(os.environ if environ is None else environ)
+    path = path or environ.get("RLBOOST_CONFIG")
+    data: dict[str, Any] = msgspec.to_builtins(Settings())
+    if path:
+        try:
+            file_data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+        _merge(data, file_data)
+    _merge(data, _env_overrides(environ))
+    try:
+        # strict=False lets environment strings become ints, floats and booleans.
+        return msgspec.convert(data, Settings, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid setting: {e}") from None

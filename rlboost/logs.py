@@ -1,0 +1,41 @@
+"""structlog, configured once: console lines for humans, JSON lines with --log-json.
+
+Bind the ids a line concerns (request_id, worker_id, step, policy_version) with
+`structlog.contextvars.bind_contextvars` or `log.bind(...)`; a grep for one request id then
+follows it through the whole fleet.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+_configured = False
+
+
+def configure_logging(json: bool = False, level: str = "info") -> None:
+    global _configured
+    processors: list[structlog.types.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    if json:
+        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+    else:
+        processors.append(structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    _configured = True
+
+
+def get_logger(**ids: object) -> structlog.typing.FilteringBoundLogger:
+    if not _configured:
+        configure_logging()
+    return structlog.get_logger().bind(**ids)

@@ -1,0 +1,74 @@
+"""`rlboost status`: which servers, how deep the queues, which workers are alive."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import msgspec
+
+from rlboost import bus, wire
+from rlboost.config import Settings
+from rlboost.services import EmbeddedServices, ServiceError, resolve_urls
+
+
+async def gather_status(nats_url: str) -> dict:
+    nc = await bus.connect(nats_url, name="rlboost-status")
+    try:
+        js = nc.jetstream()
+        streams = {}
+        for spec in wire.STREAMS:
+            try:
+                info = await js.stream_info(spec.name)
+                streams[spec.name] = {"messages": info.state.messages, "bytes": info.state.bytes}
+            except Exception:
+                streams[spec.name] = None
+        consumers = {}
+        try:
+            for ci in await js.consumers_info(wire.STREAM_REQUESTS):
+                consumers[ci.name] = {"pending": ci.num_pending, "ack_pending": ci.num_ack_pending,
+                                      "redelivered": ci.num_redelivered}
+        except Exception:
+            pass
+        workers = []
+        try:
+            kv = await js.key_value(wire.BUCKET_WORKERS)
+            for key in await kv.keys():
+                entry = await kv.get(key)
+                hb = wire.decode(wire.WorkerHeartbeat, entry.value)
+                workers.append({**msgspec.to_builtins(hb), "age_s": round(time.time() - hb.ts, 1)})
+        except Exception:
+            pass  # no keys yet, or bucket missing
+        return {"streams": streams, "consumers": consumers, "workers": workers}
+    finally:
+        await nc.drain()
+
+
+def show_status(s: Settings, as_json: bool = False) -> int:
+    svc = EmbeddedServices(s.services)
+    st = svc.state()
+    out: dict = {"data_dir": str(svc.data_dir), "embedded": None}
+    if st is not None:
+        out["embedded"] = {"nats": svc.nats_url(st), "redis": svc.redis_url(st), "nats_pid": st.nats_pid,
+                           "redis_pid": st.redis_pid}
+    try:
+        nats_url, redis_url = resolve_urls(s.services)
+    except ServiceError as e:
+        out["error"] = str(e)
+        print(json.dumps(out) if as_json else f"no servers running ({e})")
+        return 1
+    out.update(asyncio.run(gather_status(nats_url)))
+    if as_json:
+        print(json.dumps(out))
+        return 0
+    print(f"nats  {bus._redact(nats_url)}\nredis {redis_url.split('@')[-1]}")
+    for name, v in out["streams"].items():
+        print(f"  stream {name:12} " + (f"{v['messages']} msgs, {v['bytes']} B" if v else "missing"))
+    for name, v in out["consumers"].items():
+        print(f"  consumer {name}: pending {v['pending']}, in flight {v['ack_pending']}, redelivered {v['redelivered']}")
+    print(f"  workers alive: {len(out['workers'])}")
+    for w in out["workers"]:
+        print(f"    {w['worker_id']} pool={w['pool']} engine={w['engine']} state={w['state']} "
+              f"inflight={w['inflight']}/{w['slots']} v{w['policy_version']} tokens={w['tokens_generated']}")
+    return 0

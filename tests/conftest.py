@@ -1,0 +1,70 @@
+"""Every test talks to real servers that this suite starts itself, on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import pytest_asyncio
+
+from rlboost import bus
+from rlboost.checkpoint import CheckpointStore
+from rlboost.config import ServicesSettings
+from rlboost.services import EmbeddedServices
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def services(tmp_path_factory):
+    """(nats_url, redis_url) of a NATS+JetStream and a Redis started for this test session."""
+    data_dir = tmp_path_factory.mktemp("rlboost-data")
+    svc = EmbeddedServices(ServicesSettings(data_dir=str(data_dir)))
+    st, started = svc.up()
+    assert started
+    yield svc.nats_url(st), svc.redis_url(st)
+    svc.stop_recorded()
+
+
+@pytest.fixture(scope="session")
+def nats_url(services):
+    return services[0]
+
+
+@pytest.fixture(scope="session")
+def redis_url(services):
+    return services[1]
+
+
+@pytest_asyncio.fixture
+async def nc(nats_url):
+    conn = await bus.connect(nats_url)
+    yield conn
+    await conn.drain()
+
+
+@pytest_asyncio.fixture
+async def js(nc):
+    """A JetStream context on freshly reset streams, so tests do not see each other's messages."""
+    ctx = nc.jetstream()
+    for spec in bus.wire.STREAMS:
+        try:
+            await ctx.delete_stream(spec.name)
+        except Exception:
+            pass
+    await bus.provision(ctx)
+    return ctx
+
+
+@pytest_asyncio.fixture
+async def store(redis_url):
+    s = CheckpointStore(redis_url)
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+def rid():
+    """A fresh request id, so Redis state never leaks between tests."""
+    return f"t-{uuid.uuid4().hex[:12]}"
