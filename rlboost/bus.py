@@ -37,7 +37,7 @@ _RETENTION = {"limits": RetentionPolicy.LIMITS, "workqueue": RetentionPolicy.WOR
 async def connect(url: str, name: str = "rlboost", **kwargs: Any) -> NATS:
     """Connect with reconnects on; a clear error if nobody answers."""
     try:
-        return await nats.connect(url, name=name, connect_timeout=5, max_reconnect_attempts=-1,
+        return await nats.connect(url, name=name, connect_timeout=5, max_reconnect_attempts=-1, drain_timeout=2,
                                   allow_reconnect=True, **kwargs)
     except Exception as e:  # nats-py raises a zoo of types here (NoServersError, OSError, auth)
         raise ConnectionError(f"cannot connect to NATS at {_redact(url)}: {e}") from e

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from rlboost import wire
 
@@ -41,14 +42,13 @@ return {epoch, 0, data}
 
 _APPEND = """
 local meta, lease, tok = KEYS[1], KEYS[2], KEYS[3]
-local epoch, offset, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
-if tonumber(redis.call('HGET', meta, 'epoch') or '0') ~= epoch then return -1 end
-if redis.call('HGET', meta, 'finished') == '1' then return -3 end
-local n = redis.call('STRLEN', tok) / 8
-if n ~= offset then return -2 end
+local m = redis.call('HMGET', meta, 'epoch', 'finished')
+if m[1] ~= ARGV[1] then return -1 end
+if m[2] == '1' then return -3 end
+if redis.call('STRLEN', tok) ~= tonumber(ARGV[2]) * 8 then return -2 end
 local len = redis.call('APPEND', tok, ARGV[3]) / 8
-if redis.call('PEXPIRE', lease, ttl) == 0 then
-  redis.call('SET', lease, ARGV[5] .. ' ' .. epoch, 'PX', ttl)
+if redis.call('PEXPIRE', lease, ARGV[4]) == 0 then
+  redis.call('SET', lease, ARGV[5] .. ' ' .. ARGV[1], 'PX', ARGV[4])
 end
 return len
 """
@@ -173,13 +173,19 @@ class CheckpointStore:
         (rid, owner, epoch, offset, token_ids, logprobs); each outcome is the new length or the
         error for that request, so one lost lease does not fail the others."""
         ttl_ms = int(ttl_s * 1000)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for rid, owner, epoch, offset, toks, lps in appends:
-                await self._append(
-                    keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid), wire.ckpt_tokens_key(rid)],
-                    args=[epoch, offset, pack(toks, lps), ttl_ms, owner], client=pipe,
-                )
-            replies = await pipe.execute()
+        sha = self._append.sha
+        for attempt in (1, 2):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                # EVALSHA directly: the Script wrapper's per-call bookkeeping costs more than
+                # Redis spends running the script.
+                for rid, owner, epoch, offset, toks, lps in appends:
+                    pipe.evalsha(sha, 3, wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid),
+                                 wire.ckpt_tokens_key(rid), epoch, offset, pack(toks, lps), ttl_ms, owner)
+                replies = await pipe.execute(raise_on_error=False)
+            if attempt == 1 and any(isinstance(r, NoScriptError) for r in replies):
+                await self.redis.script_load(_APPEND)  # Redis restarted and lost its script cache
+                continue
+            break
         return [_append_outcome(a[0], a[2], a[3], r) for a, r in zip(appends, replies, strict=True)]
 
     async def finish(self, rid: str, epoch: int, total_tokens: int) -> None:
