@@ -14,6 +14,7 @@ request resumed on another worker continues exactly as it would have.
 from __future__ import annotations
 
 import abc
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,9 +48,12 @@ class Engine(abc.ABC):
     policy_version: int = 0
 
     @abc.abstractmethod
-    async def generate(self, batch: list[Sequence], max_tokens: int) -> list[Generated]:
-        """Extend every sequence by up to `max_tokens` tokens. Must not block the event loop
-        for long: compute runs in a thread (`asyncio.to_thread`)."""
+    async def generate(self, batch: list[Sequence], max_tokens: int,
+                       stop: threading.Event | None = None) -> list[Generated]:
+        """Extend every sequence by up to `max_tokens` tokens (one `Generated` per sequence, in
+        order). Return early, with the tokens made so far, once `stop` is set: that is how a
+        worker with a preemption notice hands off without losing a token. Must not block the
+        event loop for long: compute runs in a thread (`asyncio.to_thread`)."""
 
     async def load_weights(self, weights_dir: Path, version: int) -> None:
         """Swap in the weights of `version` from a directory of verified safetensors shards."""

@@ -1,0 +1,178 @@
+"""The emulated engine: takes the time an H100 would take, computes nothing.
+
+Everything around it is real (NATS, Redis, processes, signals, hand-offs); only the GPU is
+replaced by a timing model, so a 2-core box can run a fleet of "H100" workers honestly.
+Tokens, logprobs and response lengths are pure functions of (seed, request id, position), so
+a request resumed on another worker continues with exactly the tokens it would have produced.
+
+Timing model constants (defaults: one H100 SXM serving an 8B dense model, bf16, vLLM-style
+continuous batching; Llama-3-8B shape: 32 layers, 8 KV heads x 128 dims):
+- `step_base_s` 6 ms: a decode step streams all 16 GB of weights from HBM at 3.35 TB/s
+  (4.8 ms) plus kernel-launch/scheduler overhead; matches the ~150-200 tok/s single-stream
+  decode reported for 8B models on one H100.
+- `step_per_seq_s` 35 us: 2 x 8e9 FLOP per token at ~46% of the 989 TFLOP/s bf16 peak.
+- `step_per_ctx_token_s` 40 ns: each context token's KV (2 x 32 x 8 x 128 x 2 B = 128 KiB) is
+  read once per step at 3.35 TB/s.
+- `prefill_per_token_s` 30 us: prompt (and resumed prefix) tokens cost like decode compute,
+  without the per-step weight read. A resumed request re-prefills its prefix: that is the real
+  cost of migration.
+Response lengths are log-normal (median 1,500, sigma 1.0, capped at 14,336), the long tail of
+reasoning RL rollouts (DESIGN §1, §5). `rlboost bench trace` calibrates the fleet against the
+published throughputs (issue 6); these defaults are the single-GPU physics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from workers.engines.base import Engine, Generated, Sequence
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+@dataclass(frozen=True)
+class TimingModel:
+    step_base_s: float = 6.0e-3
+    step_per_seq_s: float = 3.5e-5
+    step_per_ctx_token_s: float = 4.0e-8
+    prefill_per_token_s: float = 3.0e-5
+
+    def decode_step(self, batch: int, context_tokens: int) -> float:
+        return self.step_base_s + self.step_per_seq_s * batch + self.step_per_ctx_token_s * context_tokens
+
+    def prefill(self, tokens: int) -> float:
+        return self.prefill_per_token_s * tokens
+
+
+@dataclass(frozen=True)
+class LengthModel:
+    median: float = 1500.0
+    sigma: float = 1.0
+    max_tokens: int = 14336
+
+    def length(self, seed: int, request_id: str) -> int:
+        u = (_key(seed, request_id, salt=0x5EED) >> 11) / float(1 << 53)
+        z = _normal_ppf(min(max(u, 1e-12), 1 - 1e-12))
+        return int(min(self.max_tokens, max(1, round(self.median * math.exp(self.sigma * z)))))
+
+
+def _key(seed: int, request_id: str, salt: int = 0) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + zlib.crc32(request_id.encode()) * 0xBF58476D1CE4E5B9 + salt) & 0xFFFFFFFFFFFFFFFF
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _M64
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
+        return x ^ (x >> np.uint64(31))
+
+
+def _normal_ppf(p: float) -> float:
+    """Acklam's rational approximation of the standard normal quantile (|error| < 1.2e-9)."""
+    a = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02, 1.383577518672690e02,
+         -3.066479806614716e01, 2.506628274631000e00)
+    b = (-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02, 6.680131188771972e01,
+         -1.328068155288572e01)
+    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00, -2.549671010422700e00,
+         4.374664141464968e00, 2.938163982698783e00)
+    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00, 3.754408661907416e00)
+    if p < 0.02425:
+        q = math.sqrt(-2 * math.log(p))
+        return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
+               ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
+    if p > 1 - 0.02425:
+        return -_normal_ppf(1 - p)
+    q = p - 0.5
+    r = q * q
+    return (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q / \
+           (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
+
+
+def reference_tokens(seed: int, request_id: str, start: int, n: int, vocab: int = 32000) -> tuple[list[int], list[float]]:
+    """Tokens [start, start+n) of a request and their logprobs: what any worker produces."""
+    ((toks, lps),) = _tokens_for([_key(seed, request_id)], [start], [n], vocab)
+    return toks, lps
+
+
+def _tokens_for(keys: list[int], starts: list[int], counts: list[int], vocab: int) -> list[tuple[list[int], list[float]]]:
+    """Vectorised over a whole batch: one numpy pass instead of one per sequence."""
+    counts_a = np.asarray(counts, dtype=np.int64)
+    which = np.repeat(np.arange(len(counts)), counts_a)
+    first = np.repeat(np.cumsum(counts_a) - counts_a, counts_a)
+    pos = np.asarray(starts, dtype=np.int64)[which] + (np.arange(len(which)) - first)
+    h = _splitmix(pos.astype(np.uint64) + np.asarray(keys, dtype=np.uint64)[which])
+    tokens = (h % np.uint64(vocab)).astype(np.int64).tolist()
+    logprobs = (-((h >> np.uint64(40)) % np.uint64(4096)).astype(np.float32) / np.float32(1024.0)).tolist()
+    out, at = [], 0
+    for c in counts:
+        out.append((tokens[at:at + c], logprobs[at:at + c]))
+        at += c
+    return out
+
+
+def target_length(seq: Sequence, lengths: LengthModel) -> int:
+    return min(seq.max_new_tokens, lengths.length(seq.seed, seq.request_id))
+
+
+class EmulatedEngine(Engine):
+    """`speed` > 1 runs that many times faster than the modelled GPU; 0 = no sleeping at all."""
+
+    name = "emulated"
+
+    def __init__(self, speed: float = 1.0, timing: TimingModel | None = None, lengths: LengthModel | None = None,
+                 vocab: int = 32000, on_tokens: Callable[[int], None] | None = None) -> None:
+        self.speed = speed
+        self.timing = timing or TimingModel()
+        self.lengths = lengths or LengthModel()
+        self.vocab = vocab
+        self.on_tokens = on_tokens  # called as tokens come off each emulated step
+        self._prefilled: set[str] = set()  # request ids whose KV cache this engine holds
+
+    async def _sleep(self, seconds: float) -> None:
+        if self.speed > 0 and seconds > 0:
+            await asyncio.sleep(seconds / self.speed)
+
+    async def generate(self, batch: list[Sequence], max_tokens: int,
+                       stop: threading.Event | None = None) -> list[Generated]:
+        ids = {s.request_id for s in batch}
+        self._prefilled &= ids  # sequences that left the batch free their KV cache
+        cold = [s for s in batch if s.request_id not in self._prefilled]
+        await self._sleep(self.timing.prefill(sum(len(s.prompt_ids) + len(s.token_ids) for s in cold)))
+        self._prefilled |= {s.request_id for s in cold}
+
+        remaining = [max(0, target_length(s, self.lengths) - len(s.token_ids)) for s in batch]
+        context = [len(s.prompt_ids) + len(s.token_ids) for s in batch]
+        done = [0] * len(batch)
+        steps = min(max_tokens, max(remaining, default=0))
+        if self.speed <= 0:  # unlimited speed: no steps to pace, just the tokens
+            done = [min(r, steps) for r in remaining]
+            if self.on_tokens:
+                self.on_tokens(sum(done))
+            steps = 0
+        pending_sleep, pending_tokens, step = 0.0, 0, 0
+        while step < steps and not (stop is not None and stop.is_set()):
+            live = [i for i in range(len(batch)) if done[i] < remaining[i]]
+            pending_sleep += self.timing.decode_step(len(live), sum(context[i] + done[i] for i in live))
+            pending_tokens += len(live)
+            for i in live:
+                done[i] += 1
+            step += 1
+            # Sleep in slices of >= 2 ms (scaled), so a kill or a stop lands between steps;
+            # tokens count as generated once their step's time has passed.
+            if self.speed <= 0 or pending_sleep / self.speed >= 0.002 or step == steps:
+                await self._sleep(pending_sleep)
+                if self.on_tokens:
+                    self.on_tokens(pending_tokens)
+                pending_sleep, pending_tokens = 0.0, 0
+        made = _tokens_for([_key(s.seed, s.request_id) for s in batch], [len(s.token_ids) for s in batch], done,
+                           self.vocab)
+        return [Generated(token_ids=t, logprobs=lp, finished=n >= rem)
+                for (t, lp), n, rem in zip(made, done, remaining, strict=True)]

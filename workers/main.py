@@ -1,0 +1,83 @@
+"""`rlboost worker`: one rollout worker process. Scale out by starting more of them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from rlboost.clients import open_clients
+from rlboost.config import Settings
+from rlboost.logs import get_logger
+from rlboost.services import resolve_urls
+from workers.counters import Counters
+from workers.engines import make_engine
+from workers.worker import RolloutWorker, make_worker_id
+
+
+def parse_args(argv: list[str], s: Settings) -> argparse.Namespace:
+    w = s.worker
+    p = argparse.ArgumentParser(prog="rlboost worker", description=__doc__.splitlines()[0])
+    p.add_argument("--pool", default=w.pool, help="the pool whose work queue this worker consumes")
+    p.add_argument("--engine", default=w.engine, choices=["emulated", "torch", "vllm"])
+    p.add_argument("--slots", type=int, default=w.slots, help="concurrent requests in the running batch")
+    p.add_argument("--checkpoint-tokens", type=int, default=w.checkpoint_tokens, help="K: checkpoint every K tokens")
+    p.add_argument("--model-dir", default=w.model_dir, help="torch/vllm: local Hugging Face model directory")
+    p.add_argument("--speed", type=float, default=w.speed, help="emulated: x times the modelled GPU; 0 = unlimited")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--counters", default=None, help="file for crash-proof counters (read by benchmarks)")
+    p.add_argument("--ack-wait", type=float, default=w.ack_wait_s)
+    p.add_argument("--lease-ttl", type=float, default=w.lease_ttl_s)
+    p.add_argument("--drain-grace", type=float, default=w.drain_grace_s)
+    a = p.parse_args(argv)
+    if a.lease_ttl >= a.ack_wait:
+        p.error("--lease-ttl must be shorter than --ack-wait, or redelivered requests find the lease still held")
+    w.pool, w.engine, w.slots, w.checkpoint_tokens, w.model_dir, w.speed = (
+        a.pool, a.engine, a.slots, a.checkpoint_tokens, a.model_dir, a.speed)
+    w.ack_wait_s, w.lease_ttl_s, w.drain_grace_s = a.ack_wait, a.lease_ttl, a.drain_grace
+    return a
+
+
+def build_engine(s: Settings, counters: Counters):
+    w = s.worker
+    if w.engine == "emulated":
+        return make_engine("emulated", speed=w.speed, on_tokens=lambda n: counters.add("generated", n))
+    if not w.model_dir:
+        raise SystemExit(f"rlboost worker: --model-dir is required for the {w.engine} engine")
+    return make_engine(w.engine, model_dir=w.model_dir)
+
+
+async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
+    nats_url, redis_url = resolve_urls(s.services)
+    engine = build_engine(s, counters)
+    async with open_clients(nats_url, redis_url, f"rlboost-worker-{worker_id}", settings=s) as c:
+        worker = RolloutWorker(s.worker, engine, c, worker_id=worker_id, counters=counters)
+        worker.install_signal_handlers()
+        watchdog = asyncio.create_task(_exit_after_grace(worker))
+        try:
+            await worker.run()
+        finally:
+            watchdog.cancel()
+            await engine.close()
+
+
+async def _exit_after_grace(worker: RolloutWorker) -> None:
+    """A notice gives `drain_grace_s`: past it, leave anyway (what is not flushed is covered by
+    the checkpoint and ack_wait, exactly as after a kill)."""
+    await worker.draining.wait()
+    await asyncio.sleep(worker.cfg.drain_grace_s)
+    worker.log.error("drain grace period exceeded, exiting now", grace_s=worker.cfg.drain_grace_s)
+    os._exit(3)
+
+
+def main(argv: list[str], s: Settings) -> int:
+    a = parse_args(argv, s)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    worker_id = a.worker_id or make_worker_id(s.worker.pool)
+    counters = Counters(a.counters)
+    try:
+        asyncio.run(serve(s, worker_id, counters))
+    except ConnectionError as e:
+        get_logger(worker_id=worker_id).error("cannot connect", error=str(e))
+        return 1
+    return 0
