@@ -72,6 +72,25 @@ def request_id(step: int, prompt: int, sample: int) -> str:
     return f"s{step:05d}-p{prompt:05d}-g{sample:03d}"
 
 
+# ---------------------------------------------------------------- weights (rlboost/weights.py)
+# Policy weights: content-addressed safetensors shards + one manifest per version in a blob
+# store (JetStream Object Store bucket by default, or a directory); the latest published
+# version is an ASCII integer under WEIGHTS_POINTER_KEY in BUCKET_POLICY, which workers watch.
+
+BUCKET_WEIGHTS = "rb-weights"  # JetStream Object Store bucket (stream OBJ_rb-weights)
+WEIGHTS_POINTER_KEY = "weights-latest"  # key in BUCKET_POLICY: latest published version
+
+
+def weights_shard_key(sha256_hex: str) -> str:
+    """A shard is named by the SHA-256 of its bytes: equal content, equal name, stored once."""
+    return f"shards/{sha256_hex}.safetensors"
+
+
+def weights_manifest_key(version: int) -> str:
+    """Zero-padded so a lexicographic listing is in version order."""
+    return f"manifests/v{version:012d}.json"
+
+
 # ---------------------------------------------------------------- stream configurations
 
 

@@ -1,0 +1,381 @@
+"""Blob stores for weight shards and manifests: one small interface, several backends.
+
+The weight store only needs five operations on immutable, named blobs — put, has, streamed
+read, delete, list — so every backend (the embedded JetStream Object Store, a directory on
+local disk or a shared mount, later an S3-compatible bucket) is a few dozen lines behind
+`BlobStore`. Integrity is *not* the backend's job: the weight cache hashes every byte it
+receives against the manifest, so a backend may be as dumb as a directory.
+
+Errors are split in two on purpose: `ObjectMissing` (the store answered: no such blob — a
+version was never published or was garbage-collected) is final; `StoreUnavailable` (the store
+did not answer: connection lost, mount gone, timeout) is transient and callers retry it with
+back-off.
+
+An S3 backend would map put → PutObject (multipart above ~64 MiB), has → HeadObject,
+read → a ranged/streamed GetObject body, delete → DeleteObject, list → ListObjectsV2 with a
+prefix, and raise `StoreUnavailable` on connection errors / 5xx.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+import nats.errors
+from nats.js import JetStreamContext, api
+from nats.js.errors import BadRequestError, NotFoundError
+
+from rlboost.logs import get_logger
+
+log = get_logger(component="objstore")
+
+Buffer = bytes | bytearray | memoryview
+
+
+class StoreError(RuntimeError):
+    """Base class of blob store errors."""
+
+
+class StoreUnavailable(StoreError):
+    """The store did not answer (network, mount, timeout): transient, retry with back-off."""
+
+
+class ObjectMissing(StoreError, KeyError):
+    """The store answered that the blob does not exist."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "object missing"
+
+
+class BlobStore(abc.ABC):
+    """Immutable named blobs. Keys are `[A-Za-z0-9._/-]+` paths such as `shards/<sha>.safetensors`."""
+
+    location: str = "?"  # for messages and logs; never contains credentials
+
+    @abc.abstractmethod
+    async def put(self, key: str, data: Buffer) -> None:
+        """Store `data` under `key`, atomically: a reader sees all of it or nothing."""
+
+    @abc.abstractmethod
+    async def has(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def read(self, key: str) -> AsyncIterator[Buffer]:
+        """Stream the blob's bytes in order (chunks of any size). Raises ObjectMissing."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove the blob; a missing blob is not an error."""
+
+    @abc.abstractmethod
+    async def list(self, prefix: str = "") -> list[str]:
+        """Keys starting with `prefix`, sorted."""
+
+    async def read_all(self, key: str) -> bytes:
+        """Small blobs (manifests)."""
+        return b"".join([bytes(c) async for c in self.read(key)])
+
+    async def close(self) -> None:
+        return None
+
+
+# ---------------------------------------------------------------- filesystem
+
+
+class FileBlobStore(BlobStore):
+    """A directory: local disk, or a shared mount (NFS, a CSI volume) all workers see.
+
+    The root must exist (the publisher creates it with `create=True`): a missing root means a
+    mount that is not there, which is `StoreUnavailable`, not an empty store.
+    """
+
+    READ_CHUNK = 8 << 20
+
+    def __init__(self, root: str | os.PathLike[str], create: bool = False) -> None:
+        self.root = Path(root)
+        self.location = f"file://{self.root}"
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"invalid blob key {key!r}")
+        return self.root / key
+
+    def _check_root(self) -> None:
+        if not self.root.is_dir():
+            raise StoreUnavailable(f"weight store {self.location} is not reachable (directory missing)")
+
+    async def put(self, key: str, data: Buffer) -> None:
+        self._check_root()
+        await asyncio.to_thread(self._put_sync, self._path(key), data)
+
+    @staticmethod
+    def _put_sync(path: Path, data: Buffer) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())  # a shared mount must not expose a half-written shard
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    async def has(self, key: str) -> bool:
+        self._check_root()
+        return self._path(key).is_file()
+
+    async def read(self, key: str) -> AsyncIterator[Buffer]:
+        self._check_root()
+        try:
+            f = open(self._path(key), "rb")  # noqa: SIM115 - closed below, across awaits
+        except FileNotFoundError:
+            raise ObjectMissing(f"{key} not in {self.location}") from None
+        except OSError as e:
+            raise StoreUnavailable(f"weight store {self.location}: {e}") from e
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.to_thread(f.read, self.READ_CHUNK)
+                except OSError as e:
+                    raise StoreUnavailable(f"weight store {self.location}: reading {key}: {e}") from e
+                if not chunk:
+                    return
+                yield chunk
+        finally:
+            f.close()
+
+    async def delete(self, key: str) -> None:
+        self._check_root()
+        self._path(key).unlink(missing_ok=True)
+
+    async def list(self, prefix: str = "") -> list[str]:
+        self._check_root()
+        out = []
+        for p in self.root.rglob("*"):
+            if p.is_file() and not p.name.startswith("."):
+                key = p.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    out.append(key)
+        return sorted(out)
+
+
+# ---------------------------------------------------------------- JetStream Object Store
+
+_TRANSIENT = (
+    nats.errors.ConnectionClosedError,
+    nats.errors.NoServersError,
+    nats.errors.TimeoutError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.NoRespondersError,
+    asyncio.TimeoutError,
+    ConnectionError,
+    OSError,
+)
+
+
+class JetStreamBlobStore(BlobStore):
+    """The embedded default: a JetStream Object Store bucket, no extra server to run.
+
+    The layout is the standard one (stream `OBJ_<bucket>`, chunks on `$O.<bucket>.C.<nuid>`,
+    JSON meta on `$O.<bucket>.M.<base64 name>`), so `nats object get` and other clients read
+    what we write. Reads do not use nats-py's `ObjectStore.get()`, which grows a bytes object
+    by concatenation (quadratic) or hops to a thread per chunk with `writeinto`: we create an
+    ephemeral pull consumer on the object's chunk subject and keep a window of chunk requests
+    in flight, yielding each 1 MiB chunk as it arrives (measured several times faster).
+    Writes pipeline the chunk publishes (a bounded window of un-acked publishes) instead of
+    waiting for each ack.
+    """
+
+    WINDOW = 32  # chunks in flight per read / write (32 MiB at 1 MiB chunks)
+    READ_TIMEOUT_S = 15.0  # no chunk for this long: the server is gone or stuck
+
+    def __init__(self, js: JetStreamContext, bucket: str, chunk_size: int = 1 << 20) -> None:
+        self.js = js
+        self.nc = js._nc  # the connection behind the context: raw pull requests and inboxes
+        self.bucket = bucket
+        self.stream = f"OBJ_{bucket}"
+        # A chunk must fit the server's max_payload (1 MiB by default).
+        self.chunk_size = max(1024, min(chunk_size, self.nc.max_payload or chunk_size))
+        self.location = f"nats object store {bucket}"
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, bucket: str, create: bool = True, **kwargs) -> JetStreamBlobStore:
+        """Find the bucket, or create it (file storage, unlimited size) if `create`."""
+        try:
+            await js.stream_info(f"OBJ_{bucket}")
+        except NotFoundError:
+            if not create:
+                raise ObjectMissing(f"object store bucket {bucket} does not exist") from None
+            try:
+                await js.create_object_store(bucket, storage=api.StorageType.FILE,
+                                             description="rlboost weight shards and manifests")
+            except BadRequestError:
+                pass  # a concurrent creator won
+        except _TRANSIENT as e:
+            raise StoreUnavailable(f"nats object store {bucket}: {e!r}") from e
+        return cls(js, bucket, **kwargs)
+
+    def _meta_subject(self, key: str) -> str:
+        return f"$O.{self.bucket}.M.{base64.urlsafe_b64encode(key.encode()).decode()}"
+
+    def _chunk_subject(self, nuid: str) -> str:
+        return f"$O.{self.bucket}.C.{nuid}"
+
+    async def _info(self, key: str) -> api.ObjectInfo | None:
+        try:
+            msg = await self.js.get_last_msg(self.stream, self._meta_subject(key))
+        except NotFoundError:
+            return None
+        except _TRANSIENT as e:
+            raise StoreUnavailable(f"{self.location}: {e!r}") from e
+        info = api.ObjectInfo.from_response(json.loads(msg.data))
+        return None if info.deleted else info
+
+    async def has(self, key: str) -> bool:
+        return await self._info(key) is not None
+
+    async def put(self, key: str, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        nuid = self.nc._nuid.next().decode()
+        subject = self._chunk_subject(nuid)
+        old = await self._info(key)
+        digest = hashlib.sha256(view).digest()
+        chunks = 0
+        try:
+            pending: list[asyncio.Future] = []
+            for off in range(0, len(view), self.chunk_size):
+                pending.append(await self.js.publish_async(subject, bytes(view[off:off + self.chunk_size])))
+                chunks += 1
+                if len(pending) >= self.WINDOW:
+                    await asyncio.gather(*pending)
+                    pending = []
+            await asyncio.gather(*pending)
+            info = api.ObjectInfo(
+                name=key, bucket=self.bucket, nuid=nuid, size=len(view), chunks=chunks,
+                digest="SHA-256=" + base64.urlsafe_b64encode(digest).decode(),
+                mtime=datetime.now(timezone.utc).isoformat(),
+                options=api.ObjectMetaOptions(max_chunk_size=self.chunk_size),
+            )
+            # The meta message is what makes the object visible, so it goes last (atomic put).
+            await self.js.publish(self._meta_subject(key), json.dumps(info.as_dict()).encode(),
+                                  headers={api.Header.ROLLUP: "sub"})
+        except _TRANSIENT as e:
+            await self._purge_quietly(subject)
+            raise StoreUnavailable(f"{self.location}: writing {key}: {e!r}") from e
+        except BaseException:
+            await self._purge_quietly(subject)
+            raise
+        if old is not None and old.nuid != nuid:
+            await self._purge_quietly(self._chunk_subject(old.nuid))
+
+    async def _purge_quietly(self, subject: str) -> None:
+        try:
+            await self.js.purge_stream(self.stream, subject=subject)
+        except Exception as e:  # best effort: orphan chunks only cost space
+            log.warning("purge failed", subject=subject, error=repr(e))
+
+    async def read(self, key: str) -> AsyncIterator[Buffer]:
+        info = await self._info(key)
+        if info is None:
+            raise ObjectMissing(f"{key} not in {self.location}")
+        total = info.chunks or 0
+        if not info.size:
+            return
+        inbox = self.nc.new_inbox()
+        # Pending limits sized to the window, so a slow consumer never makes nats-py drop chunks.
+        sub = await self.nc.subscribe(inbox, pending_msgs_limit=4 * self.WINDOW,
+                                      pending_bytes_limit=4 * self.WINDOW * (self.chunk_size + 4096))
+        consumer = None
+        try:
+            try:
+                consumer = await self.js.add_consumer(self.stream, api.ConsumerConfig(
+                    filter_subject=self._chunk_subject(info.nuid), ack_policy=api.AckPolicy.NONE,
+                    deliver_policy=api.DeliverPolicy.ALL, mem_storage=True, inactive_threshold=60.0,
+                    max_waiting=4, num_replicas=1))
+            except _TRANSIENT as e:
+                raise StoreUnavailable(f"{self.location}: reading {key}: {e!r}") from e
+            next_api = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{consumer.name}"
+            requested = received = 0
+            expires_ns = int(self.READ_TIMEOUT_S * 1e9)
+            while received < total:
+                # Keep between WINDOW/2 and WINDOW chunks requested ahead of what we consumed.
+                if requested - received <= self.WINDOW // 2 and requested < total:
+                    n = min(self.WINDOW, total - requested)
+                    await self.nc.publish(next_api, json.dumps({"batch": n, "expires": expires_ns}).encode(),
+                                          reply=inbox)
+                    requested += n
+                try:
+                    msg = await sub.next_msg(timeout=self.READ_TIMEOUT_S)
+                except nats.errors.TimeoutError:
+                    raise StoreUnavailable(f"{self.location}: reading {key}: no data for "
+                                           f"{self.READ_TIMEOUT_S:.0f}s ({received}/{total} chunks)") from None
+                if msg.headers and msg.headers.get(api.Header.STATUS):
+                    status = msg.headers.get(api.Header.STATUS)
+                    if status == "408":  # a pull request expired: ask again for what is missing
+                        requested = received
+                        continue
+                    if status == "100":  # idle heartbeat
+                        continue
+                    raise StoreUnavailable(f"{self.location}: reading {key}: status {status} "
+                                           f"{msg.headers.get(api.Header.DESCRIPTION, '')}")
+                received += 1
+                yield msg.data
+        except _TRANSIENT as e:
+            raise StoreUnavailable(f"{self.location}: reading {key}: {e!r}") from e
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+            if consumer is not None:
+                try:  # fire and forget: no round trip per shard (inactive_threshold is the backstop)
+                    await self.nc.publish(f"$JS.API.CONSUMER.DELETE.{self.stream}.{consumer.name}", b"")
+                except Exception:
+                    pass
+
+    async def delete(self, key: str) -> None:
+        info = await self._info(key)
+        if info is None:
+            return
+        try:
+            # Purge both subjects outright: no tombstones pile up as GC deletes old shards.
+            await self.js.purge_stream(self.stream, subject=self._chunk_subject(info.nuid))
+            await self.js.purge_stream(self.stream, subject=self._meta_subject(key))
+        except _TRANSIENT as e:
+            raise StoreUnavailable(f"{self.location}: deleting {key}: {e!r}") from e
+
+    async def list(self, prefix: str = "") -> list[str]:
+        """Walk the last meta message of every object with an ordered consumer."""
+        keys: list[str] = []
+        try:
+            try:
+                await self.js.get_last_msg(self.stream, f"$O.{self.bucket}.M.>")
+            except NotFoundError:
+                return []
+            sub = await self.js.subscribe(f"$O.{self.bucket}.M.>", ordered_consumer=True,
+                                          deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
+            try:
+                while True:
+                    msg = await sub.next_msg(timeout=5.0)
+                    info = api.ObjectInfo.from_response(json.loads(msg.data))
+                    if not info.deleted and info.name.startswith(prefix):
+                        keys.append(info.name)
+                    if msg.metadata.num_pending == 0:
+                        break
+            finally:
+                await sub.unsubscribe()
+        except _TRANSIENT as e:
+            raise StoreUnavailable(f"{self.location}: listing: {e!r}") from e
+        return sorted(keys)
