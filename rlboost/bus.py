@@ -61,15 +61,17 @@ def stream_config(spec: wire.StreamSpec) -> StreamConfig:
     )
 
 
-def pool_consumer_config(pool: str, spec: wire.ConsumerSpec) -> ConsumerConfig:
-    return ConsumerConfig(
-        durable_name=wire.consumer_name(pool),
+def pool_consumer_configs(pool: str, spec: wire.ConsumerSpec) -> list[ConsumerConfig]:
+    """The pool's fresh-request lane and its resume (hand-off) lane."""
+    return [ConsumerConfig(
+        durable_name=name,
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=spec.ack_wait_s,
         max_deliver=spec.max_deliver,
         max_ack_pending=spec.max_ack_pending,
-        filter_subject=wire.request_subject(pool),
-    )
+        filter_subject=subject,
+    ) for name, subject in ((wire.consumer_name(pool), wire.request_subject(pool)),
+                            (wire.resume_consumer_name(pool), wire.resume_subject(pool)))]
 
 
 async def provision(js: JetStreamContext, pools: tuple[str, ...] = (), consumer: wire.ConsumerSpec | None = None,
@@ -94,7 +96,8 @@ async def provision(js: JetStreamContext, pools: tuple[str, ...] = (), consumer:
 
 async def ensure_pool_consumer(js: JetStreamContext, pool: str, spec: wire.ConsumerSpec) -> None:
     wire.check_name("pool", pool)
-    await js.add_consumer(wire.STREAM_REQUESTS, pool_consumer_config(pool, spec))
+    for cfg in pool_consumer_configs(pool, spec):
+        await js.add_consumer(wire.STREAM_REQUESTS, cfg)
 
 
 async def _kv(js: JetStreamContext, cfg: KeyValueConfig) -> None:

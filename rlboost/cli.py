@@ -49,19 +49,31 @@ def cmd_status(args: argparse.Namespace, s: Settings) -> int:
     return show_status(s, as_json=args.json)
 
 
+# The CLI is the composition root: it finds benchmarks and commands of every package by
+# module name. The core modules of rlboost/ never import workers/ or trainer/.
+BENCH_PACKAGES = ("rlboost.benchmarks", "workers.benchmarks", "trainer.benchmarks")
+
+
 def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
     names = _bench_names()
     if args.name not in names:
         print(f"unknown benchmark {args.name!r}; available: {', '.join(sorted(names))}", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"rlboost.benchmarks.{args.name}")
+    module = importlib.import_module(f"{names[args.name]}.{args.name}")
     return int(module.main(args.rest, s) or 0)
 
 
-def _bench_names() -> set[str]:
-    import rlboost.benchmarks as b
-
-    return {m.name for m in pkgutil.iter_modules(b.__path__) if not m.name.startswith("_")}
+def _bench_names() -> dict[str, str]:
+    found: dict[str, str] = {}
+    for package in BENCH_PACKAGES:
+        try:
+            pkg = importlib.import_module(package)
+        except ImportError:
+            continue
+        for m in pkgutil.iter_modules(pkg.__path__):
+            if not m.name.startswith("_"):
+                found.setdefault(m.name, package)
+    return found
 
 
 def _run_module(module: str):

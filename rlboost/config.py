@@ -39,6 +39,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pool: str = "spot"
     engine: str = "emulated"
     slots: int = 32  # concurrent requests in the running batch
+    resume_reserve: float = 0.5  # extra slots (x slots) kept for handed-off requests only
     checkpoint_tokens: int = 16  # K: checkpoint + publish every K tokens ...
     checkpoint_ms: float = 250.0  # ... or every T ms, whichever first
     lease_ttl_s: float = 8.0  # < ack_wait, so a redelivered request's lease has expired

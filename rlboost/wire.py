@@ -48,9 +48,25 @@ def dlq_subject(source_stream: str) -> str:
     return f"rb.dlq.{source_stream}"
 
 
+def resume_subject(pool: str) -> str:
+    """The priority lane: requests handed off with tokens already generated (a drained worker,
+    the reserved cluster at the end of its seeding window). Workers keep spare slots for it, so
+    a hand-off resumes at once instead of queueing behind fresh prompts."""
+    return f"rb.req.{pool}.resume"
+
+
 def consumer_name(pool: str) -> str:
     """All workers of a pool share this durable pull consumer: pull is the load balancer."""
     return f"rb-workers-{pool}"
+
+
+def resume_consumer_name(pool: str) -> str:
+    return f"rb-resume-{pool}"
+
+
+def handoff_msg_id(request_id: str, epoch: int) -> str:
+    """One hand-off message per lease epoch: a retried publish is dropped as a duplicate."""
+    return f"{request_id}-h{epoch}"
 
 
 HDR_MSG_ID = "Nats-Msg-Id"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import re
 import signal
@@ -98,9 +99,11 @@ class RolloutWorker:
         self.draining = asyncio.Event()
         self.drain_reason = ""
         self.stop_engine = threading.Event()  # tells the engine to return between steps
-        self._wake = asyncio.Event()
+        self._wake = asyncio.Event()  # work arrived (or drain): the generate loop looks again
+        self._slot_freed = asyncio.Event()  # a request left: the feeders may fetch again
         self._version_lock = asyncio.Lock()
         self._token_acks: list[asyncio.Future] = []
+        self._admissions: set[asyncio.Task] = set()
         self._started_at = time.time()
 
     # ------------------------------------------------------------------ lifecycle
@@ -125,17 +128,26 @@ class RolloutWorker:
                                                                        max_deliver=self.cfg.max_deliver))
         self.registry = await js.key_value(wire.BUCKET_WORKERS)
         self.control = await js.key_value(wire.BUCKET_CONTROL)
-        psub = await js.pull_subscribe_bind(durable=wire.consumer_name(self.pool), stream=wire.STREAM_REQUESTS)
+        fresh = await js.pull_subscribe_bind(durable=wire.consumer_name(self.pool), stream=wire.STREAM_REQUESTS)
+        resume = await js.pull_subscribe_bind(durable=wire.resume_consumer_name(self.pool),
+                                              stream=wire.STREAM_REQUESTS)
         await self._heartbeat("running")
-        self.log.info("worker started", slots=self.cfg.slots, checkpoint_tokens=self.cfg.checkpoint_tokens)
+        reserve = max(1, math.ceil(self.cfg.slots * self.cfg.resume_reserve))
+        self.log.info("worker started", slots=self.cfg.slots, resume_reserve=reserve,
+                      checkpoint_tokens=self.cfg.checkpoint_tokens)
         stop_aux = asyncio.Event()
-        feeder = asyncio.create_task(self._feed(psub))
+        feeder = asyncio.gather(self._feed(fresh, self.cfg.slots), self._feed(resume, self.cfg.slots + reserve))
         aux = [asyncio.create_task(self._heartbeat_loop(stop_aux)),
                asyncio.create_task(bus.dead_letter_max_deliveries(js, self.c.nc, stop_aux))]
         try:
             await self._generate_loop()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(feeder, timeout=2.0)
+            # Stop pulling before handing back, or our own parked pull requests would be
+            # handed the very requests we put on the resume lane.
+            feeder.cancel()
+            for sub in (fresh, resume):
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            await asyncio.gather(*self._admissions, return_exceptions=True)
             await self._hand_back_all()
         finally:
             feeder.cancel()
@@ -147,13 +159,14 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ intake
 
-    async def _feed(self, psub) -> None:
+    async def _feed(self, psub, capacity: int) -> None:
+        """Keep up to `capacity` requests in flight from one lane (fresh or resume)."""
         while not self.draining.is_set():
-            free = self.cfg.slots - len(self.active) - self.admitting
+            free = capacity - len(self.active) - self.admitting
             if free <= 0:
-                self._wake.clear()
+                self._slot_freed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+                    await asyncio.wait_for(self._slot_freed.wait(), timeout=0.5)
                 continue
             try:
                 msgs = await psub.fetch(batch=free, timeout=0.5)
@@ -168,7 +181,9 @@ class RolloutWorker:
                     await msg.nak()  # arrived after the notice: straight back to the pool
                     continue
                 self.admitting += 1
-                asyncio.create_task(self._admit(msg))
+                task = asyncio.create_task(self._admit(msg))
+                self._admissions.add(task)
+                task.add_done_callback(self._admissions.discard)
 
     async def _admit(self, msg: Msg) -> None:
         try:
@@ -201,6 +216,8 @@ class RolloutWorker:
             self.active[req.request_id] = Active(msg=msg, req=req, seq=seq, epoch=claim.epoch,
                                                  durable=len(claim.token_ids), logprobs=list(claim.logprobs),
                                                  done=is_complete(req, claim.token_ids))
+            if claim.token_ids:
+                self.stop_engine.set()  # a hand-off joins the batch now, not after the current call
         except (redis.exceptions.RedisError, CheckpointError, OSError) as e:
             self.log.warning("admission failed, handing back", error=str(e))
             with contextlib.suppress(Exception):
@@ -208,6 +225,7 @@ class RolloutWorker:
         finally:
             self.admitting -= 1
             self._wake.set()
+            self._slot_freed.set()
 
     async def _ensure_version(self, version: int) -> bool:
         """Serve one policy version at a time; switch only when no request of another is in flight."""
@@ -247,6 +265,8 @@ class RolloutWorker:
                     await asyncio.wait_for(self._wake.wait(), timeout=0.5)
                 continue
             batch = [a for a in self.active.values() if not a.done]
+            if not self.draining.is_set():
+                self.stop_engine.clear()
             if batch and not self.draining.is_set():
                 try:
                     outs = await self.engine.generate([a.seq for a in batch], k, stop=self.stop_engine)
@@ -340,24 +360,33 @@ class RolloutWorker:
 
     def _forget(self, a: Active) -> None:
         self.active.pop(a.req.request_id, None)
-        self._wake.set()
+        self._slot_freed.set()
 
     # ------------------------------------------------------------------ hand-off
 
     async def _hand_back_all(self) -> None:
-        """After the final flush: release every lease and nak every message, so another worker
-        claims it right away and resumes from the checkpoint with nothing to regenerate."""
+        """After the final flush: release every lease and put every request on the resume lane,
+        so a worker with a spare slot claims it at once and continues from the checkpoint with
+        nothing to regenerate. Publish first, then ack: a crash in between leaves two messages
+        for one request, which the lease and the finished mark resolve, never zero."""
         leftover = list(self.active.values())
 
         async def hand_back(a: Active) -> None:
-            released = await self.c.store.release(a.req.request_id, a.epoch)
-            if released:  # fenced out otherwise: not ours to return
-                await a.msg.nak()
-                self.counters.add("handed_off")
-                await self._event(a.req, a.epoch, "release", a.durable, detail=self.drain_reason)
-                self.log.info("handed off", request_id=a.req.request_id, at=a.durable)
+            if not await self.c.store.release(a.req.request_id, a.epoch):
+                return  # fenced out: not ours to hand back
+            await self.c.js.publish(wire.resume_subject(self.pool), a.msg.data,
+                                    headers={wire.HDR_MSG_ID: wire.handoff_msg_id(a.req.request_id, a.epoch)})
+            await a.msg.ack()
+            self.counters.add("handed_off")
+            await self._event(a.req, a.epoch, "release", a.durable, detail=self.drain_reason)
+            self.log.info("handed off", request_id=a.req.request_id, at=a.durable)
 
-        await asyncio.gather(*(hand_back(a) for a in leftover), return_exceptions=True)
+        outcomes = await asyncio.gather(*(hand_back(a) for a in leftover), return_exceptions=True)
+        for a, out in zip(leftover, outcomes, strict=True):
+            if isinstance(out, Exception):  # it comes back after ack_wait, like after a kill
+                self.log.warning("hand-off failed", request_id=a.req.request_id, error=str(out))
+        acks, self._token_acks = self._token_acks, []
+        await asyncio.gather(*acks, return_exceptions=True)
         self.active.clear()
 
     # ------------------------------------------------------------------ liveness

@@ -1,0 +1,1 @@
+"""Benchmarks that run real worker processes: `rlboost bench chaos`, `rlboost bench fleet`."""

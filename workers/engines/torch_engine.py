@@ -1,0 +1,192 @@
+"""The torch engine: a Hugging Face causal LM on CPU, batched, with a KV cache.
+
+Sampling is keyed, not stateful: the token at response position i of a request is the
+Gumbel-max of the (temperature-scaled, top-k/top-p filtered) logits plus noise that is a pure
+hash of (seed, request id, i, vocab index). There is no generator state to carry, so a request
+resumed on another worker, in another batch, in chunks of another size, draws exactly the same
+noise at every position.
+
+The noise is only half of it: the logits must not depend on the batch either. Batch members,
+left padding, and prefill-vs-cached decoding change the order of floating-point reductions;
+in float32 that moves a logit by ~1e-6, enough to flip a sample now and then when two perturbed
+scores are close. The engine therefore computes in float64 by default: the same
+reorderings move logits by ~1e-15, and a flip would need two perturbed scores to tie to 15
+digits. For a ~1M-parameter model float64 costs little; `dtype="float32"` trades that
+guarantee for speed on bigger models.
+
+Every `generate` call re-prefills each sequence from prompt + tokens so far (left-padded, with
+explicit position ids so padding does not shift positions): the engine holds no per-request
+state between calls, so the worker may reshuffle batches freely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from rlboost.logs import get_logger
+from workers.engines.base import Engine, EngineError, Generated, Sequence
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser: a counter-based hash with full avalanche."""
+    with np.errstate(over="ignore"):
+        x = (x + _GOLDEN) & _M64
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
+        return x ^ (x >> np.uint64(31))
+
+
+def request_key(seed: int, request_id: str) -> int:
+    digest = hashlib.blake2b(f"{seed}\x00{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def gumbel_noise(keys: list[int], positions: list[int], vocab: int) -> torch.Tensor:
+    """(batch, vocab) float64 Gumbel(0, 1) noise, a pure function of (key, position, index)."""
+    k = np.asarray(keys, dtype=np.uint64)[:, None]
+    p = np.asarray(positions, dtype=np.uint64)[:, None]
+    v = np.arange(vocab, dtype=np.uint64)[None, :]
+    with np.errstate(over="ignore"):
+        h = _mix(_mix(k ^ _mix(p)) + v * _GOLDEN)
+    u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)  # in (0, 1), never 0 or 1
+    return torch.from_numpy(-np.log(-np.log(u)))
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], positions: list[int]) -> tuple[list[int], list[float]]:
+    """Keyed sampling for one decode step. Returns tokens and their logprobs under the
+    temperature-scaled full distribution (before top-k/top-p), which is what a trainer
+    recomputes; temperature <= 0 is greedy, with logprobs at temperature 1."""
+    logits = logits.to(torch.float64)
+    temps = torch.tensor([s.temperature if s.temperature > 0 else 1.0 for s in seqs], dtype=torch.float64)
+    scaled = logits / temps[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    filtered = _top_p(_top_k(scaled, [s.top_k for s in seqs]), [s.top_p for s in seqs])
+    noisy = filtered + gumbel_noise([request_key(s.seed, s.request_id) for s in seqs], positions, logits.size(-1))
+    greedy = torch.tensor([s.temperature <= 0 for s in seqs])
+    tokens = torch.where(greedy, scaled.argmax(-1), noisy.argmax(-1))
+    return tokens.tolist(), logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+
+
+def _top_k(scores: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    vocab = scores.size(-1)
+    k = torch.tensor([k if 0 < k < vocab else vocab for k in ks])
+    kth = scores.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def _top_p(scores: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p."""
+    p = torch.tensor(ps, dtype=torch.float64)[:, None]
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    probs = torch.softmax(scores, dim=-1).gather(1, order)
+    drop_sorted = (probs.cumsum(-1) - probs) >= p  # mass before this token already reaches p
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return scores.masked_fill(drop & (p < 1.0), float("-inf"))
+
+
+class TorchEngine(Engine):
+    name = "torch"
+
+    def __init__(self, model_dir: str, threads: int = 1, dtype: str | torch.dtype = "float64",
+                 on_tokens: Callable[[int], None] | None = None) -> None:
+        torch.set_num_threads(threads)
+        self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.model_dir = Path(model_dir)
+        config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
+        self.model = AutoModelForCausalLM.from_config(config).to(self.dtype).eval()
+        self._load(self.model_dir)
+        self.on_tokens = on_tokens  # called with the number of tokens each decode step made
+        self._lock = asyncio.Lock()  # generate and load_weights never overlap
+        self.log = get_logger(component="torch-engine")
+
+    def _load(self, weights_dir: Path) -> None:
+        files = sorted(Path(weights_dir).glob("*.safetensors"))
+        if not files:
+            raise EngineError(f"no *.safetensors in {weights_dir}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(f))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        if set(missing) - tied or unexpected:
+            raise EngineError(f"weights in {weights_dir} do not fit the model: missing {sorted(set(missing) - tied)}, "
+                              f"unexpected {sorted(unexpected)}")
+        self.model.tie_weights()
+        self.model.to(self.dtype)
+
+    async def load_weights(self, weights_dir: Path, version: int) -> None:
+        async with self._lock:
+            t0 = time.monotonic()
+            await asyncio.to_thread(self._load, Path(weights_dir))
+            self.policy_version = version
+            self.log.info("weights loaded", policy_version=version, seconds=round(time.monotonic() - t0, 3))
+
+    async def generate(self, batch: list[Sequence], max_tokens: int,
+                       stop: threading.Event | None = None) -> list[Generated]:
+        async with self._lock:
+            return await asyncio.to_thread(self._generate, batch, max_tokens, stop)
+
+    @torch.inference_mode()
+    def _generate(self, batch: list[Sequence], max_tokens: int, stop: threading.Event | None) -> list[Generated]:
+        out = [Generated(token_ids=[], logprobs=[], finished=_done(s)) for s in batch]
+        budget = [0 if _done(s) else min(max_tokens, s.max_new_tokens - len(s.token_ids)) for s in batch]
+        live = [i for i in range(len(batch)) if budget[i] > 0]
+        if not live or (stop is not None and stop.is_set()):
+            return out
+        contexts = [batch[i].prompt_ids + batch[i].token_ids for i in live]
+        width = max(map(len, contexts))
+        input_ids = torch.tensor([[0] * (width - len(c)) + c for c in contexts])
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._forward(input_ids, mask, positions, cache)
+        next_pos = torch.tensor([len(c) for c in contexts])
+        while True:
+            seqs = [batch[i] for i in live]
+            tokens, logprobs = sample(logits, seqs, [len(s.token_ids) + len(out[i].token_ids)
+                                                     for s, i in zip(seqs, live, strict=True)])
+            keep = []
+            for row, (i, tok, lp) in enumerate(zip(live, tokens, logprobs, strict=True)):
+                out[i].token_ids.append(tok)
+                out[i].logprobs.append(lp)
+                if tok == batch[i].eos_id or len(batch[i].token_ids) + len(out[i].token_ids) >= batch[i].max_new_tokens:
+                    out[i].finished = True
+                elif len(out[i].token_ids) < budget[i]:
+                    keep.append(row)
+            if self.on_tokens is not None:
+                self.on_tokens(len(live))
+            if not keep or (stop is not None and stop.is_set()):
+                return out
+            if len(keep) < len(live):  # finished rows leave the batch and the cache
+                idx = torch.tensor(keep)
+                cache.batch_select_indices(idx)
+                mask, next_pos = mask[idx], next_pos[idx]
+                tokens = [tokens[r] for r in keep]
+                live = [live[r] for r in keep]
+            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype)], dim=1)
+            logits = self._forward(torch.tensor(tokens)[:, None], mask, next_pos[:, None], cache)
+            next_pos = next_pos + 1
+
+    def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
+        result = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return result.logits[:, -1]
+
+
+def _done(s: Sequence) -> bool:
+    return len(s.token_ids) >= s.max_new_tokens or (bool(s.token_ids) and s.token_ids[-1] == s.eos_id)

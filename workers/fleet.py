@@ -1,0 +1,101 @@
+"""A fleet of real worker subprocesses that a harness can start, signal and restart.
+
+Used by the chaos bench, the throughput bench and trace replay: each worker is
+`python -m rlboost.cli worker ...` with its own id and crash-proof counters file, so what a
+killed worker did can still be read after it is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from workers.counters import FIELDS, read_counters
+
+
+@dataclass
+class WorkerProc:
+    worker_id: str
+    proc: subprocess.Popen
+    counters_path: Path
+    started: float
+    fate: str = "running"  # running | killed | terminated | stopped (a zombie that was resumed)
+    stopped_now: bool = False
+
+    def counters(self) -> dict[str, int]:
+        """Zeros if the worker died before creating its file (killed during start-up)."""
+        if not self.counters_path.exists():
+            return dict.fromkeys(FIELDS, 0)
+        return read_counters(self.counters_path)
+
+
+@dataclass
+class WorkerFleet:
+    nats_url: str
+    redis_url: str
+    workdir: Path
+    pool: str
+    worker_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    workers: dict[str, WorkerProc] = field(default_factory=dict)
+    _n: int = 0
+
+    def start(self, prefix: str = "w") -> WorkerProc:
+        self._n += 1
+        wid = f"{prefix}{self._n:03d}"
+        counters = self.workdir / f"{wid}.counters"
+        log = open(self.workdir / f"{wid}.log", "wb")
+        env = {**os.environ, "RLBOOST_NATS_URL": self.nats_url, "RLBOOST_REDIS_URL": self.redis_url,
+               "OMP_NUM_THREADS": "1", "RLBOOST_LOG_JSON": "1", **self.env}
+        cmd = [sys.executable, "-m", "rlboost.cli", "worker", "--pool", self.pool, "--worker-id", wid,
+               "--counters", str(counters), *self.worker_args]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        log.close()
+        w = WorkerProc(worker_id=wid, proc=proc, counters_path=counters, started=time.time())
+        self.workers[wid] = w
+        return w
+
+    def live(self) -> list[WorkerProc]:
+        return [w for w in self.workers.values() if w.proc.poll() is None]
+
+    def kill(self, w: WorkerProc) -> float:
+        t = time.time()
+        w.proc.send_signal(signal.SIGKILL)
+        w.fate = "killed"
+        w.proc.wait()
+        return t
+
+    def terminate(self, w: WorkerProc) -> float:
+        t = time.time()
+        w.proc.send_signal(signal.SIGTERM)
+        if w.fate == "running":
+            w.fate = "terminated"
+        return t
+
+    def pause(self, w: WorkerProc) -> float:
+        t = time.time()
+        w.proc.send_signal(signal.SIGSTOP)
+        w.fate, w.stopped_now = "stopped", True
+        return t
+
+    def resume(self, w: WorkerProc) -> None:
+        w.proc.send_signal(signal.SIGCONT)
+        w.stopped_now = False
+
+    def stop_all(self, timeout: float = 20.0) -> None:
+        for w in self.live():
+            if w.stopped_now:
+                self.resume(w)
+            w.proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + timeout
+        for w in self.workers.values():
+            try:
+                w.proc.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
