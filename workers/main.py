@@ -38,10 +38,10 @@ def parse_args(argv: list[str], s: Settings) -> argparse.Namespace:
     return a
 
 
-def build_engine(s: Settings, counters: Counters):
+def build_engine(s: Settings):
     w = s.worker
     if w.engine == "emulated":
-        return make_engine("emulated", speed=w.speed, on_tokens=lambda n: counters.add("generated", n))
+        return make_engine("emulated", speed=w.speed)
     if not w.model_dir:
         raise SystemExit(f"rlboost worker: --model-dir is required for the {w.engine} engine")
     return make_engine(w.engine, model_dir=w.model_dir)
@@ -49,7 +49,7 @@ def build_engine(s: Settings, counters: Counters):
 
 async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
     nats_url, redis_url = resolve_urls(s.services)
-    engine = build_engine(s, counters)
+    engine = build_engine(s)
     async with open_clients(nats_url, redis_url, f"rlboost-worker-{worker_id}", settings=s) as c:
         worker = RolloutWorker(s.worker, engine, c, worker_id=worker_id, counters=counters)
         worker.install_signal_handlers()

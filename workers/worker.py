@@ -92,6 +92,7 @@ class RolloutWorker:
         self.pool = wire.check_name("pool", settings.pool)
         self.worker_id = wire.check_name("worker id", worker_id or make_worker_id(self.pool))
         self.counters = counters or Counters()
+        self._engine_counts = engine.set_token_callback(lambda n: self.counters.add("generated", n))
         self.weights = weights
         self.log = get_logger(worker_id=self.worker_id, pool=self.pool, engine=engine.name)
         self.active: dict[str, Active] = {}
@@ -151,6 +152,8 @@ class RolloutWorker:
             await self._hand_back_all()
         finally:
             feeder.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await feeder
             stop_aux.set()
             await asyncio.gather(*aux, return_exceptions=True)
             with contextlib.suppress(Exception):
@@ -279,7 +282,7 @@ class RolloutWorker:
                     a.pending_tokens.extend(g.token_ids)
                     a.pending_logprobs.extend(g.logprobs)
                     a.done = g.finished or is_complete(a.req, a.seq.token_ids)
-                if self.engine.name != "emulated":  # the emulated engine counts per step itself
+                if not self._engine_counts:
                     self.counters.add("generated", sum(len(g.token_ids) for g in outs))
             await self._flush()
             if self.draining.is_set():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,11 @@ class Engine(abc.ABC):
         order). Return early, with the tokens made so far, once `stop` is set: that is how a
         worker with a preemption notice hands off without losing a token. Must not block the
         event loop for long: compute runs in a thread (`asyncio.to_thread`)."""
+
+    def set_token_callback(self, fn: Callable[[int], None]) -> bool:
+        """Ask the engine to report tokens as each step produces them (crash-proof counting of
+        what a killed worker had generated). Returns False if it only reports per call."""
+        return False
 
     async def load_weights(self, weights_dir: Path, version: int) -> None:
         """Swap in the weights of `version` from a directory of verified safetensors shards."""

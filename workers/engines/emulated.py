@@ -136,6 +136,10 @@ class EmulatedEngine(Engine):
         self.on_tokens = on_tokens  # called as tokens come off each emulated step
         self._prefilled: set[str] = set()  # request ids whose KV cache this engine holds
 
+    def set_token_callback(self, fn: Callable[[int], None]) -> bool:
+        self.on_tokens = fn
+        return True
+
     async def _sleep(self, seconds: float) -> None:
         if self.speed > 0 and seconds > 0:
             await asyncio.sleep(seconds / self.speed)

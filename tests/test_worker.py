@@ -1,0 +1,141 @@
+"""The rollout worker against real NATS and Redis: exactly one correct result per request."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+from rlboost import wire
+from rlboost.clients import open_clients
+from rlboost.config import WorkerSettings
+from workers.benchmarks.chaos import chaos
+from workers.counters import Counters
+from workers.engines.emulated import EmulatedEngine, LengthModel, reference_tokens
+from workers.worker import RolloutWorker
+
+
+def _req(step: int, i: int, version: int = 0, max_new: int = 40) -> wire.RolloutRequest:
+    return wire.RolloutRequest(request_id=wire.request_id(step, i, 0), step=step, policy_version=version,
+                               prompt_ids=[5, 6, 7], max_new_tokens=max_new, seed=11, group=i)
+
+
+async def _results(js, step: int, n: int, timeout: float = 20.0) -> dict[str, wire.RolloutResult]:
+    got: dict[str, wire.RolloutResult] = {}
+    sub = await js.subscribe(wire.result_subject(step), ordered_consumer=True)
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        try:
+            m = await sub.next_msg(timeout=0.5)
+        except TimeoutError:
+            continue
+        r = wire.decode(wire.RolloutResult, m.data)
+        got[r.request_id] = r
+    await sub.unsubscribe()
+    return got
+
+
+@pytest.fixture
+async def clients(nats_url, redis_url, js):
+    async with open_clients(nats_url, redis_url, "test-worker") as c:
+        yield c
+
+
+def _worker(clients, pool: str, speed: float = 0.0, name: str = "w", **engine) -> RolloutWorker:
+    settings = WorkerSettings(pool=pool, slots=8, ack_wait_s=3.0, lease_ttl_s=2.0, heartbeat_s=0.2)
+    return RolloutWorker(settings, EmulatedEngine(speed=speed, **engine), clients, worker_id=f"{pool}-{name}",
+                         counters=Counters())
+
+
+async def test_malformed_requests_are_dead_lettered_and_the_worker_keeps_serving(clients):
+    js, step = clients.js, 101
+    w = _worker(clients, "bad")
+    task = asyncio.create_task(w.run())
+    await js.publish(wire.request_subject("bad"), b"\xff\x00garbage")
+    await js.publish(wire.request_subject("bad"), msgspec.msgpack.encode({"v": 42}))
+    for i in range(5):
+        await js.publish(wire.request_subject("bad"), wire.encode(_req(step, i)))
+    got = await _results(js, step, 5)
+    w.request_drain("test over")
+    await task
+    assert len(got) == 5
+    assert (await js.stream_info(wire.STREAM_DLQ)).state.messages == 2
+    assert w.counters.get("dead_lettered") == 2
+
+
+async def test_results_match_the_uninterrupted_reference(clients):
+    js, step = clients.js, 102
+    w = _worker(clients, "ref")
+    task = asyncio.create_task(w.run())
+    reqs = [_req(step, i, max_new=20 + 7 * i) for i in range(12)]
+    for r in reqs:
+        await js.publish(wire.request_subject("ref"), wire.encode(r))
+    got = await _results(js, step, len(reqs))
+    w.request_drain("test over")
+    await task
+    lengths = LengthModel()
+    for r in reqs:
+        n = min(r.max_new_tokens, lengths.length(r.seed, r.request_id))
+        assert got[r.request_id].token_ids == reference_tokens(r.seed, r.request_id, 0, n)[0]
+        assert got[r.request_id].finish_reason == ("length" if n == r.max_new_tokens else "stop")
+
+
+async def test_drain_hands_every_request_back_with_nothing_to_regenerate(clients):
+    js, step = clients.js, 103
+    slow = _worker(clients, "drain", speed=2.0, name="slow", lengths=LengthModel(median=1e9))
+    task = asyncio.create_task(slow.run())
+    for i in range(6):
+        await js.publish(wire.request_subject("drain"), wire.encode(_req(step, i, max_new=2000)))
+    for _ in range(100):
+        if slow.counters.get("checkpointed") >= 6 * 16:
+            break
+        await asyncio.sleep(0.05)
+    kv = await js.key_value(wire.BUCKET_CONTROL)
+    await kv.put(slow.worker_id, wire.encode(wire.Control(command="drain", reason="spot notice", ts=time.time())))
+    await asyncio.wait_for(task, timeout=5.0)
+    c = slow.counters.snapshot()
+    assert c["handed_off"] == 6 and c["results"] == 0
+    assert c["generated"] == c["checkpointed"]  # every token made before the notice is durable
+    info = await js.consumer_info(wire.STREAM_REQUESTS, wire.resume_consumer_name("drain"))
+    assert info.num_pending == 6  # waiting on the resume lane for the next worker
+    fast = _worker(clients, "drain", name="fast", lengths=LengthModel(median=1e9))
+    task2 = asyncio.create_task(fast.run())
+    got = await _results(js, step, 6)
+    fast.request_drain("test over")
+    await task2
+    assert len(got) == 6
+    assert all(r.segments[0].worker_id == slow.worker_id and r.segments[1].offset > 0 for r in got.values())
+
+
+async def test_a_request_is_never_generated_with_another_policy_version(clients):
+    """A worker that cannot load the version a request needs hands the request back."""
+    js, step = clients.js, 104
+
+    async def no_weights(version: int):
+        raise ConnectionError("weight store unreachable")
+
+    settings = WorkerSettings(pool="ver", slots=4, ack_wait_s=3.0, lease_ttl_s=2.0)
+    engine = EmulatedEngine(speed=0)
+    w = RolloutWorker(settings, engine, clients, worker_id="ver-w", counters=Counters(), weights=no_weights)
+    task = asyncio.create_task(w.run())
+    await js.publish(wire.request_subject("ver"), wire.encode(_req(step, 0, version=3)))
+    await asyncio.sleep(1.5)
+    assert w.counters.get("claims") == 0 and engine.policy_version == 0
+    assert await _results(js, step, 1, timeout=0.5) == {}
+    w.request_drain("test over")
+    await task
+
+
+def test_chaos_with_real_processes_loses_duplicates_and_corrupts_nothing(services, tmp_path):
+    """SIGKILL, SIGTERM, SIGSTOP/SIGCONT and restarts of real worker processes."""
+    nats_url, redis_url = services
+    a = argparse.Namespace(requests=150, workers=3, slots=8, k=16, speed=2.0, min_new=48, max_new=400,
+                           every=1.2, chaos_until=0.85, ack_wait=2.0, timeout=150.0, seed=7)
+    out = asyncio.run(chaos(a, nats_url, redis_url, tmp_path))
+    assert out["lost"] == 0 and out["duplicated"] == 0 and out["mismatched"] == 0
+    assert out["kills"] >= 1 and out["terms"] >= 1 and out["stops"] >= 1
+    assert out["regenerated_tokens_term"] == 0
+    assert out["regenerated_tokens_kill"] <= a.k * out["killed_inflight"]
