@@ -139,3 +139,26 @@ def test_chaos_with_real_processes_loses_duplicates_and_corrupts_nothing(service
     assert out["kills"] >= 1 and out["terms"] >= 1 and out["stops"] >= 1
     assert out["regenerated_tokens_term"] == 0
     assert out["regenerated_tokens_kill"] <= a.k * out["killed_inflight"]
+
+
+async def test_replay_tells_the_life_of_a_handed_off_request(clients):
+    from rlboost.replay import life_of
+
+    js, step = clients.js, 105
+    slow = _worker(clients, "replay", speed=2.0, name="first", lengths=LengthModel(median=1e9))
+    task = asyncio.create_task(slow.run())
+    await js.publish(wire.request_subject("replay"), wire.encode(_req(step, 0, max_new=300)))
+    while slow.counters.get("checkpointed") < 32:
+        await asyncio.sleep(0.02)
+    slow.request_drain("SIGTERM")
+    await task
+    fast = _worker(clients, "replay", name="second", lengths=LengthModel(median=1e9))
+    task = asyncio.create_task(fast.run())
+    await _results(js, step, 1)
+    fast.request_drain("test over")
+    await task
+    life = await life_of(js, step, wire.request_id(step, 0, 0))
+    assert [e.kind for e in life.events] == ["claim", "release", "claim", "finish"]
+    by_worker = life.tokens_by_worker()
+    assert set(by_worker) == {"replay-first", "replay-second"} and sum(by_worker.values()) == 300
+    assert life.handoffs() == 1 and len(life.result.token_ids) == 300

@@ -1,5 +1,9 @@
 """`rlboost bench dataflow`: checkpointed tokens/s through the store vs raw Redis APPEND.
 
+With `--workers N`: aggregate tokens/s through N real worker processes (emulated engine at
+unlimited speed) serving 1000 concurrent requests, i.e. the whole per-token path: fenced
+appends, token-chunk publishes, results.
+
 1000 concurrent requests x 512 tokens, appended 16 at a time, by G groups of requests that
 each flush their requests' chunks in one pipeline per round (as a worker flushes its batch).
 The baseline does the same rounds with plain pipelined `APPEND` of the same packed bytes
@@ -89,7 +93,7 @@ def main(argv: list[str], s: Settings) -> int:
                    help="measure tokens/s through N real worker processes (emulated engine) instead")
     a = p.parse_args(argv)
     if a.workers:
-        from rlboost.benchmarks.fleet_throughput import run_fleet
+        from workers.benchmarks.throughput import run_fleet
 
         return run_fleet(a, s)
     if not (s.services.nats_url and s.services.redis_url):

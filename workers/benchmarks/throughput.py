@@ -1,0 +1,66 @@
+"""Aggregate tokens/s through real worker processes at unlimited engine speed (the wire's ceiling).
+
+Used by `rlboost bench dataflow --workers N`. The engines compute nothing and never sleep, so
+everything measured is the dataflow itself: fenced checkpoint appends (Redis), token-chunk and
+result publishes (JetStream), fetch/ack. Tokens are counted from the workers' crash-proof
+counters (checkpointed = made durable) over a fixed window after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+from rlboost import wire
+from rlboost.cli import print_result
+from rlboost.clients import open_clients
+from rlboost.config import Settings
+from rlboost.services import running_services
+from workers.fleet import WorkerFleet
+
+POOL = "throughput"
+
+
+async def measure(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Path) -> dict:
+    slots = max(1, a.requests // a.workers)
+    fleet = WorkerFleet(nats_url, redis_url, workdir, POOL, worker_args=[
+        "--engine", "emulated", "--speed", "0", "--slots", str(slots), "--checkpoint-tokens", str(a.chunk)],
+        env={"RLBOOST_LOG_LEVEL": "warning"})
+    async with open_clients(nats_url, redis_url, "rlboost-bench-throughput", pools=(POOL,)) as c:
+        total = a.requests * 4  # a backlog, so finished requests are replaced and 1000 stay in flight
+        acks = [await c.js.publish_async(wire.request_subject(POOL), wire.encode(wire.RolloutRequest(
+            request_id=wire.request_id(1, i, 0), step=1, policy_version=0, prompt_ids=[1] * 64,
+            max_new_tokens=a.tokens, seed=i, group=i))) for i in range(total)]
+        await asyncio.gather(*acks)
+        for _ in range(a.workers):
+            fleet.start()
+
+        def checkpointed() -> int:
+            return sum(w.counters()["checkpointed"] for w in fleet.workers.values())
+
+        await asyncio.sleep(a.warmup)
+        n0, t0 = checkpointed(), time.perf_counter()
+        await asyncio.sleep(a.seconds)
+        n1, t1 = checkpointed(), time.perf_counter()
+        results = sum(w.counters()["results"] for w in fleet.workers.values())
+        fleet.stop_all()
+    return {"tokens_per_s": round((n1 - n0) / (t1 - t0)), "workers": a.workers, "concurrent_requests": a.requests,
+            "slots_per_worker": slots, "chunk": a.chunk, "window_s": a.seconds, "results": results}
+
+
+def run_fleet(a: argparse.Namespace, s: Settings) -> int:
+    a.tokens = max(a.tokens, 4096)
+    a.warmup = getattr(a, "warmup", 5.0)
+    a.seconds = getattr(a, "seconds", 15.0)
+    if not (s.services.nats_url and s.services.redis_url):
+        s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-bench-")
+    workdir = Path(tempfile.mkdtemp(prefix="rlboost-throughput-"))
+    with running_services(s.services) as (nats_url, redis_url):
+        out = asyncio.run(measure(a, nats_url, redis_url, workdir))
+    print(f"{out['workers']} workers x {out['slots_per_worker']} slots, emulated engine at unlimited speed: "
+          f"{out['tokens_per_s']:,} checkpointed tokens/s (K={out['chunk']})")
+    print_result(out)
+    return 0
