@@ -1,0 +1,62 @@
+"""The model directory is plain Hugging Face format, and `init-model` runs end to end (briefly)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+from rlboost.cli import main as cli_main
+from trainer import model as M
+from trainer.bootstrap import sft_batch
+from trainer.tasks import Addition
+
+torch.set_num_threads(1)
+
+
+def test_untrained_model_dir_loads_with_plain_transformers(tmp_path):
+    task = Addition()
+    d = M.init_model_dir(tmp_path / "m", task, seed=1)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in d.iterdir()}
+    assert not list(d.glob("*.bin")) and not list(d.glob("*.pt"))  # nothing to unpickle
+    tok = AutoTokenizer.from_pretrained(str(d))
+    p = task.prompts(1, seed=0)[0]
+    ids = tok(p.prompt + p.solution, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(p.prompt + p.solution)  # one token per character
+    assert tok.decode(ids) == p.prompt + p.solution
+    assert M.decode_response(tok, ids[:4] + [tok.eos_token_id] + ids[4:]) == (p.prompt + p.solution)[:4]
+    ours = M.load_model(d)
+    theirs = Qwen2ForCausalLM.from_pretrained(str(d), local_files_only=True).eval()
+    n_params = sum(x.numel() for x in ours.parameters())
+    assert 1_000_000 <= n_params <= 5_000_000
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        assert torch.allclose(ours(input_ids=x).logits, theirs(input_ids=x).logits, atol=1e-6)
+
+
+def test_sft_labels_cover_the_response_and_eos_only():
+    task = Addition()
+    tok = M.build_tokenizer(task.alphabet)
+    problems = task.prompts(3, seed=2)
+    ids, mask, labels = sft_batch(tok, problems)
+    for row, p in enumerate(problems):
+        n_prompt, n_resp = len(p.prompt), len(p.solution) + 1
+        assert mask[row].sum() == n_prompt + n_resp
+        target = labels[row][labels[row] != -100].tolist()
+        assert target == M.encode(tok, p.solution) + [tok.eos_token_id]
+        assert (labels[row, :n_prompt] == -100).all()
+
+
+def test_init_model_command_runs_and_saves(tmp_path, capsys):
+    out = tmp_path / "model"
+    rc = cli_main(["--data-dir", str(tmp_path), "init-model", "--max-seconds", "2", "--batch", "16",
+                   "--target-acc", "1.01"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["out"] == str(out) and result["reached"] is False and result["steps"] >= 1
+    assert 0.0 <= result["eval_acc"] <= 1.0
+    assert M.read_meta(out)["task"] == "addition"
+    model = M.load_model(out)
+    assert M.accuracy(model, M.load_tokenizer(out), Addition(), Addition().eval_set[:8]) >= 0.0
