@@ -87,7 +87,7 @@ def _run_module(module: str):
 
 
 COMMANDS = {
-    "demo": ("rlboost.demo", "the main job: start services and run the demo"),
+    "demo": ("trainer.demo", "the main job: bootstrap the model, run hybrid RL with 2 preemptible workers"),
     "smoke": ("rlboost.smoke", "dataflow smoke: requests -> consumer -> checkpoints -> results"),
     "worker": ("workers.main", "run a rollout worker: rlboost worker --pool NAME --engine ENGINE"),
     "replay": ("rlboost.replay", "print the life of a request or a step from the streams"),

@@ -48,6 +48,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ack_wait_s: float = 10.0
     max_deliver: int = 20
     model_dir: str = ""
+    cache_dir: str = ""  # weight cache; empty = <data_dir>/weight-cache/<worker id>
     speed: float = 1.0  # emulated engine: >1 runs faster than the modelled H100, 0 = no sleeping
 
 

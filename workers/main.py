@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from pathlib import Path
 
 from rlboost.clients import open_clients
 from rlboost.config import Settings
 from rlboost.logs import get_logger
 from rlboost.services import resolve_urls
+from rlboost.weights import WeightCache, open_store
 from workers.counters import Counters
 from workers.engines import make_engine
-from workers.worker import RolloutWorker, make_worker_id
+from workers.worker import RolloutWorker, WeightSource, make_worker_id
 
 
 def parse_args(argv: list[str], s: Settings) -> argparse.Namespace:
@@ -47,11 +49,27 @@ def build_engine(s: Settings):
     return make_engine(w.engine, model_dir=w.model_dir)
 
 
+async def weight_source(s: Settings, js, worker_id: str) -> WeightSource | None:
+    """Real engines pull each policy version from the weight store into a verified local
+    cache; the emulated engine's weights are virtual."""
+    if s.worker.engine == "emulated":
+        return None
+    store = await open_store(js=js)
+    root = Path(s.worker.cache_dir or Path(s.services.data_dir).expanduser() / "weight-cache") / worker_id
+    cache = WeightCache(root, store)
+
+    async def pull(version: int) -> Path:
+        return (await cache.ensure(version, wait_s=30.0)).path
+
+    return pull
+
+
 async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
     nats_url, redis_url = resolve_urls(s.services)
     engine = build_engine(s)
     async with open_clients(nats_url, redis_url, f"rlboost-worker-{worker_id}", settings=s) as c:
-        worker = RolloutWorker(s.worker, engine, c, worker_id=worker_id, counters=counters)
+        worker = RolloutWorker(s.worker, engine, c, worker_id=worker_id, counters=counters,
+                               weights=await weight_source(s, c.js, worker_id))
         worker.install_signal_handlers()
         watchdog = asyncio.create_task(_exit_after_grace(worker))
         try:

@@ -1,0 +1,14 @@
+"""`make demo` / `rlboost demo`: the main job, with defaults that fit a 2-core box in minutes.
+
+Starts the embedded servers, bootstraps the model if it is missing, and runs the hybrid policy
+with the reserved trainer and 2 preemptible torch workers for about four minutes of RL.
+"""
+
+from __future__ import annotations
+
+from rlboost.config import Settings
+from trainer import run
+
+
+def main(argv: list[str], s: Settings) -> int:
+    return run.main(argv, s, demo=True)
