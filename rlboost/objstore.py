@@ -193,12 +193,18 @@ class JetStreamBlobStore(BlobStore):
     what we write. Reads do not use nats-py's `ObjectStore.get()`, which grows a bytes object
     by concatenation (quadratic) or hops to a thread per chunk with `writeinto`: we create an
     ephemeral pull consumer on the object's chunk subject and keep a window of chunk requests
-    in flight, yielding each 1 MiB chunk as it arrives (measured several times faster).
+    in flight (bounded across concurrent reads, see MAX_INFLIGHT), yielding each 1 MiB chunk as
+    it arrives (measured several times faster).
     Writes pipeline the chunk publishes (a bounded window of un-acked publishes) instead of
     waiting for each ack.
     """
 
-    WINDOW = 32  # chunks in flight per read / write (32 MiB at 1 MiB chunks)
+    WINDOW = 32  # un-acked chunk publishes per write
+    # Reads: chunks requested and not yet received, across all concurrent reads of this store.
+    # The server buffers at most max_pending (64 MiB) per client connection and silently drops
+    # deliveries beyond it (a slow consumer), so the total must stay well below that.
+    MAX_INFLIGHT = 24
+    BATCH = 8  # chunks per pull request
     READ_TIMEOUT_S = 15.0  # no chunk for this long: the server is gone or stuck
 
     def __init__(self, js: JetStreamContext, bucket: str, chunk_size: int = 1 << 20) -> None:
@@ -209,6 +215,7 @@ class JetStreamBlobStore(BlobStore):
         # A chunk must fit the server's max_payload (1 MiB by default).
         self.chunk_size = max(1024, min(chunk_size, self.nc.max_payload or chunk_size))
         self.location = f"nats object store {bucket}"
+        self._credits = asyncio.Semaphore(self.MAX_INFLIGHT)
 
     @classmethod
     async def open(cls, js: JetStreamContext, bucket: str, create: bool = True, **kwargs) -> JetStreamBlobStore:
@@ -294,25 +301,30 @@ class JetStreamBlobStore(BlobStore):
         if not info.size:
             return
         inbox = self.nc.new_inbox()
-        # Pending limits sized to the window, so a slow consumer never makes nats-py drop chunks.
-        sub = await self.nc.subscribe(inbox, pending_msgs_limit=4 * self.WINDOW,
-                                      pending_bytes_limit=4 * self.WINDOW * (self.chunk_size + 4096))
+        sub = await self.nc.subscribe(inbox, pending_msgs_limit=4 * self.MAX_INFLIGHT,
+                                      pending_bytes_limit=4 * self.MAX_INFLIGHT * (self.chunk_size + 4096))
         consumer = None
+        held = 0  # credits taken for chunks requested and not yet received
         try:
             try:
                 consumer = await self.js.add_consumer(self.stream, api.ConsumerConfig(
                     filter_subject=self._chunk_subject(info.nuid), ack_policy=api.AckPolicy.NONE,
                     deliver_policy=api.DeliverPolicy.ALL, mem_storage=True, inactive_threshold=60.0,
-                    max_waiting=4, num_replicas=1))
+                    max_waiting=8, num_replicas=1))
             except _TRANSIENT as e:
                 raise StoreUnavailable(f"{self.location}: reading {key}: {e!r}") from e
             next_api = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{consumer.name}"
-            requested = received = 0
             expires_ns = int(self.READ_TIMEOUT_S * 1e9)
+            requested = received = 0
             while received < total:
-                # Keep between WINDOW/2 and WINDOW chunks requested ahead of what we consumed.
-                if requested - received <= self.WINDOW // 2 and requested < total:
-                    n = min(self.WINDOW, total - requested)
+                if requested - received <= self.BATCH // 2 and requested < total:
+                    # Take credits one by one (never starve while holding some), then ask.
+                    n = 0
+                    want = min(self.BATCH, total - requested)
+                    while n < want and (n == 0 or not self._credits.locked()):
+                        await self._credits.acquire()
+                        n += 1
+                    held += n
                     await self.nc.publish(next_api, json.dumps({"batch": n, "expires": expires_ns}).encode(),
                                           reply=inbox)
                     requested += n
@@ -321,20 +333,29 @@ class JetStreamBlobStore(BlobStore):
                 except nats.errors.TimeoutError:
                     raise StoreUnavailable(f"{self.location}: reading {key}: no data for "
                                            f"{self.READ_TIMEOUT_S:.0f}s ({received}/{total} chunks)") from None
-                if msg.headers and msg.headers.get(api.Header.STATUS):
-                    status = msg.headers.get(api.Header.STATUS)
-                    if status == "408":  # a pull request expired: ask again for what is missing
-                        requested = received
-                        continue
-                    if status == "100":  # idle heartbeat
-                        continue
+                status = msg.headers.get(api.Header.STATUS) if msg.headers else None
+                if status == "100":  # idle heartbeat
+                    continue
+                if status == "408":  # a pull request expired: give back its credits, ask again
+                    self._release(requested - received)
+                    held -= requested - received
+                    requested = received
+                    continue
+                if status:
                     raise StoreUnavailable(f"{self.location}: reading {key}: status {status} "
                                            f"{msg.headers.get(api.Header.DESCRIPTION, '')}")
                 received += 1
+                held -= 1
+                self._credits.release()
+                # The consumer sequence is the 6th token of $JS.ACK.<stream>.<consumer>.<n>.<sseq>.<cseq>...:
+                # a gap means the server dropped chunks for this connection (slow consumer).
+                if msg.reply and msg.reply.split(".")[6] != str(received):
+                    raise StoreUnavailable(f"{self.location}: reading {key}: chunk {received} lost in transit")
                 yield msg.data
         except _TRANSIENT as e:
             raise StoreUnavailable(f"{self.location}: reading {key}: {e!r}") from e
         finally:
+            self._release(held)
             try:
                 await sub.unsubscribe()
             except Exception:
@@ -344,6 +365,10 @@ class JetStreamBlobStore(BlobStore):
                     await self.nc.publish(f"$JS.API.CONSUMER.DELETE.{self.stream}.{consumer.name}", b"")
                 except Exception:
                     pass
+
+    def _release(self, n: int) -> None:
+        for _ in range(max(0, n)):
+            self._credits.release()
 
     async def delete(self, key: str) -> None:
         info = await self._info(key)

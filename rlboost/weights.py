@@ -28,11 +28,13 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import queue
 import random
 import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +49,7 @@ from rlboost import wire
 from rlboost.logs import get_logger
 from rlboost.objstore import (
     BlobStore,
+    Buffer,
     FileBlobStore,
     JetStreamBlobStore,
     ObjectMissing,
@@ -491,6 +494,7 @@ class WeightCache:
         self._inflight: dict[str, asyncio.Future[None]] = {}
         self._locks: dict[int, asyncio.Lock] = {}
         self._sem = asyncio.Semaphore(parallel)
+        self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="weights-sink")
 
     # -- the one entry point that matters
 
@@ -632,51 +636,48 @@ class WeightCache:
                     got_bytes=got_bytes)
 
     async def _fetch(self, shard: ShardEntry) -> None:
-        """Receive the shard into a preallocated buffer (the event loop only copies bytes), then
-        hash it and write it in a thread — hashlib and file writes release the GIL, so this
-        overlaps with receiving the next shard. Only bytes of the right size and hash are
-        written into the cache; refused copies are fetched again, up to a limit."""
+        """Stream the shard into a temp file through a worker thread that hashes and writes
+        each chunk as it comes (hashlib and file writes release the GIL, so this overlaps with
+        receiving; the event loop only hands over references). Only a file of the right size
+        and hash is renamed into the cache; refused copies are fetched again, up to a limit."""
         key = wire.weights_shard_key(shard.sha256)
+        loop = asyncio.get_running_loop()
         for _attempt in range(self.corrupt_retries):
-            buf = bytearray(shard.size)
-            view = memoryview(buf)
+            tmp = self.tmp_dir / f"{shard.sha256}.{uuid.uuid4().hex[:8]}.part"
+            chunks_q: queue.SimpleQueue[Buffer | None] = queue.SimpleQueue()
+            sink = loop.run_in_executor(self._pool, _hash_to_file, tmp, chunks_q)
             n = 0
             try:
-                async with contextlib.aclosing(self.store.read(key)) as chunks:
-                    async for chunk in chunks:
-                        end = n + len(chunk)
-                        if end > shard.size:
-                            n = end
-                            break  # longer than the manifest says: corrupt, stop reading
-                        view[n:end] = chunk
-                        n = end
+                try:
+                    async with contextlib.aclosing(self.store.read(key)) as chunks:
+                        async for chunk in chunks:
+                            n += len(chunk)
+                            if n > shard.size:
+                                break  # longer than the manifest says: corrupt, stop reading
+                            chunks_q.put(chunk)
+                finally:
+                    chunks_q.put(None)
+                    written, digest = await sink
             except ObjectMissing:
+                tmp.unlink(missing_ok=True)
                 raise VersionUnavailable(f"shard {shard.sha256} is gone from {self.store.location} "
                                          f"(its version was garbage-collected?)") from None
-            if n == shard.size and await asyncio.to_thread(self._store_verified, shard, view):
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            if n == written == shard.size and digest == shard.sha256:
+                path = self._shard_path(shard.sha256)
+                os.replace(tmp, path)
+                st = path.stat()
+                self._verified[shard.sha256] = (st.st_ino, st.st_size, st.st_mtime_ns)
                 self.stats.bytes_fetched += n
                 self.stats.shards_fetched += 1
                 return
+            tmp.unlink(missing_ok=True)
             reason = "truncated" if n < shard.size else "too long" if n > shard.size else "hash mismatch"
             self._refuse(shard, f"received copy {reason}", n)
         raise ShardCorrupt(f"shard {shard.sha256} from {self.store.location} failed verification "
                            f"{self.corrupt_retries} times; refusing to load it")
-
-    def _store_verified(self, shard: ShardEntry, data: memoryview) -> bool:
-        """(thread) Hash; if it matches, write to a temp file and rename into the cache."""
-        if hashlib.sha256(data).hexdigest() != shard.sha256:
-            return False
-        path = self._shard_path(shard.sha256)
-        tmp = self.tmp_dir / f"{shard.sha256}.{uuid.uuid4().hex[:8]}.part"
-        try:
-            with open(tmp, "wb", buffering=0) as f:
-                f.write(data)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        st = path.stat()
-        self._verified[shard.sha256] = (st.st_ino, st.st_size, st.st_mtime_ns)
-        return True
 
     async def _retrying(self, what: str, op: Callable[[], Awaitable[Any]]) -> Any:
         """Retry StoreUnavailable with exponential back-off (jittered, capped at 5 s) until
@@ -733,6 +734,10 @@ class WeightCache:
 
     # -- housekeeping
 
+    def close(self) -> None:
+        """Stop the hashing threads (the cache directory stays as it is)."""
+        self._pool.shutdown(wait=False)
+
     def cached_versions(self) -> list[int]:
         return sorted(int(p.name[1:]) for p in self.versions_dir.glob("v*") if p.name[1:].isdigit())
 
@@ -755,6 +760,18 @@ class WeightCache:
                 p.unlink(missing_ok=True)
                 self._verified.pop(sha, None)
         return dropped
+
+
+def _hash_to_file(path: Path, chunks: queue.SimpleQueue) -> tuple[int, str]:
+    """(thread) Write and hash chunks until None; returns (bytes, hex digest)."""
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "wb", buffering=0) as f:
+        while (chunk := chunks.get()) is not None:
+            h.update(chunk)
+            f.write(chunk)
+            n += len(chunk)
+    return n, h.hexdigest()
 
 
 def _file_sha256(path: Path) -> str:
