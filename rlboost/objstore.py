@@ -347,9 +347,9 @@ class JetStreamBlobStore(BlobStore):
                 received += 1
                 held -= 1
                 self._credits.release()
-                # The consumer sequence is the 6th token of $JS.ACK.<stream>.<consumer>.<n>.<sseq>.<cseq>...:
-                # a gap means the server dropped chunks for this connection (slow consumer).
-                if msg.reply and msg.reply.split(".")[6] != str(received):
+                # The consumer sequence in the ack subject counts deliveries: a gap means the
+                # server dropped chunks for this connection (slow consumer).
+                if msg.reply and msg.metadata.sequence.consumer != received:
                     raise StoreUnavailable(f"{self.location}: reading {key}: chunk {received} lost in transit")
                 yield msg.data
         except _TRANSIENT as e:
