@@ -48,6 +48,7 @@ class WorkerFleet:
     def start(self, prefix: str = "w") -> WorkerProc:
         self._n += 1
         wid = f"{prefix}{self._n:03d}"
+        self.workdir.mkdir(parents=True, exist_ok=True)
         counters = self.workdir / f"{wid}.counters"
         log = open(self.workdir / f"{wid}.log", "wb")
         env = {**os.environ, "RLBOOST_NATS_URL": self.nats_url, "RLBOOST_REDIS_URL": self.redis_url,

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import redis.exceptions
 from nats.aio.msg import Msg
 
@@ -313,7 +314,9 @@ class RolloutWorker:
                     wire.token_subject(a.req.step, a.req.request_id), wire.encode(chunk)))
                 self.counters.add("checkpointed", len(a.pending_tokens))
                 a.durable = out
-                a.logprobs.extend(a.pending_logprobs)
+                # What is durable is float32: keep exactly that, so a result does not depend on
+                # whether its tokens came from memory or from the checkpoint after a hand-off.
+                a.logprobs.extend(np.asarray(a.pending_logprobs, dtype=np.float32).tolist())
                 a.pending_tokens, a.pending_logprobs = [], []
                 a.last_write = time.monotonic()
             acks, self._token_acks = self._token_acks, []

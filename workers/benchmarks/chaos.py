@@ -24,19 +24,22 @@ import random
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
-from nats.js import JetStreamContext
+import numpy as np
 
 from rlboost import wire
 from rlboost.cli import print_result
 from rlboost.clients import open_clients
 from rlboost.config import Settings
+from rlboost.replay import read_subject
 from rlboost.services import running_services
 from workers.engines.emulated import LengthModel, reference_tokens
 from workers.fleet import WorkerFleet
 
 POOL = "chaos"
+Reference = Callable[[wire.RolloutRequest], tuple[list[int], list[float]]]
 
 
 def make_requests(n: int, step: int, rng: random.Random, min_new: int, max_new: int) -> list[wire.RolloutRequest]:
@@ -46,33 +49,23 @@ def make_requests(n: int, step: int, rng: random.Random, min_new: int, max_new: 
             for i in range(n)]
 
 
-async def read_stream(js: JetStreamContext, subject: str, decode_as: type) -> list:
-    """Everything on `subject` from the start of its stream, decoded."""
-    out = []
-    sub = await js.subscribe(subject, ordered_consumer=True)
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=1.0)
-            except TimeoutError:
-                break
-            out.append(wire.decode(decode_as, msg.data))
-            if msg.metadata.num_pending == 0:
-                break
-    finally:
-        await sub.unsubscribe()
-    return out
+def emulated_reference(q: wire.RolloutRequest) -> tuple[list[int], list[float]]:
+    """What one uninterrupted emulated worker produces for the request."""
+    n = min(q.max_new_tokens, LengthModel().length(q.seed, q.request_id))
+    return reference_tokens(q.seed, q.request_id, 0, n)
 
 
-async def chaos(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Path) -> dict:
+async def chaos(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Path,
+                engine_args: list[str] | None = None, reference: Reference = emulated_reference,
+                requests: list[wire.RolloutRequest] | None = None) -> dict:
     rng = random.Random(a.seed)
-    step = int(time.time()) % 90000
+    step = requests[0].step if requests else int(time.time()) % 90000
     fleet = WorkerFleet(nats_url, redis_url, workdir, POOL, worker_args=[
-        "--engine", "emulated", "--speed", str(a.speed), "--slots", str(a.slots),
+        *(engine_args or ["--engine", "emulated", "--speed", str(a.speed)]), "--slots", str(a.slots),
         "--checkpoint-tokens", str(a.k), "--ack-wait", str(a.ack_wait), "--lease-ttl", str(a.ack_wait * 0.6)])
     actions: list[tuple[str, str, float]] = []  # (kind, worker id, time)
     async with open_clients(nats_url, redis_url, "rlboost-chaos", pools=(POOL,)) as c:
-        requests = make_requests(a.requests, step, rng, a.min_new, a.max_new)
+        requests = requests or make_requests(a.requests, step, rng, a.min_new, a.max_new)
         acks = [await c.js.publish_async(wire.request_subject(POOL), wire.encode(r),
                                          headers={wire.HDR_MSG_ID: r.request_id}) for r in requests]
         await asyncio.gather(*acks)
@@ -119,14 +112,14 @@ async def chaos(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: P
         for wid in list(resume_at):
             fleet.resume(fleet.workers[wid])
         fleet.stop_all()
-        results = await read_stream(c.js, wire.result_subject(step), wire.RolloutResult)
-        events = await read_stream(c.js, f"rb.evt.{step}.>", wire.LeaseEvent)
-        chunks = await read_stream(c.js, f"rb.tok.{step}.>", wire.TokenChunk)
-    return analyse(a, requests, results, events, chunks, actions, fleet, elapsed)
+        results = await read_subject(c.js, wire.result_subject(step), wire.RolloutResult)
+        events = await read_subject(c.js, f"rb.evt.{step}.>", wire.LeaseEvent)
+        chunks = await read_subject(c.js, f"rb.tok.{step}.>", wire.TokenChunk)
+    return analyse(a, requests, results, events, chunks, actions, fleet, elapsed, reference)
 
 
-def analyse(a, requests, results, events, chunks, actions, fleet: WorkerFleet, elapsed: float) -> dict:
-    lengths = LengthModel()
+def analyse(a, requests, results, events, chunks, actions, fleet: WorkerFleet, elapsed: float,
+            reference: Reference) -> dict:
     by_rid: dict[str, list] = defaultdict(list)
     for r in results:
         by_rid[r.request_id].append(r)
@@ -134,9 +127,9 @@ def analyse(a, requests, results, events, chunks, actions, fleet: WorkerFleet, e
     attributed: dict[str, int] = defaultdict(int)
     for q in requests:
         for r in by_rid.get(q.request_id, [])[:1]:
-            n = min(q.max_new_tokens, lengths.length(q.seed, q.request_id))
-            toks, lps = reference_tokens(q.seed, q.request_id, 0, n)
-            if r.token_ids != toks or r.logprobs != lps:
+            toks, lps = reference(q)
+            durable = np.asarray(lps, dtype=np.float32).tolist()  # checkpoints keep float32 logprobs
+            if r.token_ids != toks or r.logprobs != durable:
                 mismatched += 1
             bounds = [s.offset for s in r.segments] + [len(r.token_ids)]
             for s, end in zip(r.segments, bounds[1:], strict=True):
