@@ -8,6 +8,7 @@ Provisioning is idempotent: every process that joins (manager, trainer, worker) 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -35,12 +36,46 @@ _RETENTION = {"limits": RetentionPolicy.LIMITS, "workqueue": RetentionPolicy.WOR
 
 
 async def connect(url: str, name: str = "rlboost", **kwargs: Any) -> NATS:
-    """Connect with reconnects on; a clear error if nobody answers."""
+    """Connect with reconnects on; a clear error if nobody answers or the credentials are refused.
+
+    With unlimited reconnects nats-py retries a refused login forever, so the first
+    authorization violation during the initial connect ends the attempt with a ConnectionError
+    that says so (after connecting, e.g. a rotated password, it keeps retrying as before)."""
+    user_cb = kwargs.pop("error_cb", None)
+    refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+
+    async def error_cb(e: Exception) -> None:
+        text = str(e).lower()
+        if not refused.done() and ("authorization violation" in text or "authentication" in text
+                                   or isinstance(e, nats.errors.AuthorizationError)):
+            refused.set_result(e)
+        if user_cb is not None:
+            await user_cb(e)
+        else:
+            log.warning("nats error", error=str(e) or type(e).__name__)
+
+    nc = NATS()
+    attempt = asyncio.ensure_future(nc.connect(url, name=name, connect_timeout=5, max_reconnect_attempts=-1,
+                                               drain_timeout=2, allow_reconnect=True, error_cb=error_cb, **kwargs))
     try:
-        return await nats.connect(url, name=name, connect_timeout=5, max_reconnect_attempts=-1, drain_timeout=2,
-                                  allow_reconnect=True, **kwargs)
+        await asyncio.wait({attempt, refused}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not attempt.done():
+            attempt.cancel()
+            with contextlib.suppress(BaseException):
+                await attempt
+            with contextlib.suppress(Exception):
+                await nc.close()
+    if refused.done() and not nc.is_connected:
+        raise ConnectionError(
+            f"NATS at {_redact(url)} refused the credentials (authorization violation: {refused.result()}); "
+            f"check services.nats_user / nats_password (RLBOOST_SERVICES__NATS_USER / RLBOOST_SERVICES__NATS_PASSWORD)")
+    refused.cancel()
+    try:
+        attempt.result()
     except Exception as e:  # nats-py raises a zoo of types here (NoServersError, OSError, auth)
         raise ConnectionError(f"cannot connect to NATS at {_redact(url)}: {e}") from e
+    return nc
 
 
 def _redact(url: str) -> str:
@@ -80,8 +115,9 @@ async def provision(js: JetStreamContext, pools: tuple[str, ...] = (), consumer:
     for spec in wire.STREAMS:
         cfg = stream_config(spec)
         try:
-            await js.stream_info(spec.name)
-            await js.update_stream(cfg)
+            info = await js.stream_info(spec.name)
+            if not _same_stream(info.config, cfg):  # unchanged: no update (a worker may not)
+                await js.update_stream(cfg)
         except NotFoundError:
             try:
                 await js.add_stream(cfg)
@@ -92,6 +128,15 @@ async def provision(js: JetStreamContext, pools: tuple[str, ...] = (), consumer:
     await _kv(js, KeyValueConfig(bucket=wire.BUCKET_WORKERS, ttl=registry_ttl_s, history=1))
     await _kv(js, KeyValueConfig(bucket=wire.BUCKET_POLICY, history=5))
     await _kv(js, KeyValueConfig(bucket=wire.BUCKET_CONTROL, history=1))
+
+
+def _same_stream(have: StreamConfig, want: StreamConfig) -> bool:
+    def secs(v: float | None) -> float:
+        return float(v or 0.0)
+
+    return (sorted(have.subjects or []) == sorted(want.subjects or []) and have.retention == want.retention
+            and have.storage == want.storage and abs(secs(have.max_age) - secs(want.max_age)) < 1e-3
+            and abs(secs(have.duplicate_window) - secs(want.duplicate_window)) < 1e-3)
 
 
 async def ensure_pool_consumer(js: JetStreamContext, pool: str, spec: wire.ConsumerSpec) -> None:

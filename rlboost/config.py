@@ -23,16 +23,41 @@ def default_data_dir() -> str:
     return str(Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "rlboost")
 
 
+class AuthSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Identities the embedded/infra servers accept, one per role (see rlboost/auth.py). A role
+    is on when it has a password or an nkey; its password is also its Redis ACL password."""
+
+    trainer_user: str = "trainer"  # the trainer/manager: everything
+    trainer_password: str = ""
+    trainer_nkey: str = ""  # public user nkey (U...) instead of a password
+    worker_user: str = "worker"  # rollout workers: consume requests, publish tokens/results/events
+    worker_password: str = ""
+    worker_nkey: str = ""
+    worker_pools: str = "*"  # comma-separated pools the worker identity may serve; * = any
+    tls_cert: str = ""  # server TLS certificate and key (PEM); empty = plain TCP
+    tls_key: str = ""
+    tls_ca: str = ""  # CA of client certificates: set to require mutual TLS
+
+
 class ServicesSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     data_dir: str = msgspec.field(default_factory=default_data_dir)
     # Empty = use the embedded servers recorded in data_dir (started by `rlboost up`).
     nats_url: str = ""
     redis_url: str = ""
     bind: str = "127.0.0.1"  # embedded servers listen on loopback unless told otherwise
+    # The identity THIS process connects as (a worker: the worker role's user and password).
     nats_user: str = ""
     nats_password: str = ""
+    nats_nkey_seed: str = ""  # path to a user nkey seed file, instead of user/password
+    nats_tls_ca: str = ""  # client TLS: CA bundle to verify the server; cert/key for mutual TLS
+    nats_tls_cert: str = ""
+    nats_tls_key: str = ""
+    redis_user: str = ""  # Redis ACL user; empty = the `default` user
     redis_password: str = ""
     startup_timeout_s: float = 15.0
+    # Server side: per-role identities and permissions (rlboost/auth.py). All empty = today's
+    # behaviour (open servers, or the single nats_user/nats_password and redis_password).
+    auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
 
 
 class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -52,9 +77,15 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     speed: float = 1.0  # emulated engine: >1 runs faster than the modelled H100, 0 = no sleeping
 
 
+class MetricsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    port: int = 0  # Prometheus /metrics port (rlboost/metrics.py); 0 = off
+    bind: str = "127.0.0.1"  # containers set 0.0.0.0 so Prometheus can scrape
+
+
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     services: ServicesSettings = msgspec.field(default_factory=ServicesSettings)
     worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
+    metrics: MetricsSettings = msgspec.field(default_factory=MetricsSettings)
     log_json: bool = False
     log_level: str = "info"
 

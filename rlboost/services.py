@@ -22,6 +22,7 @@ from urllib.parse import quote
 
 import msgspec
 
+from rlboost import auth
 from rlboost.config import ServicesSettings
 
 
@@ -106,7 +107,8 @@ class EmbeddedServices:
         return f"nats://{auth}{_host(st.bind)}:{st.nats_port}"
 
     def redis_url(self, st: ServiceState) -> str:
-        auth = f":{quote(self.settings.redis_password)}@" if self.settings.redis_password else ""
+        s = self.settings
+        auth = f"{quote(s.redis_user)}:{quote(s.redis_password)}@" if s.redis_password else ""
         return f"redis://{auth}{_host(st.bind)}:{st.redis_port}/0"
 
     # -- lifecycle
@@ -124,12 +126,20 @@ class EmbeddedServices:
         bind = s.bind
         nats_port, redis_port = free_port(bind), free_port(bind)
         nats_cmd = [nats_bin, "-a", bind, "-p", str(nats_port), "-js", "-sd", str(self.data_dir / "jetstream")]
-        if s.nats_user:
-            nats_cmd += ["--user", s.nats_user, "--pass", s.nats_password]
         redis_cmd = [redis_bin, "--port", str(redis_port), "--bind", bind, "--save", "", "--appendonly", "no",
                      "--dir", str(self.data_dir / "redis"), "--daemonize", "no"]
-        if s.redis_password:
-            redis_cmd += ["--requirepass", s.redis_password]
+        redis_probe = f"AUTH {s.redis_password}\r\nPING\r\n".encode() if s.redis_password else b"PING\r\n"
+        redis_ready = b"PONG"
+        if auth.roles_configured(s.auth):
+            # Per-role users and permissions (rlboost/auth.py), in 0600 files of the data dir.
+            nats_cmd += ["-c", str(_write_private(self.data_dir / "nats.conf", auth.render_nats_conf(s)))]
+            redis_cmd += ["--aclfile", str(_write_private(self.data_dir / "users.acl", auth.render_redis_acl(s.auth)))]
+            redis_probe, redis_ready = b"PING\r\n", b"NOAUTH"  # up, and refusing the anonymous user
+        else:
+            if s.nats_user:
+                nats_cmd += ["--user", s.nats_user, "--pass", s.nats_password]
+            if s.redis_password:
+                redis_cmd += ["--requirepass", s.redis_password]
         deadline = time.monotonic() + s.startup_timeout_s
         nats_log, redis_log = self.data_dir / "nats.log", self.data_dir / "redis.log"
         nats = _spawn(nats_cmd, nats_log)
@@ -139,8 +149,7 @@ class EmbeddedServices:
         self.state_path.write_bytes(msgspec.json.encode(st))
         try:
             _wait_ready(bind, nats_port, b"INFO", b"", deadline, nats, "nats-server", nats_log)
-            probe = f"AUTH {s.redis_password}\r\nPING\r\n".encode() if s.redis_password else b"PING\r\n"
-            _wait_ready(bind, redis_port, b"PONG", probe, deadline, redis, "redis-server", redis_log)
+            _wait_ready(bind, redis_port, redis_ready, redis_probe, deadline, redis, "redis-server", redis_log)
         except BaseException:
             self.stop_recorded()
             raise
@@ -193,6 +202,15 @@ def running_services(settings: ServicesSettings) -> Iterator[tuple[str, str]]:
 
 def _host(bind: str) -> str:
     return "127.0.0.1" if bind in ("0.0.0.0", "") else bind
+
+
+def _write_private(path: Path, text: str) -> Path:
+    """Write a file only its owner can read (it holds passwords)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)
+    return path
 
 
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:

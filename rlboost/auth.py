@@ -1,0 +1,264 @@
+"""Who may do what on the wire: per-role NATS permissions and Redis ACLs, generated from Settings.
+
+Two roles (`services.auth` in rlboost/config.py):
+
+- **trainer** (the trainer and the manager): everything. It provisions streams, consumers and
+  buckets, publishes fresh requests and policy versions, reads results.
+- **worker** (rollout workers on preemptible capacity): exactly what `workers/worker.py` needs
+  and nothing more. It may pull from its pool's two consumers and ack, publish token chunks,
+  results, lease events, dead letters and hand-offs (the resume lane only), put its own
+  heartbeat in `rb-workers`, read `rb-policy`, `rb-control` and the weights object store, and
+  move poison messages to the DLQ. It may not publish fresh requests, touch stream
+  configurations (create/update/delete/purge), put to `rb-policy`/`rb-control` or write weights.
+  A stolen worker credential can therefore not inject prompts, change the policy or wipe a
+  stream.
+
+A role is on when it has a password or a public nkey; the role's password is also its Redis ACL
+password (one secret per role). Nothing here holds a secret: passwords come from the settings
+(TOML or RLBOOST_* env), and `render_*(..., env_refs=True)` writes environment references
+instead, which is how `infra/` stays free of secrets and in step with the embedded mode:
+
+    python -m rlboost.auth nats-conf --env-refs > infra/nats/nats.conf
+    python -m rlboost.auth redis-start --env-refs > infra/redis/start-redis.sh
+
+(tests/test_infra.py fails when the committed files differ from what this module generates.)
+
+Workers only need their pools' consumers to exist: provisioning (stream create/update) is the
+trainer's job, so a worker identity must not run `bus.provision()` against a fresh server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import ssl
+import sys
+from typing import Any
+
+from rlboost import wire
+from rlboost.config import AuthSettings, ServicesSettings, load_settings
+
+# Environment variables the servers read the role passwords from (env_refs mode): the settings'
+# own RLBOOST_* names, so one `.env` / Kubernetes Secret feeds servers and clients alike.
+ENV_TRAINER_PASSWORD = "RLBOOST_SERVICES__AUTH__TRAINER_PASSWORD"
+ENV_WORKER_PASSWORD = "RLBOOST_SERVICES__AUTH__WORKER_PASSWORD"
+
+# Streams a worker reads through ephemeral consumers / direct gets, never writes.
+READ_ONLY_STREAMS = (f"KV_{wire.BUCKET_POLICY}", f"KV_{wire.BUCKET_CONTROL}", f"OBJ_{wire.BUCKET_WEIGHTS}")
+
+
+def roles_configured(auth: AuthSettings) -> bool:
+    return bool(auth.trainer_password or auth.trainer_nkey or auth.worker_password or auth.worker_nkey)
+
+
+def worker_pools(auth: AuthSettings) -> list[str]:
+    pools = [p.strip() for p in auth.worker_pools.split(",") if p.strip()]
+    for p in pools:
+        if p != "*":
+            wire.check_name("pool", p)
+    return pools or ["*"]
+
+
+def trainer_permissions() -> dict[str, Any]:
+    return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+
+
+def worker_permissions(pools: list[str] | tuple[str, ...] = ("*",)) -> dict[str, Any]:
+    """NATS publish/subscribe allow and deny lists of the worker role. `pools` narrows the
+    consumers and the resume lane to those pools (`*` = any pool)."""
+    rq = wire.STREAM_REQUESTS
+    allow = [
+        "rb.tok.>", "rb.res.>", "rb.evt.>", "rb.dlq.>",  # token chunks, results, lease events, DLQ
+        f"$KV.{wire.BUCKET_WORKERS}.>",  # own heartbeat in the registry
+        "$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.INFO.*",  # look-ups, read only
+        f"$JS.API.STREAM.MSG.GET.{rq}", f"$JS.API.STREAM.MSG.DELETE.{rq}",  # poison -> DLQ
+        "$JS.FC.>",  # flow-control replies of ordered consumers (KV watch)
+    ]
+    for pool in pools:
+        fresh = wire.consumer_name(pool) if pool != "*" else "rb-workers-*"
+        resume = wire.resume_consumer_name(pool) if pool != "*" else "rb-resume-*"
+        allow.append(wire.resume_subject(pool))  # hand-offs: the resume lane only
+        for durable in (fresh, resume):
+            allow += [
+                f"$JS.API.CONSUMER.INFO.{rq}.{durable}",
+                f"$JS.API.CONSUMER.MSG.NEXT.{rq}.{durable}",
+                f"$JS.ACK.{rq}.{durable}.>",  # ack / nak / in-progress / term
+                # (re)create its pool's durable consumers, never other pools' or streams
+                f"$JS.API.CONSUMER.CREATE.{rq}.{durable}", f"$JS.API.CONSUMER.CREATE.{rq}.{durable}.>",
+                f"$JS.API.CONSUMER.DURABLE.CREATE.{rq}.{durable}",
+            ]
+    for stream in READ_ONLY_STREAMS:
+        allow += [
+            f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
+            f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
+            f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
+            f"$JS.API.CONSUMER.DELETE.{stream}.>",
+        ]
+    deny = [
+        "rb.req.*",  # the fresh lane: only the trainer/manager injects prompts
+        "$JS.API.STREAM.CREATE.>", "$JS.API.STREAM.UPDATE.>", "$JS.API.STREAM.DELETE.>",
+        "$JS.API.STREAM.PURGE.>", "$JS.API.STREAM.RESTORE.>", "$JS.API.ACCOUNT.>",
+        f"$KV.{wire.BUCKET_POLICY}.>", f"$KV.{wire.BUCKET_CONTROL}.>", f"$O.{wire.BUCKET_WEIGHTS}.>",
+    ]
+    return {
+        "publish": {"allow": _dedup(allow), "deny": deny},
+        # replies (JetStream API, pulls, KV/object reads) and the poison-message advisories
+        "subscribe": {"allow": ["_INBOX.>", f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{rq}.>"]},
+    }
+
+
+def _dedup(items: list[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+# ---------------------------------------------------------------- nats-server config
+
+
+def _q(s: str) -> str:
+    """A quoted NATS config string (JSON escaping is what the config lexer accepts)."""
+    return json.dumps(s)
+
+
+def _credential(password: str, nkey: str, env_name: str, env_refs: bool) -> str:
+    if nkey:
+        return f"nkey: {_q(nkey)}"
+    return f"password: ${env_name}" if env_refs else f"password: {_q(password)}"
+
+
+def _perm_block(perms: dict[str, Any], indent: str) -> str:
+    lines = [f"{indent}permissions: {{"]
+    for direction in ("publish", "subscribe"):
+        lines.append(f"{indent}  {direction}: {{")
+        for kind in ("allow", "deny"):
+            subjects = perms[direction].get(kind) or []
+            if subjects:
+                lines.append(f"{indent}    {kind}: [")
+                lines += [f"{indent}      {_q(s)}" for s in subjects]
+                lines.append(f"{indent}    ]")
+        lines.append(f"{indent}  }}")
+    lines.append(f"{indent}}}")
+    return "\n".join(lines)
+
+
+def render_nats_conf(services: ServicesSettings, *, env_refs: bool = False, listen: str = "",
+                     monitor_port: int = 0, store_dir: str = "") -> str:
+    """A nats-server config with one user per configured role and its permissions.
+
+    `env_refs`: passwords as `$RLBOOST_SERVICES__AUTH__*_PASSWORD` references that nats-server
+    resolves from its environment (infra/); else the literal passwords (embedded `rlboost up`,
+    written 0600 into the data dir). `listen`/`monitor_port`/`store_dir` are left to the command
+    line when empty (the embedded mode passes -a/-p/-sd)."""
+    a = services.auth
+    if not (roles_configured(a) or env_refs):
+        raise ValueError("no roles configured: set services.auth.trainer_password / worker_password (or nkeys)")
+    out = ["# Generated by rlboost.auth: per-role users and permissions. Do not edit by hand."]
+    if listen:
+        out.append(f"listen: {_q(listen)}")
+    if monitor_port:
+        out.append(f"http_port: {monitor_port}")
+    if store_dir:
+        out += ["jetstream {", f"  store_dir: {_q(store_dir)}", "}"]
+    if a.tls_cert:
+        out += ["tls {", f"  cert_file: {_q(a.tls_cert)}", f"  key_file: {_q(a.tls_key)}"]
+        if a.tls_ca:
+            out += [f"  ca_file: {_q(a.tls_ca)}", "  verify: true"]
+        out.append("}")
+    users: list[str] = []
+    roles = (
+        (a.trainer_user, a.trainer_password, a.trainer_nkey, ENV_TRAINER_PASSWORD, trainer_permissions()),
+        (a.worker_user, a.worker_password, a.worker_nkey, ENV_WORKER_PASSWORD, worker_permissions(worker_pools(a))),
+    )
+    for user, password, nkey, env_name, perms in roles:
+        if not (password or nkey or env_refs):
+            continue
+        head = [f"    {_credential(password, nkey, env_name, env_refs)}"]
+        if not nkey:
+            head.insert(0, f"    user: {_q(user)}")
+        users.append("  {\n" + "\n".join(head) + "\n" + _perm_block(perms, "    ") + "\n  }")
+    out += ["authorization {", "  users: [", ",\n".join(users), "  ]", "}"]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------- Redis ACL
+
+# The worker touches only checkpoint keys (`rb:{rid}:*`, rlboost/wire.py) through
+# rlboost/checkpoint.py: reads, appends and the fencing Lua scripts. -@dangerous removes
+# FLUSHALL/FLUSHDB/KEYS/CONFIG/DEBUG/SHUTDOWN/CLIENT/... which key patterns cannot restrict.
+WORKER_REDIS_RULES = "resetkeys ~rb:* resetchannels -@all +@read +@write +@scripting +@connection +@transaction -@dangerous"
+TRAINER_REDIS_RULES = "~* &* +@all"
+
+
+def render_redis_acl(auth: AuthSettings, *, env_refs: bool = False) -> str:
+    """ACL file lines: the `default` user off, one user per role with a password."""
+    lines = ["user default off"]
+    for user, password, env_name, rules in (
+        (auth.trainer_user, auth.trainer_password, ENV_TRAINER_PASSWORD, TRAINER_REDIS_RULES),
+        (auth.worker_user, auth.worker_password, ENV_WORKER_PASSWORD, WORKER_REDIS_RULES),
+    ):
+        if env_refs:
+            lines.append(f"user {user} on >${{{env_name}}} {rules}")
+        elif password:
+            if any(c.isspace() for c in password):
+                raise ValueError(f"Redis ACL password of {user} must not contain whitespace")
+            lines.append(f"user {user} on >{password} {rules}")
+    return "\n".join(lines) + "\n"
+
+
+def render_redis_start(auth: AuthSettings) -> str:
+    """infra/redis/start-redis.sh: write the ACL file from the environment, then exec redis."""
+    acl = render_redis_acl(auth, env_refs=True)
+    return (
+        "#!/bin/sh\n"
+        "# Generated by rlboost.auth (python -m rlboost.auth redis-start --env-refs). Do not edit by hand.\n"
+        "# Writes the per-role Redis ACL from the environment (no secrets in files), then runs redis.\n"
+        "set -eu\n"
+        f': "${{{ENV_TRAINER_PASSWORD}:?set it (see infra/.env.example)}}"\n'
+        f': "${{{ENV_WORKER_PASSWORD}:?set it (see infra/.env.example)}}"\n'
+        "umask 077\n"
+        'ACL="${REDIS_ACL_FILE:-/tmp/users.acl}"\n'
+        'cat > "$ACL" <<EOF\n'
+        f"{acl}"
+        "EOF\n"
+        'exec redis-server --aclfile "$ACL" "$@"\n'
+    )
+
+
+# ---------------------------------------------------------------- client side
+
+
+def nats_connect_options(services: ServicesSettings) -> dict[str, Any]:
+    """Extra keyword arguments for `bus.connect` (nats-py): nkey seed file and TLS."""
+    opts: dict[str, Any] = {}
+    if services.nats_nkey_seed:
+        opts["nkeys_seed"] = services.nats_nkey_seed
+    if services.nats_tls_ca or services.nats_tls_cert:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=services.nats_tls_ca or None)
+        if services.nats_tls_cert:
+            ctx.load_cert_chain(services.nats_tls_cert, services.nats_tls_key or None)
+        opts["tls"] = ctx
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlboost.auth", description="render server auth configs")
+    p.add_argument("what", choices=["nats-conf", "redis-acl", "redis-start"])
+    p.add_argument("--env-refs", action="store_true", help="environment references instead of passwords")
+    p.add_argument("--config", help="TOML settings file")
+    p.add_argument("--listen", default="", help="nats: listen address, e.g. 0.0.0.0:4222")
+    p.add_argument("--monitor-port", type=int, default=0, help="nats: monitoring port (health, KEDA)")
+    p.add_argument("--store-dir", default="", help="nats: JetStream store dir")
+    a = p.parse_args(argv)
+    s = load_settings(a.config)
+    if a.what == "nats-conf":
+        text = render_nats_conf(s.services, env_refs=a.env_refs, listen=a.listen, monitor_port=a.monitor_port,
+                                store_dir=a.store_dir)
+    elif a.what == "redis-acl":
+        text = render_redis_acl(s.services.auth, env_refs=a.env_refs)
+    else:
+        text = render_redis_start(s.services.auth)
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
