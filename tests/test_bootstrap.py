@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-from rlboost.cli import main as cli_main
 from trainer import model as M
 from trainer.bootstrap import sft_batch
 from trainer.tasks import Addition
@@ -49,12 +51,14 @@ def test_sft_labels_cover_the_response_and_eos_only():
         assert (labels[row, :n_prompt] == -100).all()
 
 
-def test_init_model_command_runs_and_saves(tmp_path, capsys):
+def test_init_model_command_runs_and_saves(tmp_path):
+    """Through the real command, in its own process (as a user runs it)."""
     out = tmp_path / "model"
-    rc = cli_main(["--data-dir", str(tmp_path), "init-model", "--max-seconds", "2", "--batch", "16",
-                   "--target-acc", "1.01"])
-    assert rc == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    proc = subprocess.run([sys.executable, "-m", "rlboost.cli", "--data-dir", str(tmp_path), "init-model",
+                           "--max-seconds", "2", "--batch", "16", "--target-acc", "1.01"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["out"] == str(out) and result["reached"] is False and result["steps"] >= 1
     assert 0.0 <= result["eval_acc"] <= 1.0
     assert M.read_meta(out)["task"] == "addition"

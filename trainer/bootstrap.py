@@ -53,28 +53,27 @@ def sft_step(model, optimizer, ids: torch.Tensor, mask: torch.Tensor, labels: to
 
 
 def warm_start(task: Task, out_dir: Path, target_acc: float, max_seconds: float, seed: int = 0,
-               batch: int = 256, lr: float = 3e-3, eval_every: int = 25, eval_size: int = 128) -> dict:
+               batch: int = 64, lr: float = 3e-3, eval_every: int = 40) -> dict:
     """Train until the held-out greedy accuracy reaches `target_acc` or `max_seconds` pass.
 
-    Progress checks use the first `eval_size` held-out problems (cheap); the figure reported
-    at the end is measured on the whole held-out set."""
+    Batch 64 at 3e-3 got through the scratchpad task's learning transition (~400 steps)
+    sooner in wall-clock time than 32, 128 or 256, or a higher rate."""
     tokenizer = M.build_tokenizer(task.alphabet)
     model = M.build_model(len(tokenizer), seed=seed, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     rng = random.Random(seed)
-    t0, step, acc, loss = time.monotonic(), 0, 0.0, float("nan")
+    t0, step = time.monotonic(), 0
     while True:
         step += 1
         loss = sft_step(model, optimizer, *sft_batch(tokenizer, task.prompts(batch, rng.getrandbits(63))))
         elapsed = time.monotonic() - t0
         if step % eval_every == 0 or elapsed >= max_seconds:
-            acc = M.accuracy(model, tokenizer, task, task.eval_set[:eval_size])
+            acc = M.accuracy(model, tokenizer, task)
             elapsed = time.monotonic() - t0
             log.info("warm start", step=step, loss=round(loss, 4), eval_acc=round(acc, 3), seconds=round(elapsed, 1))
             if acc >= target_acc or elapsed >= max_seconds:
                 break
-    acc = M.accuracy(model, tokenizer, task)
     seconds = time.monotonic() - t0
     params = sum(p.numel() for p in model.parameters())
     meta = {"task": task.name, "trained": True, "eval_acc": acc, "steps": step, "seconds": round(seconds, 1),
@@ -91,7 +90,7 @@ def main(argv: list[str], settings: Settings) -> int:
     p.add_argument("--target-acc", type=float, default=0.35)
     p.add_argument("--max-seconds", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (the cores are shared)")
     args = p.parse_args(argv)
