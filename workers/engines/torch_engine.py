@@ -115,19 +115,24 @@ class TorchEngine(Engine):
         self.log = get_logger(component="torch-engine")
 
     def _load(self, weights_dir: Path) -> None:
+        """Checked in full before anything is copied: a shard set that does not fit leaves the
+        current weights untouched. A tied output head is absent from the files by design."""
         files = sorted(Path(weights_dir).glob("*.safetensors"))
         if not files:
             raise EngineError(f"no *.safetensors in {weights_dir}")
         state: dict[str, torch.Tensor] = {}
         for f in files:
             state.update(load_file(f))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        current = self.model.state_dict()
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        if set(missing) - tied or unexpected:
-            raise EngineError(f"weights in {weights_dir} do not fit the model: missing {sorted(set(missing) - tied)}, "
-                              f"unexpected {sorted(unexpected)}")
+        missing = sorted(set(current) - set(state) - tied)
+        unexpected = sorted(set(state) - set(current))
+        misshapen = sorted(k for k in set(state) & set(current) if state[k].shape != current[k].shape)
+        if missing or unexpected or misshapen:
+            raise EngineError(f"weights in {weights_dir} do not fit the model: missing {missing}, "
+                              f"unexpected {unexpected}, wrong shape {misshapen}")
+        self.model.load_state_dict(state, strict=False)
         self.model.tie_weights()
-        self.model.to(self.dtype)
 
     async def load_weights(self, weights_dir: Path, version: int) -> None:
         async with self._lock:
