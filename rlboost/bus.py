@@ -12,6 +12,7 @@ import contextlib
 import json
 import time
 from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import nats
 from nats.aio.client import Client as NATS
@@ -54,6 +55,15 @@ async def connect(url: str, name: str = "rlboost", **kwargs: Any) -> NATS:
         else:
             log.warning("nats error", error=str(e) or type(e).__name__)
 
+    # nats-py sends URL credentials as they stand; URLs carry them %-encoded (rlboost.services).
+    parts = urlsplit(url)
+    if parts.username is not None and "user" not in kwargs:
+        kwargs["user"] = unquote(parts.username)
+        kwargs["password"] = unquote(parts.password or "")
+        url = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+        shown = f"{parts.scheme}://***@{parts.netloc.rsplit('@', 1)[1]}"
+    else:
+        shown = _redact(url)
     nc = NATS()
     attempt = asyncio.ensure_future(nc.connect(url, name=name, connect_timeout=5, max_reconnect_attempts=-1,
                                                drain_timeout=2, allow_reconnect=True, error_cb=error_cb, **kwargs))
@@ -68,13 +78,13 @@ async def connect(url: str, name: str = "rlboost", **kwargs: Any) -> NATS:
                 await nc.close()
     if refused.done() and not nc.is_connected:
         raise ConnectionError(
-            f"NATS at {_redact(url)} refused the credentials (authorization violation: {refused.result()}); "
+            f"NATS at {shown} refused the credentials (authorization violation: {refused.result()}); "
             f"check services.nats_user / nats_password (RLBOOST_SERVICES__NATS_USER / RLBOOST_SERVICES__NATS_PASSWORD)")
     refused.cancel()
     try:
         attempt.result()
     except Exception as e:  # nats-py raises a zoo of types here (NoServersError, OSError, auth)
-        raise ConnectionError(f"cannot connect to NATS at {_redact(url)}: {e}") from e
+        raise ConnectionError(f"cannot connect to NATS at {shown}: {e}") from e
     return nc
 
 

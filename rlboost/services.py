@@ -168,7 +168,8 @@ class EmbeddedServices:
 
 def resolve_urls(settings: ServicesSettings) -> tuple[str, str]:
     """(nats_url, redis_url): configured URLs win; else the embedded servers of the data dir."""
-    nats_url, redis_url = settings.nats_url, settings.redis_url
+    nats_url = _with_credentials(settings.nats_url, settings.nats_user, settings.nats_password)
+    redis_url = _with_credentials(settings.redis_url, settings.redis_user, settings.redis_password)
     if not (nats_url and redis_url):
         svc = EmbeddedServices(settings)
         st = svc.state()
@@ -182,11 +183,21 @@ def resolve_urls(settings: ServicesSettings) -> tuple[str, str]:
     return nats_url, redis_url
 
 
+def _with_credentials(url: str, user: str, password: str) -> str:
+    """An external URL without credentials gets the configured ones (so a Secret can hold the
+    password while the URL stays in plain config); credentials already in the URL win."""
+    if not url or not (user or password) or "@" in url.split("://", 1)[-1]:
+        return url
+    scheme, rest = url.split("://", 1) if "://" in url else ("", url)
+    creds = f"{quote(user, safe='')}:{quote(password, safe='')}@" if password else f"{quote(user, safe='')}@"
+    return f"{scheme}://{creds}{rest}" if scheme else f"{creds}{rest}"
+
+
 @contextlib.contextmanager
 def running_services(settings: ServicesSettings) -> Iterator[tuple[str, str]]:
     """Use configured or already-running servers; otherwise start embedded ones for the duration."""
     if settings.nats_url and settings.redis_url:
-        yield settings.nats_url, settings.redis_url
+        yield resolve_urls(settings)
         return
     svc = EmbeddedServices(settings)
     _, started = svc.up()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import stat
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import pytest_asyncio
@@ -18,9 +19,9 @@ import redis.exceptions
 from rlboost import auth, bus, wire
 from rlboost.checkpoint import CheckpointStore
 from rlboost.config import AuthSettings, ServicesSettings
-from rlboost.services import EmbeddedServices
+from rlboost.services import EmbeddedServices, resolve_urls
 
-TRAINER_PW, WORKER_PW = "trainer-s3cret", "worker-s3cret"
+TRAINER_PW, WORKER_PW = "trainer-s3cret", "worker:s3cret@/%"  # URL-special characters survive
 POOL = "spot"
 
 
@@ -36,11 +37,11 @@ def secured(tmp_path_factory):
 
 
 def nats_url(st, user: str, password: str) -> str:
-    return f"nats://{user}:{password}@127.0.0.1:{st.nats_port}"
+    return f"nats://{user}:{quote(password, safe='')}@127.0.0.1:{st.nats_port}"
 
 
 def redis_url(st, user: str, password: str) -> str:
-    return f"redis://{user}:{password}@127.0.0.1:{st.redis_port}/0"
+    return f"redis://{user}:{quote(password, safe='')}@127.0.0.1:{st.redis_port}/0"
 
 
 class Errors:
@@ -196,3 +197,21 @@ def test_worker_permissions_shape():
     assert perms["subscribe"]["allow"][0] == "_INBOX.>"
     with pytest.raises(wire.WireError):
         auth.worker_pools(AuthSettings(worker_pools="spot,bad.pool"))
+
+
+async def test_credentials_from_settings_join_plain_urls(secured, trainer):
+    """What compose/k8s do: plain URLs in config, the identity from RLBOOST_SERVICES__* (a Secret)."""
+    _, st = secured
+    s = ServicesSettings(nats_url=f"nats://127.0.0.1:{st.nats_port}", redis_url=f"redis://127.0.0.1:{st.redis_port}/0",
+                         nats_user="worker", nats_password=WORKER_PW, redis_user="worker", redis_password=WORKER_PW)
+    n_url, r_url = resolve_urls(s)
+    nc = await bus.connect(n_url)
+    try:
+        await (await nc.jetstream().key_value(wire.BUCKET_WORKERS)).put("spot-w2", b"hb")
+    finally:
+        await nc.close()
+    store = CheckpointStore(r_url)
+    try:
+        await store.ping()
+    finally:
+        await store.close()
