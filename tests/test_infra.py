@@ -1,0 +1,393 @@
+"""infra/ validated offline: compose file, Dockerfile, Kubernetes manifests, and the server auth
+files, which must match what rlboost/auth.py generates and must run on the real servers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from rlboost import auth, wire
+from rlboost.config import Settings, load_settings
+from rlboost.services import find_binary, free_port
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+INFRA = ROOT / "infra"
+K8S = INFRA / "k8s"
+sys.path.insert(0, str(INFRA))
+import sync  # noqa: E402  (infra/sync.py)
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?[-?][^}]*)?\}")
+
+
+def compose() -> dict:
+    return yaml.safe_load((INFRA / "compose.yaml").read_text())
+
+
+def k8s_docs() -> list[dict]:
+    docs = []
+    for f in sorted(K8S.glob("*.yaml")):
+        if f.name == "kustomization.yaml":
+            continue
+        for d in yaml.safe_load_all(f.read_text()):
+            if d:
+                d["_file"] = f.name
+                docs.append(d)
+    return docs
+
+
+def env_example() -> dict[str, str]:
+    out = {}
+    for line in (INFRA / ".env.example").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            k, _, v = line.partition("=")
+            out[k.strip()] = v.strip()
+    return out
+
+
+def settings_from(env: dict[str, str]) -> Settings:
+    """The RLBOOST_* names must be settings of rlboost/config.py (unknown ones are refused)."""
+    rl = {k: v for k, v in env.items() if k.startswith("RLBOOST_")}
+    for k in rl:
+        assert "__" in k or k in ("RLBOOST_NATS_URL", "RLBOOST_REDIS_URL", "RLBOOST_DATA_DIR", "RLBOOST_LOG_JSON",
+                                  "RLBOOST_LOG_LEVEL", "RLBOOST_CONFIG"), f"{k} is not a setting"
+    return load_settings(environ=rl)
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    def sub(m: re.Match) -> str:
+        name, whole = m.group(1), m.group(0)
+        if name in env:
+            return env[name]
+        default = re.match(r"\$\{[^:}]+:?-(.*)\}$", whole)
+        return default.group(1) if default else ""
+
+    return _VAR.sub(sub, value)
+
+
+# ---------------------------------------------------------------- generated files in step
+
+
+def test_generated_auth_files_are_current():
+    for path, text in sync.rendered().items():
+        assert path.read_text() == text, f"{path} is stale: run `.venv/bin/python infra/sync.py`"
+    assert os.access(INFRA / "redis" / "start-redis.sh", os.X_OK)
+
+
+def test_no_secrets_in_files():
+    env = env_example()
+    assert set(env) >= {auth.ENV_TRAINER_PASSWORD, auth.ENV_WORKER_PASSWORD}
+    texts = {p: p.read_text() for p in [*INFRA.rglob("*.yaml"), *INFRA.rglob("*.conf"), INFRA / "compose.yaml"]}
+    for p, text in texts.items():
+        for example in (env[auth.ENV_TRAINER_PASSWORD], env[auth.ENV_WORKER_PASSWORD]):
+            assert example not in text, p
+        assert "password: \"" not in text, p  # nats.conf: only $ENV references
+    assert not [d for d in k8s_docs() if d["kind"] == "Secret"], "Secrets are created by hand, never committed"
+    assert "infra/.env" in (ROOT / ".gitignore").read_text()
+
+
+# ---------------------------------------------------------------- compose
+
+
+def test_compose_services_and_scaling():
+    c = compose()
+    svc = c["services"]
+    assert set(svc) >= {"nats", "redis", "trainer", "worker"}
+    for name in svc:
+        assert "healthcheck" in svc[name], f"{name} has no health check"
+    # NATS: JetStream on a persistent volume, the config file mounted
+    vols = svc["nats"]["volumes"]
+    assert any(v.startswith("./nats/nats.conf:/etc/nats/nats.conf") for v in vols)
+    assert any(v.split(":")[0] in c["volumes"] and v.split(":")[1] == "/data" for v in vols)
+    assert svc["nats"]["command"] == ["-c", "/etc/nats/nats.conf"]
+    assert "store_dir" in (INFRA / "nats" / "nats.conf").read_text()
+    # one image from infra/Dockerfile for trainer and worker
+    for name in ("trainer", "worker"):
+        assert svc[name]["build"]["dockerfile"] == "infra/Dockerfile"
+        assert (INFRA / svc[name]["build"]["context"] / svc[name]["build"]["dockerfile"]).resolve() == INFRA / "Dockerfile"
+    # scalable worker: nothing that pins one instance
+    w = svc["worker"]
+    assert "container_name" not in w and "ports" not in w
+    assert all(not v.startswith("/") for v in w.get("volumes", []))  # no host paths
+    assert w["stop_signal"] == "SIGTERM"
+
+
+def test_compose_matches_embedded_mode():
+    """Same settings (RLBOOST_* of rlboost/config.py) and the same commands as the embedded mode."""
+    env = env_example()
+    svc = compose()["services"]
+    for name, role in (("trainer", "trainer"), ("worker", "worker")):
+        e = {k: interpolate(str(v), env) for k, v in svc[name]["environment"].items()}
+        s = settings_from(e)
+        assert s.services.nats_url.startswith("nats://nats:") and s.services.redis_url.startswith("redis://redis:")
+        assert s.services.nats_user == role and s.services.redis_user == role
+        assert s.services.nats_password == env[f"RLBOOST_SERVICES__AUTH__{role.upper()}_PASSWORD"]
+        assert s.metrics.port > 0 and s.metrics.bind == "0.0.0.0"
+    cmd = interpolate(svc["worker"]["command"], env).split()
+    assert cmd[:2] == ["rlboost", "worker"]
+    a = cmd[2:]
+    assert a[a.index("--pool") + 1] == env["RLBOOST_WORKER__POOL"] and a[a.index("--engine") + 1] in ("emulated", "torch", "vllm")
+    from rlboost.cli import COMMANDS
+
+    assert "worker" in COMMANDS and "run" in COMMANDS
+    assert interpolate(svc["trainer"]["command"], env).split()[:2] == ["rlboost", "run"]
+    # the worker's drain fits inside the stop grace period
+    grace = float(svc["worker"]["stop_grace_period"].rstrip("s"))
+    drain = settings_from({k: interpolate(str(v), env) for k, v in svc["worker"]["environment"].items()}).worker.drain_grace_s
+    assert grace >= drain + 5
+    # every ${VAR} without a default is in .env.example
+    text = (INFRA / "compose.yaml").read_text()
+    for m in _VAR.finditer(text):
+        if ":-" not in m.group(0):
+            assert m.group(1) in env, m.group(0)
+
+
+def test_docker_compose_config_when_available(tmp_path):
+    docker = shutil.which("docker")
+    if not docker or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
+        pytest.skip("docker compose client not installed (validated with PyYAML above)")
+    envf = tmp_path / ".env"
+    envf.write_text((INFRA / ".env.example").read_text())
+    r = subprocess.run([docker, "compose", "-f", str(INFRA / "compose.yaml"), "--env-file", str(envf), "config", "-q"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_dockerfile():
+    text = (INFRA / "Dockerfile").read_text()
+    lines = [line.strip() for line in text.splitlines()]
+    stages = [line.split()[-1] for line in lines if line.startswith("FROM ")]
+    assert stages[-1] == "cpu" and "cuda" in stages  # cpu is the default (last) target
+    cpu = text[text.index("AS cpu"):]
+    assert "ARG TORCH_VERSION=2.13.0" in cpu
+    assert cpu.index('pip install "torch==${TORCH_VERSION}"') < cpu.index("RUN pip install .")
+    assert "vllm" in text[text.index("AS cuda"):text.index("AS cpu")]
+    assert "USER rlboost" in cpu
+
+
+# ---------------------------------------------------------------- Kubernetes
+
+API_VERSIONS = {
+    "Namespace": "v1", "ConfigMap": "v1", "Service": "v1", "PersistentVolumeClaim": "v1",
+    "Deployment": "apps/v1", "StatefulSet": "apps/v1", "ScaledObject": "keda.sh/v1alpha1",
+}
+REQUIRED_SPEC = {
+    "Service": ("selector", "ports"), "Deployment": ("selector", "template"),
+    "StatefulSet": ("selector", "template", "serviceName"), "ScaledObject": ("scaleTargetRef", "triggers"),
+    "PersistentVolumeClaim": ("accessModes", "resources"),
+}
+
+
+def by_kind(kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in k8s_docs() if d["kind"] == kind}
+
+
+def containers(workload: dict) -> list[dict]:
+    spec = workload["spec"]["template"]["spec"]
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def test_k8s_schema():
+    docs = k8s_docs()
+    kinds = {d["kind"] for d in docs}
+    assert kinds >= {"Namespace", "ConfigMap", "Service", "StatefulSet", "Deployment", "ScaledObject"}
+    for d in docs:
+        where = f"{d['_file']}: {d['kind']}"
+        assert d.get("apiVersion") == API_VERSIONS.get(d["kind"]), where
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", d["metadata"]["name"]), where
+        for field in REQUIRED_SPEC.get(d["kind"], ()):
+            assert field in d["spec"], f"{where}: spec.{field}"
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            assert d["spec"]["selector"]["matchLabels"].items() <= labels.items(), where
+            for c in containers(d):
+                assert c["name"] and c["image"], where
+                for e in c.get("env", []):
+                    assert "value" in e or "valueFrom" in e, (where, e)
+                    assert not (e["name"].endswith("PASSWORD") and "value" in e), f"{where}: literal {e['name']}"
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert kust["kind"] == "Kustomization"
+    assert sorted(kust["resources"]) == sorted(f.name for f in K8S.glob("*.yaml") if f.name != "kustomization.yaml")
+
+
+def test_k8s_references_resolve():
+    workloads = {**by_kind("Deployment"), **by_kind("StatefulSet")}
+    configmaps, pvcs = by_kind("ConfigMap"), by_kind("PersistentVolumeClaim")
+    for svc in by_kind("Service").values():
+        sel = svc["spec"]["selector"]
+        assert any(sel.items() <= w["spec"]["template"]["metadata"]["labels"].items() for w in workloads.values()), svc
+        for port in svc["spec"]["ports"]:
+            named = [p["name"] for w in workloads.values() for c in w["spec"]["template"]["spec"]["containers"]
+                     for p in c.get("ports", [])]
+            assert port["targetPort"] in named, port
+    for name, w in workloads.items():
+        claims = {t["metadata"]["name"] for t in w["spec"].get("volumeClaimTemplates", [])}
+        vols = {v["name"]: v for v in w["spec"]["template"]["spec"].get("volumes", [])}
+        for v in vols.values():
+            if "configMap" in v:
+                assert v["configMap"]["name"] in configmaps, (name, v)
+            if "persistentVolumeClaim" in v:
+                assert v["persistentVolumeClaim"]["claimName"] in pvcs, (name, v)
+        for c in containers(w):
+            for m in c.get("volumeMounts", []):
+                assert m["name"] in vols or m["name"] in claims, (name, m)
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["name"] == "rlboost-auth" and ref["key"] in (auth.ENV_TRAINER_PASSWORD, auth.ENV_WORKER_PASSWORD)
+    # the scripts and configs the containers run are the generated ones
+    assert "nats.conf" in configmaps["rlboost-nats-config"]["data"]
+    assert "start-redis.sh" in configmaps["rlboost-redis-start"]["data"]
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value", "from-secret") for e in container.get("env", [])}
+
+
+def test_k8s_worker_on_spot_with_drain():
+    w = by_kind("Deployment")["rlboost-worker"]
+    spec = w["spec"]["template"]["spec"]
+    keys = {t["key"] for t in spec["tolerations"]}
+    assert {"cloud.google.com/gke-spot", "eks.amazonaws.com/capacityType", "kubernetes.azure.com/scalesetpriority"} <= keys
+    (c,) = spec["containers"]
+    assert c["command"][:2] == ["rlboost", "worker"]
+    s = settings_from(_env(c))
+    assert s.services.nats_user == "worker" and s.services.redis_user == "worker"
+    pre = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
+    assert "kill -TERM 1" in pre
+    assert spec["terminationGracePeriodSeconds"] >= s.worker.drain_grace_s + 10
+    # the trainer is not on spot nodes and has the admin identity
+    t = by_kind("Deployment")["rlboost-trainer"]["spec"]["template"]["spec"]
+    assert "tolerations" not in t
+    assert settings_from(_env(t["containers"][0])).services.nats_user == "trainer"
+
+
+def test_k8s_keda_scales_workers_on_the_pool_consumers():
+    (so,) = by_kind("ScaledObject").values()
+    assert so["spec"]["scaleTargetRef"]["name"] == "rlboost-worker"
+    assert so["spec"]["scaleTargetRef"]["name"] in by_kind("Deployment")
+    worker_cmd = by_kind("Deployment")["rlboost-worker"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    pool = worker_cmd[worker_cmd.index("--pool") + 1]
+    triggers = so["spec"]["triggers"]
+    assert {t["type"] for t in triggers} == {"nats-jetstream"}
+    assert {t["metadata"]["consumer"] for t in triggers} == {wire.consumer_name(pool), wire.resume_consumer_name(pool)}
+    nats_svc = by_kind("Service")["nats"]
+    monitor = next(p["port"] for p in nats_svc["spec"]["ports"] if p["name"] == "monitor")
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    for t in triggers:
+        m = t["metadata"]
+        assert m["stream"] == wire.STREAM_REQUESTS and m["account"] == "$G"
+        assert m["natsServerMonitoringEndpoint"] == f"nats.{kust['namespace']}.svc.cluster.local:{monitor}"
+        assert int(m["lagThreshold"]) > 0
+    assert so["spec"]["minReplicaCount"] == 0 < so["spec"]["maxReplicaCount"]
+
+
+# ---------------------------------------------------------------- the committed server files run
+
+
+def _wait_port(port: int, proc: subprocess.Popen, deadline: float) -> None:
+    import socket
+
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError("server did not start")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+PASSWORDS = {auth.ENV_TRAINER_PASSWORD: "t-infra-pw", auth.ENV_WORKER_PASSWORD: "w-infra-pw"}
+
+
+async def test_committed_nats_conf_runs(tmp_path):
+    from rlboost import bus
+
+    port, mport = free_port(), free_port()
+    conf = (INFRA / "nats" / "nats.conf").read_text()
+    assert '"/data/jetstream"' in conf  # the compose/k8s volume; here a temporary dir instead
+    (tmp_path / "nats.conf").write_text(conf.replace('"/data/jetstream"', f'"{tmp_path / "js"}"'))
+    proc = subprocess.Popen([find_binary("nats-server"), "-c", str(tmp_path / "nats.conf"), "-a", "127.0.0.1",
+                             "-p", str(port), "-m", str(mport)],
+                            env={**os.environ, **PASSWORDS}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_port(port, proc, time.monotonic() + 15)
+        tr = await bus.connect(f"nats://trainer:t-infra-pw@127.0.0.1:{port}")
+        await bus.provision(tr.jetstream(), pools=("spot",))
+        errors: list[str] = []
+
+        async def cb(e: Exception) -> None:
+            errors.append(str(e).lower())
+
+        wk = await bus.connect(f"nats://worker:w-infra-pw@127.0.0.1:{port}", error_cb=cb)
+        assert (await wk.jetstream().publish("rb.tok.1.x", b"t")).seq > 0
+        await wk.publish("rb.req.spot", b"nope")
+        await wk.flush()
+        for _ in range(60):
+            if errors:
+                break
+            await asyncio.sleep(0.05)
+        assert errors and "permissions violation" in errors[0]
+        await wk.close()
+        await tr.close()
+        with pytest.raises(ConnectionError, match="refused the credentials"):
+            await bus.connect(f"nats://worker:t-infra-pw@127.0.0.1:{port}")
+    finally:
+        _stop(proc)
+
+
+def test_committed_redis_start_script_runs(tmp_path):
+    redis = pytest.importorskip("redis")
+    port = free_port()
+    bindir = Path(find_binary("redis-server")).parent
+    env = {**os.environ, **PASSWORDS, "REDIS_ACL_FILE": str(tmp_path / "users.acl"),
+           "PATH": f"{bindir}:{os.environ.get('PATH', '')}"}
+    proc = subprocess.Popen(["/bin/sh", str(INFRA / "redis" / "start-redis.sh"), "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_port(port, proc, time.monotonic() + 15)
+        assert (tmp_path / "users.acl").stat().st_mode & 0o077 == 0
+        w = redis.Redis(port=port, username="worker", password="w-infra-pw")
+        assert w.append("rb:{x}:tok", b"12345678") == 8
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            w.flushall()
+        w.close()
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=port, username="worker", password="t-infra-pw").ping()
+        t = redis.Redis(port=port, username="trainer", password="t-infra-pw")
+        assert t.ping()
+        t.close()
+    finally:
+        _stop(proc)
+    # the script refuses to start without the passwords
+    bad = subprocess.run(["/bin/sh", str(INFRA / "redis" / "start-redis.sh")], env={"PATH": env["PATH"]},
+                         capture_output=True, text=True, timeout=10)
+    assert bad.returncode != 0 and auth.ENV_TRAINER_PASSWORD in bad.stderr
+
+
+def test_settings_roundtrip_of_auth_section():
+    s = load_settings(environ={"RLBOOST_SERVICES__AUTH__WORKER_POOLS": "spot,gpu", **PASSWORDS})
+    assert auth.roles_configured(s.services.auth) and auth.worker_pools(s.services.auth) == ["spot", "gpu"]
+    assert msgspec.to_builtins(Settings())["services"]["auth"]["worker_password"] == ""
