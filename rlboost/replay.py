@@ -22,7 +22,7 @@ from rlboost import bus, wire
 from rlboost.config import Settings
 from rlboost.services import resolve_urls
 
-_STEP = re.compile(r"^s(\d+)-")
+_STEP = re.compile(r"(?:^|-)s(\d+)-p\d+-g\d+$")
 
 
 async def read_subject(js: JetStreamContext, subject: str, kind: type, idle_s: float = 0.5) -> list:
@@ -121,10 +121,10 @@ async def run(nats_url: str, a: argparse.Namespace) -> int:
     try:
         js = nc.jetstream()
         if a.request:
-            m = _STEP.match(a.request)
+            m = _STEP.search(a.request)
             step = a.step if a.step is not None else (int(m.group(1)) if m else None)
             if step is None:
-                print("rlboost replay: give --step for a request id not of the form s<step>-...")
+                print("rlboost replay: give --step for a request id not of the form [run-]s<step>-p<n>-g<n>")
                 return 2
             life = await life_of(js, step, a.request)
             if not (life.events or life.chunks or life.result):

@@ -9,6 +9,7 @@ another version is refused with a clear reason instead of being misread.
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Literal, TypeVar
 
 import msgspec
@@ -84,8 +85,15 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
-def request_id(step: int, prompt: int, sample: int) -> str:
-    return f"s{step:05d}-p{prompt:05d}-g{sample:03d}"
+def request_id(step: int, prompt: int, sample: int, run: str = "") -> str:
+    """`[<run>-]s<step>-p<prompt>-g<sample>`: sorts by step, prompt, sample. The run prefix keeps
+    a new run on the same servers from mistaking an old run's checkpoints or results for its own."""
+    rid = f"s{step:05d}-p{prompt:05d}-g{sample:03d}"
+    return f"{check_name('run id', run)}-{rid}" if run else rid
+
+
+def new_run_id() -> str:
+    return "r" + uuid.uuid4().hex[:8]
 
 
 # ---------------------------------------------------------------- weights (rlboost/weights.py)

@@ -118,12 +118,21 @@ class Run:
         self.reserved_engine = TorchEngine(cfg.model_dir)
         self.reserved_counters = Counters()
         self.handoffs_total = 0
+        self.run_id = wire.new_run_id()
+        self.base_version = 0  # policy versions continue from what the weight store already holds
+
+    @property
+    def version(self) -> int:
+        return self.base_version + self.trainer.version
 
     async def setup(self) -> None:
         store = await open_store(js=self.c.js)
-        self.publisher = WeightPublisher(store, await VersionPointer.open(self.c.js))
+        pointer = await VersionPointer.open(self.c.js)
+        self.publisher = WeightPublisher(store, pointer)
         self.cache = WeightCache(self.run_dir / "weight-cache" / "reserved", store)
-        await self.publisher.publish(self.trainer.state_dict(), version=0)
+        latest = await pointer.get()
+        self.base_version = 0 if latest is None else latest + 1
+        await self.publisher.publish(self.trainer.state_dict(), version=self.base_version)
         if self.cfg.policy != "colocated" and self.cfg.workers:
             for _ in range(self.cfg.workers):
                 self.fleet.start()
@@ -143,7 +152,7 @@ class Run:
     def _requests(self, step: int, prompt_ids: list[list[int]]) -> list[wire.RolloutRequest]:
         max_new = self.task.max_response_chars + 1
         return [wire.RolloutRequest(
-            request_id=wire.request_id(step, p, g), step=step, policy_version=self.trainer.version,
+            request_id=wire.request_id(step, p, g, run=self.run_id), step=step, policy_version=self.version,
             prompt_ids=ids, max_new_tokens=max_new, seed=request_seed(self.cfg.seed, step, p, g),
             sampling=wire.SamplingParams(temperature=self.cfg.temperature), eos_id=self.eos, group=p)
             for p, ids in enumerate(prompt_ids) for g in range(self.cfg.samples)]
@@ -222,7 +231,7 @@ class Run:
             reserved[0].request_drain("step complete")
             await reserved[1]
         rep = await asyncio.to_thread(self.trainer.finish_step)
-        pub = await self.publisher.publish(self.trainer.state_dict(), version=self.trainer.version)
+        pub = await self.publisher.publish(self.trainer.state_dict(), version=self.version)
         await self.publisher.gc(keep=3)
         eval_acc = None
         if step % cfg.eval_every == 0 or step == cfg.steps - 1:
@@ -233,7 +242,7 @@ class Run:
         self.handoffs_total += timing.handoffs
         if cfg.policy == "hybrid" and live:
             self.window.update(live, timing.trainer_wait_s, timing.spot_idle_s)
-        row = {"step": step, "policy": cfg.policy, "version": rep.version, "t_seed": None if math.isinf(t_seed) else
+        row = {"step": step, "policy": cfg.policy, "version": self.version, "run_id": self.run_id, "t_seed": None if math.isinf(t_seed) else
                round(t_seed, 3), "live_workers": live, "reward": round(rep.reward_mean, 4), "eval_acc": eval_acc,
                "tokens": rep.tokens, "step_s": round(step_s, 3), "tokens_per_s": round(rep.tokens / step_s, 1),
                "trainer_wait_s": round(timing.trainer_wait_s, 3), "spot_idle_s": round(timing.spot_idle_s, 3),

@@ -1,0 +1,50 @@
+"""`rlboost run` end to end on a tiny model: real trainer, real worker processes, real hand-offs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainer.model import init_model_dir
+from trainer.tasks import get_task
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = init_model_dir(tmp_path_factory.mktemp("m") / "model", get_task("addition"), seed=2)
+    meta = d / "rlboost.json"  # pretend it was warm-started: this test is about the dataflow
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "trained": True}) if meta.exists()
+                    else json.dumps({"trained": True}))
+    return d
+
+
+def _run(services, tmp_path, model_dir, *args: str) -> tuple[dict, list[dict]]:
+    nats_url, redis_url = services
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--model-dir", str(model_dir), "--run-dir",
+                        str(run_dir), "--prompts", "4", "--samples", "4", "--eval-every", "100", *args],
+                       capture_output=True, text=True, env=env, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert (run_dir / "curves.png").stat().st_size > 0
+    return out, rows
+
+
+def test_hybrid_hands_off_at_the_end_of_the_seeding_window(services, tmp_path, model_dir):
+    out, rows = _run(services, tmp_path, model_dir, "--policy", "hybrid", "--steps", "2", "--workers", "1",
+                     "--t-seed", "0.5", "--t-seed-floor", "0.5", "--slots", "8", "--prompts", "16",
+                     "--samples", "8")
+    assert out["steps"] == 2 and len(rows) == 2
+    assert out["handoffs"] > 0  # the reserved engine drained with responses in flight
+    assert all(r["live_workers"] == 1 for r in rows)
+
+
+def test_with_no_preemptible_worker_the_run_completes_colocated(services, tmp_path, model_dir):
+    out, rows = _run(services, tmp_path, model_dir, "--policy", "hybrid", "--steps", "1", "--workers", "0")
+    assert out["steps"] == 1 and rows[0]["live_workers"] == 0 and rows[0]["t_seed"] is None
