@@ -162,3 +162,28 @@ async def test_replay_tells_the_life_of_a_handed_off_request(clients):
     by_worker = life.tokens_by_worker()
     assert set(by_worker) == {"replay-first", "replay-second"} and sum(by_worker.values()) == 300
     assert life.handoffs() == 1 and len(life.result.token_ids) == 300
+
+
+async def test_metrics_endpoint_reports_a_serving_worker(clients):
+    import urllib.request
+
+    from rlboost import metrics
+
+    js, step = clients.js, 106
+    port = metrics.start_metrics_server(0)
+    w = _worker(clients, "metered", name="m")
+    w.cfg.heartbeat_s = 0.1
+    task = asyncio.create_task(w.run())
+    for i in range(6):
+        await js.publish(wire.request_subject("metered"), wire.encode(_req(step, i, max_new=64)))
+    await _results(js, step, 6)
+    await asyncio.sleep(0.3)  # one more heartbeat exports the counters
+    w.request_drain("test over")
+    await task
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['rlboost_worker_results_total{pool="metered"}'] == 6
+    generated = values['rlboost_worker_tokens_generated_total{engine="emulated",pool="metered"}']
+    assert generated == values['rlboost_worker_tokens_checkpointed_total{pool="metered"}'] > 0
+    assert values['rlboost_worker_slots{pool="metered"}'] == 8

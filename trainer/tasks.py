@@ -80,10 +80,15 @@ class Addition(Task):
     name = "addition"
     alphabet = "0123456789+=;:"
 
-    def __init__(self, min_digits: int = 2, max_digits: int = 3) -> None:
+    def __init__(self, min_digits: int = 2, max_digits: int = 3, width: int = 0) -> None:
+        """`width` (default: max_digits) is the number of columns written out; a width above
+        max_digits adds carry-only columns: longer responses, barely harder to learn."""
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+        if width and width < max_digits:
+            raise ValueError(f"width {width} < max_digits {max_digits}")
         self.min_digits, self.max_digits = min_digits, max_digits
+        self.width = width or max_digits
 
     def _operand(self, rng: random.Random) -> int:
         digits = rng.randint(self.min_digits, self.max_digits)
@@ -91,7 +96,7 @@ class Addition(Task):
 
     def sample(self, rng: random.Random) -> Problem:
         a, b = self._operand(rng), self._operand(rng)
-        w = self.max_digits
+        w = self.width
         return Problem(prompt=f"{a:0{w}d}+{b:0{w}d}:", answer=str(a + b), solution=self.solve(a, b, w))
 
     @staticmethod
@@ -112,7 +117,7 @@ class Addition(Task):
 
     @property
     def max_response_chars(self) -> int:
-        return 9 * self.max_digits + 2 + self.max_digits
+        return 9 * self.width + 2 + self.width
 
 
 TASKS: dict[str, type[Task]] = {"addition": Addition}

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import time
 from pathlib import Path
 
+from rlboost import metrics
 from rlboost.clients import open_clients
 from rlboost.config import Settings
 from rlboost.logs import get_logger
@@ -59,7 +61,13 @@ async def weight_source(s: Settings, js, worker_id: str) -> WeightSource | None:
     cache = WeightCache(root, store)
 
     async def pull(version: int) -> Path:
-        return (await cache.ensure(version, wait_s=30.0)).path
+        t0, fetched = time.monotonic(), cache.stats.bytes_fetched
+        path = (await cache.ensure(version, wait_s=30.0)).path
+        moved = cache.stats.bytes_fetched - fetched
+        metrics.WEIGHT_PULLS.labels("miss" if moved else "hit").inc()
+        metrics.WEIGHT_PULL_BYTES.inc(moved)
+        metrics.WEIGHT_PULL_SECONDS.observe(time.monotonic() - t0)
+        return path
 
     return pull
 
@@ -71,6 +79,9 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
         worker = RolloutWorker(s.worker, engine, c, worker_id=worker_id, counters=counters,
                                weights=await weight_source(s, c.js, worker_id))
         worker.install_signal_handlers()
+        if s.metrics.port:
+            port = metrics.start_metrics_server(s.metrics.port, s.metrics.bind)
+            worker.log.info("metrics served", url=f"http://{s.metrics.bind}:{port}/metrics")
         watchdog = asyncio.create_task(_exit_after_grace(worker))
         try:
             await worker.run()

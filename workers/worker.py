@@ -39,7 +39,7 @@ import numpy as np
 import redis.exceptions
 from nats.aio.msg import Msg
 
-from rlboost import bus, wire
+from rlboost import bus, metrics, wire
 from rlboost.checkpoint import AlreadyFinished, CheckpointError, LeaseHeld, LeaseLost
 from rlboost.clients import Clients
 from rlboost.config import WorkerSettings
@@ -94,6 +94,7 @@ class RolloutWorker:
         self.worker_id = wire.check_name("worker id", worker_id or make_worker_id(self.pool))
         self.counters = counters or Counters()
         self._engine_counts = engine.set_token_callback(lambda n: self.counters.add("generated", n))
+        self._metrics = metrics.CounterSync(self.pool, engine.name)
         self.weights = weights
         self.log = get_logger(worker_id=self.worker_id, pool=self.pool, engine=engine.name)
         self.active: dict[str, Active] = {}
@@ -428,6 +429,9 @@ class RolloutWorker:
                                   slots=self.cfg.slots, tokens_generated=self.counters.get("generated"),
                                   ts=time.time())
         await self.registry.put(self.worker_id, wire.encode(hb))
+        self._metrics(self.counters.snapshot())
+        metrics.observe_worker(self.pool, inflight=len(self.active), slots=self.cfg.slots,
+                               policy_version=self.engine.policy_version, draining=state == "draining")
 
     async def _check_control(self) -> None:
         for key in (self.worker_id, "all"):
