@@ -24,7 +24,7 @@ def test_training_prompts_never_include_held_out_problems():
 
 
 def test_solutions_are_correct_worked_sums_and_long_enough():
-    task = Addition(min_digits=2, max_digits=3)
+    task = Addition()
     problems = task.prompts(2000, seed=3)
     for p in problems:
         a, b = map(int, p.prompt.rstrip(":").split("+"))
@@ -49,7 +49,7 @@ def test_reward_is_exact_match_on_the_final_answer():
     assert task.reward(p, p.solution[: p.solution.rindex("=")] + "=" + wrong) == 0.0
     assert task.reward(p, p.solution + ";") == 0.0  # the answer must end the response
     assert task.reward(p, p.solution[:-1]) == 0.0  # truncated
-    assert task.reward(p, "=" + p.answer) == 1.0  # only the answer is checked, not the work
+    assert task.reward(p, "=" + task.written_answer(p.answer)) == 1.0  # only the answer is checked
     assert task.reward(p, "") == 0.0
 
 

@@ -32,6 +32,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 from rlboost import wire
 from rlboost.cli import print_result
 from rlboost.clients import Clients, open_clients
@@ -317,7 +318,12 @@ def ensure_model(cfg: RunConfig, s: Settings) -> str:
         from trainer.bootstrap import warm_start
 
         print(f"bootstrapping the model into {model_dir} (build + supervised warm start)...", flush=True)
-        out = warm_start(get_task("addition"), model_dir, cfg.bootstrap_target, cfg.bootstrap_seconds, seed=0)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)  # nothing else runs yet: both cores
+        try:
+            out = warm_start(get_task("addition"), model_dir, cfg.bootstrap_target, cfg.bootstrap_seconds, seed=0)
+        finally:
+            torch.set_num_threads(threads)
         print(f"model ready: held-out greedy accuracy {out['eval_acc']:.3f} after {out['seconds']} s", flush=True)
     return str(model_dir)
 

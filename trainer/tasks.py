@@ -70,17 +70,21 @@ class Task(abc.ABC):
 class Addition(Task):
     """Multi-digit addition with the work written out, least significant column first.
 
-    `47+385:` -> `7+5+0=12;4+8+1=13;0+3+1=04;=432`. Each column is `a+b+carry_in=sum` with a
-    two-digit sum whose first digit is the next carry, so every step is local and checkable.
-    Writing the work out makes the task learnable by a ~1M-parameter model and makes responses
-    long enough (~24-34 tokens) for chunked generation and migration to matter. The reward is
-    exact match on the final `=answer`, which must end the response.
+    `47+85:` (width 3) -> `7+5+0=12;4+8+1=13;0+0+1=01;=2310`. Each column is
+    `a+b+carry_in=sum` with a two-digit sum whose first digit is the next carry, so every step
+    is local and checkable. The answer is written the way the work runs, least significant
+    digit first and zero-padded to width+1 digits (`=2310` is 132): copying the sum digits in
+    order is learnable in ~400 supervised steps, while reversing them for a most-significant-
+    first answer took twice as long. Operands have 1..2 digits and the work is written over 3
+    columns, so responses are 32-33 tokens with EOS — long enough for chunked generation and
+    migration to matter. The reward is exact match on the final `=answer`, which must end the
+    response.
     """
 
     name = "addition"
     alphabet = "0123456789+=;:"
 
-    def __init__(self, min_digits: int = 2, max_digits: int = 3, width: int = 0) -> None:
+    def __init__(self, min_digits: int = 1, max_digits: int = 2, width: int = 3) -> None:
         """`width` (default: max_digits) is the number of columns written out; a width above
         max_digits adds carry-only columns: longer responses, barely harder to learn."""
         if not 1 <= min_digits <= max_digits:
@@ -107,13 +111,17 @@ class Addition(Task):
             s = int(x) + int(y) + carry
             steps.append(f"{x}+{y}+{carry}={s:02d};")
             carry = s // 10
-        return "".join(steps) + f"={a + b}"
+        return "".join(steps) + "=" + str(a + b).zfill(width + 1)[::-1]
+
+    def written_answer(self, answer: str) -> str:
+        """How the response spells `answer`: least significant digit first, width+1 digits."""
+        return answer.zfill(self.width + 1)[::-1]
 
     _FINAL = re.compile(r"(?:^|;)=(\d+)$")
 
     def reward(self, problem: Problem, response: str) -> float:
         m = self._FINAL.search(response)
-        return 1.0 if m is not None and m.group(1) == problem.answer else 0.0
+        return 1.0 if m is not None and m.group(1) == self.written_answer(problem.answer) else 0.0
 
     @property
     def max_response_chars(self) -> int:
