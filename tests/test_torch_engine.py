@@ -37,7 +37,7 @@ def _requests(n: int, rng: random.Random, **overrides) -> list[Sequence]:
     for i in range(n):
         prompt = [rng.randrange(2, 16) for _ in range(rng.randint(3, 9))]
         kw = {"max_new_tokens": MAX_NEW, "eos_id": -1, **sampling[i % len(sampling)], **overrides}
-        out.append(Sequence(request_id=f"s00001-p{i:05d}-g000", prompt_ids=prompt, seed=1234, **kw))
+        out.append(Sequence(request_id=f"s00001-p{i:05d}-g000", prompt_ids=prompt, seed=1234 + i, **kw))
     return out
 
 

@@ -6,9 +6,11 @@ returns up to `max_tokens` new tokens per sequence, with their behaviour logprob
 the sequence finished (stop token or its max_new_tokens). Between calls the worker may add or
 drop sequences: continuous batching at the granularity of one call.
 
-Determinism contract: the token at position i of a request depends only on (seed, request id,
-i, prompt + tokens before i, weights) — never on which other sequences share the batch — so a
-request resumed on another worker continues exactly as it would have.
+Determinism contract: the token at position i of a request depends only on (seed, i,
+prompt + tokens before i, weights) — never on which other sequences share the batch, nor on
+the request id — so a request resumed on another worker continues exactly as it would have,
+and a rerun of the same seeds reproduces the same rollout. The request's `seed` is its sampling
+key: the manager derives a distinct one per (run seed, step, prompt, sample).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Everything around it is real (NATS, Redis, processes, signals, hand-offs); only the GPU is
 replaced by a timing model, so a 2-core box can run a fleet of "H100" workers honestly.
-Tokens, logprobs and response lengths are pure functions of (seed, request id, position), so
+Tokens, logprobs and response lengths are pure functions of (seed, position), so
 a request resumed on another worker continues with exactly the tokens it would have produced.
 
 Timing model constants (defaults: one H100 SXM serving an 8B dense model, bf16, vLLM-style
@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,13 +57,15 @@ class LengthModel:
     max_tokens: int = 14336
 
     def length(self, seed: int, request_id: str) -> int:
-        u = (_key(seed, request_id, salt=0x5EED) >> 11) / float(1 << 53)
+        u = (_key(seed, salt=0x5EED) >> 11) / float(1 << 53)
         z = _normal_ppf(min(max(u, 1e-12), 1 - 1e-12))
         return int(min(self.max_tokens, max(1, round(self.median * math.exp(self.sigma * z)))))
 
 
-def _key(seed: int, request_id: str, salt: int = 0) -> int:
-    return (seed * 0x9E3779B97F4A7C15 + zlib.crc32(request_id.encode()) * 0xBF58476D1CE4E5B9 + salt) & 0xFFFFFFFFFFFFFFFF
+def _key(seed: int, salt: int = 0) -> int:
+    """The seed is the sampling key (engines/base.py); the request id is not part of it."""
+    x = np.array([(seed * 0x9E3779B97F4A7C15 + salt) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)
+    return int(_splitmix(x)[0])
 
 
 def _splitmix(x: np.ndarray) -> np.ndarray:
@@ -98,7 +99,7 @@ def _normal_ppf(p: float) -> float:
 
 def reference_tokens(seed: int, request_id: str, start: int, n: int, vocab: int = 32000) -> tuple[list[int], list[float]]:
     """Tokens [start, start+n) of a request and their logprobs: what any worker produces."""
-    ((toks, lps),) = _tokens_for([_key(seed, request_id)], [start], [n], vocab)
+    ((toks, lps),) = _tokens_for([_key(seed)], [start], [n], vocab)
     return toks, lps
 
 
@@ -176,7 +177,7 @@ class EmulatedEngine(Engine):
                 if self.on_tokens:
                     self.on_tokens(pending_tokens)
                 pending_sleep, pending_tokens = 0.0, 0
-        made = _tokens_for([_key(s.seed, s.request_id) for s in batch], [len(s.token_ids) for s in batch], done,
+        made = _tokens_for([_key(s.seed) for s in batch], [len(s.token_ids) for s in batch], done,
                            self.vocab)
         return [Generated(token_ids=t, logprobs=lp, finished=n >= rem)
                 for (t, lp), n, rem in zip(made, done, remaining, strict=True)]

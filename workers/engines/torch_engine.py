@@ -2,7 +2,7 @@
 
 Sampling is keyed, not stateful: the token at response position i of a request is the
 Gumbel-max of the (temperature-scaled, top-k/top-p filtered) logits plus noise that is a pure
-hash of (seed, request id, i, vocab index). There is no generator state to carry, so a request
+hash of (seed, i, vocab index). There is no generator state to carry, so a request
 resumed on another worker, in another batch, in chunks of another size, draws exactly the same
 noise at every position.
 
@@ -50,8 +50,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def request_key(seed: int, request_id: str) -> int:
-    digest = hashlib.blake2b(f"{seed}\x00{request_id}".encode(), digest_size=8).digest()
+def request_key(seed: int) -> int:
+    """The request's seed is its sampling key (base.py); hashed so nearby seeds share nothing."""
+    digest = hashlib.blake2b(f"{seed}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 
@@ -75,7 +76,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], positions: list[int]) -> 
     scaled = logits / temps[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
     filtered = _top_p(_top_k(scaled, [s.top_k for s in seqs]), [s.top_p for s in seqs])
-    noisy = filtered + gumbel_noise([request_key(s.seed, s.request_id) for s in seqs], positions, logits.size(-1))
+    noisy = filtered + gumbel_noise([request_key(s.seed) for s in seqs], positions, logits.size(-1))
     greedy = torch.tensor([s.temperature <= 0 for s in seqs])
     tokens = torch.where(greedy, scaled.argmax(-1), noisy.argmax(-1))
     return tokens.tolist(), logprobs.gather(1, tokens[:, None])[:, 0].tolist()
