@@ -30,7 +30,7 @@ def configure_logging(json: bool = False, level: str = "info") -> None:
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=False,  # `rlboost run` quiets the logs after bootstrapping
     )
     _configured = True
 

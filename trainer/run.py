@@ -76,6 +76,7 @@ class RunConfig:
     model_dir: str = ""
     run_dir: str = ""
     bootstrap_target: float = 0.35
+    save_rollouts: bool = False  # rollouts.jsonl: every response of every step, for comparisons
     bootstrap_seconds: float = 240.0
 
 
@@ -231,6 +232,8 @@ class Run:
         if reserved is not None:
             reserved[0].request_drain("step complete")
             await reserved[1]
+        if cfg.save_rollouts:
+            self._save_rollouts(groups)
         rep = await asyncio.to_thread(self.trainer.finish_step)
         pub = await self.publisher.publish(self.trainer.state_dict(), version=self.version)
         await self.publisher.gc(keep=3)
@@ -251,6 +254,12 @@ class Run:
                round(rep.mean_response_tokens, 2), "clip_fraction": round(rep.clip_fraction, 4),
                "weights_bytes_uploaded": getattr(pub, "bytes_uploaded", None), "chaos": cfg.chaos.get(step, [])}
         return row
+
+    def _save_rollouts(self, groups: dict[int, list[wire.RolloutResult]]) -> None:
+        with open(self.run_dir / "rollouts.jsonl", "a") as f:
+            for r in sorted((r for g in groups.values() for r in g), key=lambda r: r.request_id):
+                f.write(json.dumps({"id": r.request_id.removeprefix(f"{self.run_id}-"), "tokens": r.token_ids,
+                                    "logprobs": r.logprobs, "workers": [seg.worker_id for seg in r.segments]}) + "\n")
 
     async def _guard_against_stall(self, reserved, step: int, timing: StepTiming):
         """If no preemptible worker is alive while results are outstanding, the reserved engine
@@ -320,10 +329,12 @@ def ensure_model(cfg: RunConfig, s: Settings) -> str:
         print(f"bootstrapping the model into {model_dir} (build + supervised warm start)...", flush=True)
         threads = torch.get_num_threads()
         torch.set_num_threads(2)  # nothing else runs yet: both cores
+        configure_logging(json=s.log_json, level="info")  # its progress lines
         try:
             out = warm_start(get_task("addition"), model_dir, cfg.bootstrap_target, cfg.bootstrap_seconds, seed=0)
         finally:
             torch.set_num_threads(threads)
+            configure_logging(json=s.log_json, level=os.environ.get("RLBOOST_LOG_LEVEL", "warning"))
         print(f"model ready: held-out greedy accuracy {out['eval_acc']:.3f} after {out['seconds']} s", flush=True)
     return str(model_dir)
 
@@ -355,13 +366,14 @@ def parse(argv: list[str], demo: bool = False) -> RunConfig:
     p.add_argument("--t-seed-floor", type=float, default=d.t_seed_floor)
     p.add_argument("--shuffle-rewards", action="store_true", help="control: rewards shuffled within each group")
     p.add_argument("--chaos", type=parse_chaos, default={}, help="e.g. 3:term,5:kill (mid-step, then restart)")
+    p.add_argument("--save-rollouts", action="store_true", help="write every response to rollouts.jsonl")
     p.add_argument("--model-dir", default="")
     p.add_argument("--run-dir", default="")
     a = p.parse_args(argv)
     return RunConfig(policy=a.policy, steps=a.steps, max_minutes=a.max_minutes, prompts=a.prompts, samples=a.samples,
                      workers=a.workers, slots=a.slots, lr=a.lr, seed=a.seed, eval_every=a.eval_every,
                      t_seed_initial=a.t_seed, t_seed_floor=a.t_seed_floor, shuffle_rewards=a.shuffle_rewards,
-                     chaos=a.chaos, model_dir=a.model_dir, run_dir=a.run_dir)
+                     chaos=a.chaos, model_dir=a.model_dir, run_dir=a.run_dir, save_rollouts=a.save_rollouts)
 
 
 def execute(cfg: RunConfig, s: Settings) -> dict:

@@ -1,0 +1,1 @@
+"""Benchmarks of the RL loop: `rlboost bench reproduce`."""
