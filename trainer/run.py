@@ -209,9 +209,10 @@ class Run:
             await asyncio.sleep(min(0.05, max(0.0, seeding_ends - time.monotonic())))
         if reserved is not None:  # 3. hand off, unless nobody is there to take it
             if cfg.policy != "colocated" and await self.manager.live_workers(exclude={reserved[0].worker_id}):
+                before = self.reserved_counters.get("handed_off")
                 reserved[0].request_drain("seeding window over")
                 await reserved[1]
-                timing.handoffs = reserved[0].counters.get("handed_off")
+                timing.handoffs = self.reserved_counters.get("handed_off") - before
                 reserved = None
             # else: the reserved engine keeps generating to the end of the step (colocated)
         trained = 0
