@@ -91,6 +91,8 @@ def plot(rows: list[dict], path: Path, eval_first: float | None = None) -> None:
     ax3.step(steps, [r.get("live_workers") or 0 for r in rows], where="mid", color="gray", alpha=0.5,
              label="live workers")
     ax3.set_ylabel("live preemptible workers")
+    ax3.set_ylim(0, max(r.get("live_workers") or 0 for r in rows) + 1)
+    ax3.yaxis.get_major_locator().set_params(integer=True)
     ax2.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -355,7 +355,7 @@ def parse(argv: list[str], demo: bool = False) -> RunConfig:
     p = argparse.ArgumentParser(prog="rlboost demo" if demo else "rlboost run", description=__doc__.splitlines()[0])
     p.add_argument("--policy", choices=["hybrid", "colocated", "disaggregated"], default=d.policy)
     p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--max-minutes", type=float, default=4.0 if demo else d.max_minutes)
+    p.add_argument("--max-minutes", type=float, default=3.0 if demo else d.max_minutes)
     p.add_argument("--prompts", type=int, default=d.prompts)
     p.add_argument("--samples", type=int, default=d.samples)
     p.add_argument("--workers", type=int, default=d.workers, help="preemptible worker processes to start")
