@@ -46,7 +46,7 @@ def cmd_down(args: argparse.Namespace, s: Settings) -> int:
 def cmd_status(args: argparse.Namespace, s: Settings) -> int:
     from rlboost.status import show_status
 
-    return show_status(s, as_json=args.json)
+    return show_status(s, as_json=args.json, watch=args.watch)
 
 
 # The CLI is the composition root: it finds benchmarks and commands of every package by
@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("down", help="stop the embedded servers started by `up`").set_defaults(fn=cmd_down)
     st = sub.add_parser("status", help="servers, streams, queue depths and live workers")
     st.add_argument("--json", action="store_true")
+    st.add_argument("--watch", action="store_true", help="the fleet live (rich), until Ctrl-C")
     st.set_defaults(fn=cmd_status)
     b = sub.add_parser("bench", help="benchmarks; each ends with one JSON line")
     b.add_argument("name")

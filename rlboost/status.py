@@ -45,7 +45,35 @@ async def gather_status(nats_url: str) -> dict:
         await nc.drain()
 
 
-def show_status(s: Settings, as_json: bool = False) -> int:
+def fleet_table(status: dict) -> "Table":
+    from rich.table import Table
+
+    t = Table(title=f"rlboost fleet  {time.strftime('%H:%M:%S')}")
+    for col in ("worker", "pool", "engine", "state", "in flight", "policy", "tokens", "age s"):
+        t.add_column(col, justify="right" if col in ("in flight", "policy", "tokens", "age s") else "left")
+    for w in sorted(status["workers"], key=lambda w: w["worker_id"]):
+        t.add_row(w["worker_id"], w["pool"], w["engine"], w["state"], f"{w['inflight']}/{w['slots']}",
+                  f"v{w['policy_version']}", f"{w['tokens_generated']:,}", str(w["age_s"]))
+    queues = ", ".join(f"{n}: {v['pending']} pending / {v['ack_pending']} in flight"
+                       for n, v in status["consumers"].items())
+    t.caption = f"queues: {queues or 'none'}"
+    return t
+
+
+def watch_status(nats_url: str, interval_s: float = 1.0) -> int:
+    """`rlboost status --watch`: the fleet, live, until Ctrl-C."""
+    from rich.live import Live
+
+    with Live(refresh_per_second=4) as live:
+        try:
+            while True:
+                live.update(fleet_table(asyncio.run(gather_status(nats_url))))
+                time.sleep(interval_s)
+        except KeyboardInterrupt:
+            return 0
+
+
+def show_status(s: Settings, as_json: bool = False, watch: bool = False) -> int:
     svc = EmbeddedServices(s.services)
     st = svc.state()
     out: dict = {"data_dir": str(svc.data_dir), "embedded": None}
@@ -58,6 +86,8 @@ def show_status(s: Settings, as_json: bool = False) -> int:
         out["error"] = str(e)
         print(json.dumps(out) if as_json else f"no servers running ({e})")
         return 1
+    if watch:
+        return watch_status(nats_url)
     out.update(asyncio.run(gather_status(nats_url)))
     if as_json:
         print(json.dumps(out))

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from rlboost import wire
+from rlboost import metrics, wire
 from rlboost.cli import print_result
 from rlboost.clients import Clients, open_clients
 from rlboost.config import Settings, WorkerSettings
@@ -76,6 +76,8 @@ class RunConfig:
     model_dir: str = ""
     run_dir: str = ""
     bootstrap_target: float = 0.35
+    metrics_port: int = 0  # Prometheus /metrics of the trainer/manager (settings [metrics])
+    metrics_bind: str = "127.0.0.1"
     save_rollouts: bool = False  # rollouts.jsonl: every response of every step, for comparisons
     bootstrap_seconds: float = 240.0
 
@@ -237,6 +239,7 @@ class Run:
             self._save_rollouts(groups)
         rep = await asyncio.to_thread(self.trainer.finish_step)
         pub = await self.publisher.publish(self.trainer.state_dict(), version=self.version)
+        metrics.POLICY_VERSION.labels("trainer").set(self.version)
         await self.publisher.gc(keep=3)
         eval_acc = None
         if step % cfg.eval_every == 0 or step == cfg.steps - 1:
@@ -296,6 +299,10 @@ async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path) ->
     async with open_clients(nats_url, redis_url, "rlboost-trainer", pools=(POOL, RESERVED_POOL)) as c:
         run = Run(cfg, c, nats_url, redis_url, run_dir, report)
         t0 = time.monotonic()
+        stop_metrics = asyncio.Event()
+        if cfg.metrics_port:
+            metrics.start_metrics_server(cfg.metrics_port, cfg.metrics_bind)
+            asyncio.create_task(metrics.poll_queue_pending(c.js, (POOL,), stop_metrics))
         try:
             await run.setup()
             eval_first = await asyncio.to_thread(run.trainer.evaluate)
@@ -310,6 +317,7 @@ async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path) ->
                         row["eval_acc"] = await asyncio.to_thread(run.trainer.evaluate)
                     break
         finally:
+            stop_metrics.set()
             await run.close()
             report.close()
         evals = [r["eval_acc"] for r in rows if r["eval_acc"] is not None]
@@ -382,6 +390,7 @@ def execute(cfg: RunConfig, s: Settings) -> dict:
     random.seed(cfg.seed)
     run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.metrics_port, cfg.metrics_bind = s.metrics.port, s.metrics.bind
     with running_services(s.services) as (nats_url, redis_url):
         cfg.model_dir = ensure_model(cfg, s)
         (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))

@@ -13,7 +13,7 @@ from rlboost.clients import open_clients
 from rlboost.config import Settings
 from rlboost.logs import get_logger
 from rlboost.services import resolve_urls
-from rlboost.weights import WeightCache, open_store
+from rlboost.weights import VersionPointer, WeightCache, open_store
 from workers.counters import Counters
 from workers.engines import make_engine
 from workers.worker import RolloutWorker, WeightSource, make_worker_id
@@ -69,6 +69,17 @@ async def weight_source(s: Settings, js, worker_id: str) -> WeightSource | None:
         metrics.WEIGHT_PULL_SECONDS.observe(time.monotonic() - t0)
         return path
 
+    async def prefetch(stop: asyncio.Event) -> None:
+        """Watch the version pointer and pull each new version ahead of the requests that
+        will need it. Download only: the engine switches when a request asks (never mid-batch)."""
+        pointer = await VersionPointer.open(js)
+        async for version in pointer.watch(stop):
+            try:
+                await cache.ensure(version)
+            except Exception as e:  # the request path retries and reports
+                get_logger(worker_id=worker_id).warning("prefetch failed", policy_version=version, error=str(e))
+
+    pull.prefetch = prefetch  # type: ignore[attr-defined]
     return pull
 
 
@@ -83,10 +94,15 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
             port = metrics.start_metrics_server(s.metrics.port, s.metrics.bind)
             worker.log.info("metrics served", url=f"http://{s.metrics.bind}:{port}/metrics")
         watchdog = asyncio.create_task(_exit_after_grace(worker))
+        stop_prefetch = asyncio.Event()
+        prefetcher = asyncio.create_task(worker.weights.prefetch(stop_prefetch)) if worker.weights else None
         try:
             await worker.run()
         finally:
             watchdog.cancel()
+            stop_prefetch.set()
+            if prefetcher:
+                await asyncio.gather(prefetcher, return_exceptions=True)
             await engine.close()
 
 
