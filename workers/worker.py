@@ -103,7 +103,7 @@ class RolloutWorker:
         self.drain_reason = ""
         self.stop_engine = threading.Event()  # tells the engine to return between steps
         self._wake = asyncio.Event()  # work arrived (or drain): the generate loop looks again
-        self._slot_freed = asyncio.Event()  # a request left: the feeders may fetch again
+        self._slot_events: list[asyncio.Event] = []  # one per feeder: a request left, fetch again
         self._version_lock = asyncio.Lock()
         self._token_acks: list[asyncio.Future] = []
         self._admissions: set[asyncio.Task] = set()
@@ -166,12 +166,14 @@ class RolloutWorker:
 
     async def _feed(self, psub, capacity: int) -> None:
         """Keep up to `capacity` requests in flight from one lane (fresh or resume)."""
+        slot_freed = asyncio.Event()
+        self._slot_events.append(slot_freed)
         while not self.draining.is_set():
             free = capacity - len(self.active) - self.admitting
             if free <= 0:
-                self._slot_freed.clear()
+                slot_freed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._slot_freed.wait(), timeout=0.5)
+                    await asyncio.wait_for(slot_freed.wait(), timeout=0.5)
                 continue
             try:
                 msgs = await psub.fetch(batch=free, timeout=0.5)
@@ -230,7 +232,7 @@ class RolloutWorker:
         finally:
             self.admitting -= 1
             self._wake.set()
-            self._slot_freed.set()
+            self._notify_slots()
 
     async def _ensure_version(self, version: int) -> bool:
         """Serve one policy version at a time; switch only when no request of another is in flight."""
@@ -367,7 +369,11 @@ class RolloutWorker:
 
     def _forget(self, a: Active) -> None:
         self.active.pop(a.req.request_id, None)
-        self._slot_freed.set()
+        self._notify_slots()
+
+    def _notify_slots(self) -> None:
+        for event in self._slot_events:
+            event.set()
 
     # ------------------------------------------------------------------ hand-off
 
