@@ -139,7 +139,8 @@ class RolloutWorker:
         self.log.info("worker started", slots=self.cfg.slots, resume_reserve=reserve,
                       checkpoint_tokens=self.cfg.checkpoint_tokens)
         stop_aux = asyncio.Event()
-        feeder = asyncio.gather(self._feed(fresh, self.cfg.slots), self._feed(resume, self.cfg.slots + reserve))
+        feeder = asyncio.gather(self._feed(fresh, self.cfg.slots, self.cfg.slots, 0.25),
+                                self._feed(resume, self.cfg.slots + reserve, 1, 0.5))
         aux = [asyncio.create_task(self._heartbeat_loop(stop_aux)),
                asyncio.create_task(bus.dead_letter_max_deliveries(js, self.c.nc, stop_aux))]
         try:
@@ -164,8 +165,12 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ intake
 
-    async def _feed(self, psub, capacity: int) -> None:
-        """Keep up to `capacity` requests in flight from one lane (fresh or resume)."""
+    async def _feed(self, psub, capacity: int, max_batch: int, linger_s: float) -> None:
+        """Keep up to `capacity` requests in flight from one lane (fresh or resume).
+
+        nats-py's `fetch(n)` returns at once with whatever is queued, but when nothing is, its
+        lingering pull waits until all n arrived or `linger_s` passed. Hand-offs trickle in a
+        few at a time, so the resume lane pulls one at a time: each returns on arrival."""
         slot_freed = asyncio.Event()
         self._slot_events.append(slot_freed)
         while not self.draining.is_set():
@@ -176,7 +181,7 @@ class RolloutWorker:
                     await asyncio.wait_for(slot_freed.wait(), timeout=0.5)
                 continue
             try:
-                msgs = await psub.fetch(batch=free, timeout=0.5)
+                msgs = await psub.fetch(batch=min(free, max_batch), timeout=linger_s)
             except (TimeoutError, asyncio.TimeoutError):
                 continue
             except Exception as e:  # server gone for a moment: back off, do not crash
