@@ -202,7 +202,7 @@ class Run:
                 if len(groups[r.group]) == cfg.samples:
                     ready.put_nowait(r.group)
                 self.report.progress(step, arrived, len(requests))
-                if arrived in {len(requests) // 2 + 1} and step in cfg.chaos:
+                if arrived == len(requests) // 2 + 1 and step in cfg.chaos:  # mid-step
                     self._chaos(step)
 
         collector = asyncio.create_task(collect())
@@ -241,12 +241,12 @@ class Run:
         pub = await self.publisher.publish(self.trainer.state_dict(), version=self.version)
         metrics.POLICY_VERSION.labels("trainer").set(self.version)
         await self.publisher.gc(keep=3)
+        stop_sampler.set()
+        await sampler
+        step_s = time.monotonic() - t_step  # held-out evaluation is bookkeeping, not the step
         eval_acc = None
         if step % cfg.eval_every == 0 or step == cfg.steps - 1:
             eval_acc = await asyncio.to_thread(self.trainer.evaluate)
-        stop_sampler.set()
-        await sampler
-        step_s = time.monotonic() - t_step
         self.handoffs_total += timing.handoffs
         if cfg.policy == "hybrid" and live:
             self.window.update(live, timing.trainer_wait_s, timing.spot_idle_s)
