@@ -36,6 +36,7 @@ def configure_logging(json: bool = False, level: str = "info") -> None:
 
 
 def get_logger(**ids: object) -> structlog.typing.FilteringBoundLogger:
+    """A lazy logger: module-level loggers follow a later `configure_logging` (level, format)."""
     if not _configured:
         configure_logging()
-    return structlog.get_logger().bind(**ids)
+    return structlog.get_logger(**ids)
