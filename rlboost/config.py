@@ -75,6 +75,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model_dir: str = ""
     cache_dir: str = ""  # weight cache; empty = <data_dir>/weight-cache/<worker id>
     speed: float = 1.0  # emulated engine: >1 runs faster than the modelled H100, 0 = no sleeping
+    gpus: int = 1  # emulated engine: GPUs behind this worker (data parallel; a spot instance = 2)
 
 
 class MetricsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -49,6 +49,12 @@ class TimingModel:
     def prefill(self, tokens: int) -> float:
         return self.prefill_per_token_s * tokens
 
+    def on_gpus(self, gpus: int) -> TimingModel:
+        """`gpus` data-parallel replicas behind one engine: the batch and its KV reads are split
+        between them, the per-step weight read is paid by each in parallel."""
+        return TimingModel(self.step_base_s, self.step_per_seq_s / gpus, self.step_per_ctx_token_s / gpus,
+                           self.prefill_per_token_s / gpus)
+
 
 @dataclass(frozen=True)
 class LengthModel:

@@ -1,0 +1,65 @@
+"""Spot traces and cost accounting: parsing with named errors, segments, sampling, hand-computed costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlboost.costs import Prices, cost_efficiency, cost_per_hour, run_cost
+from rlboost.spot import Interval, TraceError, available, instance_seconds, intervals, parse_trace, sample_nodes
+
+TRACE = """0,add,node1
+0,add,node2
+60000,remove,node1
+90000,add,node3
+120000,add,node1
+150000,remove,node2
+"""
+
+
+def test_parse_segment_and_count(tmp_path):
+    f = tmp_path / "t.csv"
+    f.write_text(TRACE)
+    events = parse_trace(f)
+    assert [e.kind for e in events].count("add") == 4
+    ivs = intervals(events, start_s=30, duration_s=100)  # [30, 130)
+    assert Interval("node1", 0, 30, True) in ivs  # up before the segment, preempted at 60 s
+    assert Interval("node2", 0, 100, False) in ivs  # outlives the segment
+    assert Interval("node3", 60, 100, False) in ivs
+    assert Interval("node1", 90, 100, False) in ivs  # came back
+    assert available(ivs, 10) == 2 and available(ivs, 95) == 3
+    assert instance_seconds(ivs) == 30 + 100 + 40 + 10
+
+
+@pytest.mark.parametrize("bad,what", [("12,add", "line 2"), ("x,add,node1", "not an integer"),
+                                      ("5,launch,node1", "line 2")])
+def test_malformed_line_is_named(tmp_path, bad, what):
+    f = tmp_path / "t.csv"
+    f.write_text(f"0,add,node1\n{bad}\n")
+    with pytest.raises(TraceError, match=what):
+        parse_trace(f)
+
+
+def test_sampling_is_seeded_and_sized(tmp_path):
+    f = tmp_path / "t.csv"
+    f.write_text("".join(f"0,add,node{i}\n" for i in range(20)))
+    events = parse_trace(f)
+    a, b = sample_nodes(events, 0.5, seed=3), sample_nodes(events, 0.5, seed=3)
+    assert a == b and len(a) == 10 and a != sample_nodes(events, 0.5, seed=4)
+
+
+def test_bundled_traces_parse():
+    from pathlib import Path
+
+    for name in ("bamboo-p3-trace.csv", "bamboo-g4dn-trace.csv"):
+        path = Path(__file__).parents[2] / "shared" / "traces" / name
+        if path.exists():
+            assert len(parse_trace(path)) > 100
+
+
+def test_costs_by_hand():
+    # 8 reserved GPUs for 2 h at $10.47 + 3 instance-hours of 2-GPU spot at $2.66
+    dollars = run_cost(7200, 8, 3 * 3600, 2, Prices())
+    assert dollars == pytest.approx(8 * 2 * 10.47 + 2 * 3 * 2.66)
+    rate = cost_per_hour(dollars, 7200)
+    assert rate == pytest.approx((167.52 + 15.96) / 2)
+    assert cost_efficiency(10_000, rate) == pytest.approx(10_000 / rate)
