@@ -9,6 +9,7 @@ registry heartbeats) so the offload policy knows whom it can hand off to.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -81,6 +82,18 @@ class RolloutManager:
             if hb.pool == self.pool and hb.state == "running" and now - hb.ts <= max_age_s:
                 out.append(hb)
         return out
+
+    async def sample_idle(self, stop: asyncio.Event, period_s: float = 0.25) -> float:
+        """Preemptible waiting: the idle share of live workers' slots, integrated over time
+        until `stop` (the t_preemptible_waiting of the seeding-window rule)."""
+        idle_s = 0.0
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=period_s)
+            live = await self.live_workers()
+            if live:
+                idle_s += period_s * sum(1 - min(1.0, hb.inflight / max(1, hb.slots)) for hb in live) / len(live)
+        return idle_s
 
     async def queue_depth(self) -> int:
         """Requests of the pool not yet delivered (fresh + resume lanes)."""

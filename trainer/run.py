@@ -161,17 +161,6 @@ class Run:
             sampling=wire.SamplingParams(temperature=self.cfg.temperature), eos_id=self.eos, group=p)
             for p, ids in enumerate(prompt_ids) for g in range(self.cfg.samples)]
 
-    async def _sample_idle(self, timing: StepTiming, stop: asyncio.Event) -> None:
-        """Preemptible waiting: the idle share of live workers' slots, integrated over time."""
-        period = 0.25
-        while not stop.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=period)
-            live = await self.manager.live_workers()
-            if live:
-                idle = sum(1 - min(1.0, hb.inflight / max(1, hb.slots)) for hb in live) / len(live)
-                timing.spot_idle_s += idle * period
-
     async def step(self, step: int) -> dict:
         cfg = self.cfg
         t_step = time.monotonic()
@@ -187,7 +176,7 @@ class Run:
             t_seed, pool = self.window.window(live), POOL
         timing = StepTiming()
         stop_sampler = asyncio.Event()
-        sampler = asyncio.create_task(self._sample_idle(timing, stop_sampler))
+        sampler = asyncio.create_task(self.manager.sample_idle(stop_sampler))
         await self.manager.publish_step(requests, pool)
         reserved = self._reserved_worker(pool, step, "seed") if t_seed > 0 else None
         groups: dict[int, list[wire.RolloutResult]] = defaultdict(list)
@@ -242,7 +231,7 @@ class Run:
         metrics.POLICY_VERSION.labels("trainer").set(self.version)
         await self.publisher.gc(keep=3)
         stop_sampler.set()
-        await sampler
+        timing.spot_idle_s = await sampler
         step_s = time.monotonic() - t_step  # held-out evaluation is bookkeeping, not the step
         eval_acc = None
         if step % cfg.eval_every == 0 or step == cfg.steps - 1:

@@ -147,6 +147,34 @@ class EmulatedEngine(Engine):
         self.on_tokens = fn
         return True
 
+    async def _pace(self, batch: list[Sequence], remaining: list[int], steps: int,
+                    stop: threading.Event | None) -> int:
+        """Take the modelled time of `steps` decode steps (vectorised: live count and context
+        of every step from the sorted remaining lengths), in slices of >= 2 ms so a kill or a
+        stop lands between steps. Returns the steps completed; tokens count as generated once
+        their step's time has passed."""
+        rem = np.asarray(remaining, dtype=np.int64)
+        order = np.argsort(rem, kind="stable")
+        rem_sorted = rem[order]
+        ctx_sorted = np.asarray([len(s.prompt_ids) + len(s.token_ids) for s in batch], dtype=np.float64)[order]
+        suffix = np.concatenate([np.cumsum(ctx_sorted[::-1])[::-1], [0.0]])
+        j = np.arange(steps)
+        first_live = np.searchsorted(rem_sorted, j, side="right")  # sequences still generating at step j
+        live = len(batch) - first_live
+        t = self.timing
+        step_s = t.step_base_s + t.step_per_seq_s * live + t.step_per_ctx_token_s * (suffix[first_live] + j * live)
+        cum = np.cumsum(step_s) / self.speed
+        cum_tokens = np.cumsum(live)
+        at, elapsed = 0, 0.0
+        while at < steps and not (stop is not None and stop.is_set()):
+            end = min(steps, max(at + 1, int(np.searchsorted(cum, elapsed + 0.002, side="left")) + 1))
+            await asyncio.sleep(float(cum[end - 1]) - elapsed)
+            elapsed = float(cum[end - 1])
+            if self.on_tokens:
+                self.on_tokens(int(cum_tokens[end - 1] - (cum_tokens[at - 1] if at else 0)))
+            at = end
+        return at
+
     async def _sleep(self, seconds: float) -> None:
         if self.speed > 0 and seconds > 0:
             await asyncio.sleep(seconds / self.speed)
@@ -160,29 +188,11 @@ class EmulatedEngine(Engine):
         self._prefilled |= {s.request_id for s in cold}
 
         remaining = [max(0, target_length(s, self.lengths) - len(s.token_ids)) for s in batch]
-        context = [len(s.prompt_ids) + len(s.token_ids) for s in batch]
-        done = [0] * len(batch)
         steps = min(max_tokens, max(remaining, default=0))
-        if self.speed <= 0:  # unlimited speed: no steps to pace, just the tokens
-            done = [min(r, steps) for r in remaining]
-            if self.on_tokens:
-                self.on_tokens(sum(done))
-            steps = 0
-        pending_sleep, pending_tokens, step = 0.0, 0, 0
-        while step < steps and not (stop is not None and stop.is_set()):
-            live = [i for i in range(len(batch)) if done[i] < remaining[i]]
-            pending_sleep += self.timing.decode_step(len(live), sum(context[i] + done[i] for i in live))
-            pending_tokens += len(live)
-            for i in live:
-                done[i] += 1
-            step += 1
-            # Sleep in slices of >= 2 ms (scaled), so a kill or a stop lands between steps;
-            # tokens count as generated once their step's time has passed.
-            if self.speed <= 0 or pending_sleep / self.speed >= 0.002 or step == steps:
-                await self._sleep(pending_sleep)
-                if self.on_tokens:
-                    self.on_tokens(pending_tokens)
-                pending_sleep, pending_tokens = 0.0, 0
+        done_steps = steps if self.speed <= 0 else await self._pace(batch, remaining, steps, stop)
+        done = [min(r, done_steps) for r in remaining]
+        if self.speed <= 0 and self.on_tokens:
+            self.on_tokens(sum(done))
         made = _tokens_for([_key(s.seed) for s in batch], [len(s.token_ids) for s in batch], done,
                            self.vocab)
         return [Generated(token_ids=t, logprobs=lp, finished=n >= rem)
