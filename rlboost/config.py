@@ -76,6 +76,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache_dir: str = ""  # weight cache; empty = <data_dir>/weight-cache/<worker id>
     speed: float = 1.0  # emulated engine: >1 runs faster than the modelled H100, 0 = no sleeping
     gpus: int = 1  # emulated engine: GPUs behind this worker (data parallel; a spot instance = 2)
+    token_scale: int = 1  # emulated engine: each emitted token stands for this many modelled tokens
 
 
 class MetricsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -29,6 +29,8 @@ def parse_args(argv: list[str], s: Settings) -> argparse.Namespace:
     p.add_argument("--model-dir", default=w.model_dir, help="torch/vllm: local Hugging Face model directory")
     p.add_argument("--speed", type=float, default=w.speed, help="emulated: x times the modelled GPU; 0 = unlimited")
     p.add_argument("--gpus", type=int, default=w.gpus, help="emulated: GPUs behind this worker")
+    p.add_argument("--token-scale", type=int, default=w.token_scale,
+                   help="emulated: each emitted token stands for this many modelled tokens")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--counters", default=None, help="file for crash-proof counters (read by benchmarks)")
     p.add_argument("--ack-wait", type=float, default=w.ack_wait_s)
@@ -40,6 +42,7 @@ def parse_args(argv: list[str], s: Settings) -> argparse.Namespace:
     w.pool, w.engine, w.slots, w.checkpoint_tokens, w.model_dir, w.speed = (
         a.pool, a.engine, a.slots, a.checkpoint_tokens, a.model_dir, a.speed)
     w.ack_wait_s, w.lease_ttl_s, w.drain_grace_s, w.gpus = a.ack_wait, a.lease_ttl, a.drain_grace, a.gpus
+    w.token_scale = a.token_scale
     return a
 
 
@@ -48,7 +51,10 @@ def build_engine(s: Settings):
     if w.engine == "emulated":
         from workers.engines.emulated import TimingModel
 
-        return make_engine("emulated", speed=w.speed, timing=TimingModel().on_gpus(w.gpus))
+        from workers.engines.emulated import LengthModel
+
+        return make_engine("emulated", speed=w.speed, timing=TimingModel().on_gpus(w.gpus).per_emulated_token(
+            w.token_scale), lengths=LengthModel().per_emulated_token(w.token_scale))
     if not w.model_dir:
         raise SystemExit(f"rlboost worker: --model-dir is required for the {w.engine} engine")
     return make_engine(w.engine, model_dir=w.model_dir)

@@ -329,8 +329,9 @@ class RolloutWorker:
                 a.last_write = time.monotonic()
             acks, self._token_acks = self._token_acks, []
             await asyncio.gather(*acks, return_exceptions=True)
-        for a in [a for a in self.active.values() if a.done and not a.pending_tokens]:
-            await self._finish(a)
+        done = [a for a in self.active.values() if a.done and not a.pending_tokens]
+        if done:  # concurrently: each finish is a few round trips, a flush may finish hundreds
+            await asyncio.gather(*(self._finish(a) for a in done))
 
     async def _finish(self, a: Active) -> None:
         rid = a.req.request_id

@@ -57,7 +57,7 @@ from rlboost.offload import SeedWindow
 from rlboost.services import running_services
 from rlboost.spot import Interval, instance_seconds, intervals, parse_trace, sample_nodes
 from workers.counters import Counters
-from workers.engines.emulated import EmulatedEngine, TimingModel
+from workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel
 from workers.fleet import WorkerFleet
 from workers.worker import RolloutWorker
 
@@ -78,10 +78,13 @@ class Emulation:
         self.manager = RolloutManager(c, self.pool)
         self.fleet = WorkerFleet(nats_url, redis_url, workdir / policy, self.pool, worker_args=[
             "--engine", "emulated", "--speed", str(a.speed), "--gpus", str(INSTANCE_GPUS), "--slots", "256",
-            "--checkpoint-tokens", str(a.chunk), "--ack-wait", "5", "--lease-ttl", "3"],
+            "--checkpoint-tokens", str(a.chunk), "--ack-wait", "5", "--lease-ttl", "3",
+            "--token-scale", str(a.token_scale)],
             env={"RLBOOST_LOG_LEVEL": "warning"})
         gpus = RESERVED_GPUS // 2 if policy == "disaggregated" else RESERVED_GPUS
-        self.engine = EmulatedEngine(speed=a.speed, timing=TimingModel().on_gpus(gpus))
+        R = a.token_scale
+        self.engine = EmulatedEngine(speed=a.speed, timing=TimingModel().on_gpus(gpus).per_emulated_token(R),
+                                     lengths=LengthModel().per_emulated_token(R))
         self.train_share = 0.5 if policy == "disaggregated" else 1.0
         self.window = SeedWindow(initial_s=a.t_seed / self.S, floor_s=5.0 / self.S)
         self.counters = Counters()
@@ -113,7 +116,8 @@ class Emulation:
     async def step(self, step: int) -> int:
         a = self.a
         reqs = [wire.RolloutRequest(request_id=wire.request_id(step, p, g, run=self.run_id), step=step,
-                                    policy_version=0, prompt_ids=[7] * PROMPT_TOKENS, max_new_tokens=14336,
+                                    policy_version=0, prompt_ids=[7] * (PROMPT_TOKENS // a.token_scale),
+                                    max_new_tokens=14336 // a.token_scale,
                                     seed=seed_of(step, p, g), group=p)
                 for p in range(a.prompts) for g in range(a.samples)]
         live = len(await self.manager.live_workers()) if self.policy == "hybrid" else 0
@@ -128,7 +132,7 @@ class Emulation:
         async def collect() -> None:
             async for r in self.manager.results(step, {q.request_id for q in reqs}):
                 groups[r.group] += 1
-                tokens[r.group] += len(r.token_ids)
+                tokens[r.group] += len(r.token_ids) * a.token_scale  # modelled tokens
                 if groups[r.group] == a.samples:
                     ready.put_nowait(r.group)
 
@@ -186,8 +190,8 @@ class Emulation:
         stop.set()
         if replay:
             await replay
-        regenerated = sum(max(0, w.counters()["generated"] - w.counters()["checkpointed"])
-                          for w in self.fleet.workers.values())
+        regenerated = self.a.token_scale * sum(max(0, w.counters()["generated"] - w.counters()["checkpointed"])
+                                               for w in self.fleet.workers.values())
         self.fleet.stop_all()
         elapsed_model = (t_done - t0) * self.S
         dollars = run_cost(elapsed_model, RESERVED_GPUS, self.uptime_real * self.S, INSTANCE_GPUS, self.a.prices)
@@ -217,7 +221,8 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speed", type=float, default=60.0, help="time compression")
     p.add_argument("--notice", type=float, default=30.0, help="preemption notice (modelled s); 0 = SIGKILL")
-    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--chunk", type=int, default=128, help="checkpoint interval in emulated tokens")
+    p.add_argument("--token-scale", type=int, default=16, help="modelled tokens per emulated token")
     p.add_argument("--prompts", type=int, default=128)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--t-seed", type=float, default=60.0, help="initial seeding window (modelled s)")

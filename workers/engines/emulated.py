@@ -49,6 +49,13 @@ class TimingModel:
     def prefill(self, tokens: int) -> float:
         return self.prefill_per_token_s * tokens
 
+    def per_emulated_token(self, scale: int) -> TimingModel:
+        """Each emulated token stands for `scale` modelled tokens (so the wire carries 1/scale of
+        the messages): an emulated step is `scale` decode steps, and each emulated context token
+        is `scale` tokens read in each of them."""
+        return TimingModel(self.step_base_s * scale, self.step_per_seq_s * scale,
+                           self.step_per_ctx_token_s * scale * scale, self.prefill_per_token_s * scale)
+
     def on_gpus(self, gpus: int) -> TimingModel:
         """`gpus` data-parallel replicas behind one engine: the batch and its KV reads are split
         between them, the per-step weight read is paid by each in parallel."""
@@ -61,6 +68,9 @@ class LengthModel:
     median: float = 1500.0
     sigma: float = 1.0
     max_tokens: int = 14336
+
+    def per_emulated_token(self, scale: int) -> LengthModel:
+        return LengthModel(self.median / scale, self.sigma, max(1, self.max_tokens // scale))
 
     def length(self, seed: int, request_id: str) -> int:
         u = (_key(seed, salt=0x5EED) >> 11) / float(1 << 53)
