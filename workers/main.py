@@ -15,7 +15,7 @@ from rlboost.logs import get_logger
 from rlboost.services import resolve_urls
 from rlboost.weights import VersionPointer, WeightCache, open_store
 from workers.counters import Counters
-from workers.engines import make_engine
+from workers.engines import EngineError, make_engine
 from workers.worker import RolloutWorker, WeightSource, make_worker_id
 
 
@@ -133,5 +133,8 @@ def main(argv: list[str], s: Settings) -> int:
         asyncio.run(serve(s, worker_id, counters))
     except ConnectionError as e:
         get_logger(worker_id=worker_id).error("cannot connect", error=str(e))
+        return 1
+    except EngineError as e:
+        get_logger(worker_id=worker_id).error("cannot start the engine", error=str(e))
         return 1
     return 0

@@ -16,8 +16,11 @@ def make_engine(name: str, **options: object) -> Engine:
 
         return TorchEngine(**options)  # type: ignore[arg-type]
     if name == "vllm":
-        from workers.engines.vllm_engine import VLLMEngine
-
+        try:
+            from workers.engines.vllm_engine import VLLMEngine
+        except ModuleNotFoundError as e:
+            raise EngineError(f"the vllm engine is not available in this build ({e.name} missing); "
+                              "use --engine torch") from None
         return VLLMEngine(**options)  # type: ignore[arg-type]
     raise EngineError(f"unknown engine {name!r}: choose emulated, torch or vllm")
 
