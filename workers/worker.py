@@ -341,8 +341,14 @@ class RolloutWorker:
             await self._drop_fenced(a, e)
             return
         tokens = a.seq.token_ids[: a.durable]
-        await self._publish_result(a.req, tokens, a.logprobs, self.worker_id)
-        await a.msg.ack()
+        try:
+            await self._publish_result(a.req, tokens, a.logprobs, self.worker_id)
+            await a.msg.ack()
+        except Exception as e:  # the checkpoint says finished: redelivery republishes it, never redoes it
+            self.log.warning("result publish failed; it is republished when the request comes back",
+                             request_id=rid, error=repr(e))
+            self._forget(a)
+            return
         await self._event(a.req, a.epoch, "finish", a.durable)
         self.counters.add("results")
         self._forget(a)
