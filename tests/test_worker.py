@@ -187,3 +187,23 @@ async def test_metrics_endpoint_reports_a_serving_worker(clients):
     generated = values['rlboost_worker_tokens_generated_total{engine="emulated",pool="metered"}']
     assert generated == values['rlboost_worker_tokens_checkpointed_total{pool="metered"}'] > 0
     assert values['rlboost_worker_slots{pool="metered"}'] == 8
+
+
+async def test_a_finished_checkpoint_whose_message_returns_is_republished_not_redone(clients):
+    """The finisher died between marking the checkpoint finished and publishing the result."""
+    js, step = clients.js, 107
+    req = _req(step, 0, max_new=5)
+    claim = await clients.store.claim(req.request_id, "dead-worker", 0, ttl_s=5)
+    await clients.store.append(req.request_id, "dead-worker", claim.epoch, 0, [9, 8, 7, 6, 5], [-0.5] * 5, ttl_s=5)
+    await clients.store.finish(req.request_id, claim.epoch, 5)
+    w = _worker(clients, "refinish", name="w")
+    task = asyncio.create_task(w.run())
+    await js.publish(wire.request_subject("refinish"), wire.encode(req))
+    got = await _results(js, step, 1)
+    w.request_drain("test over")
+    await task
+    r = got[req.request_id]
+    assert r.token_ids == [9, 8, 7, 6, 5] and r.logprobs == [-0.5] * 5
+    assert r.segments[0].worker_id == "dead-worker"
+    assert w.counters.get("generated") == 0 and w.counters.get("claims") == 0
+    assert (await js.consumer_info(wire.STREAM_REQUESTS, wire.consumer_name("refinish"))).num_ack_pending == 0
