@@ -83,5 +83,33 @@ def available(ivs: list[Interval], t_s: float) -> int:
     return sum(1 for i in ivs if i.up_s <= t_s < i.down_s)
 
 
-def instance_seconds(ivs: list[Interval]) -> float:
-    return sum(i.down_s - i.up_s for i in ivs)
+def instance_seconds(ivs: list[Interval], until_s: float | None = None) -> float:
+    """Instance uptime summed over the intervals, optionally only up to `until_s` (a run that
+    ended before the segment did is charged for the uptime it used)."""
+    end = (lambda i: i.down_s) if until_s is None else (lambda i: min(i.down_s, until_s))
+    return sum(max(0.0, end(i) - i.up_s) for i in ivs)
+
+
+def static_intervals(n: int, duration_s: float) -> list[Interval]:
+    """`n` instances up for the whole segment, never preempted (calibration, what-if runs)."""
+    return [Interval(f"static{k}", 0.0, duration_s, False) for k in range(n)]
+
+
+def rented(ivs: list[Interval], max_instances: int) -> list[Interval]:
+    """The instances a policy that rents at most `max_instances` at a time actually holds: when
+    one of its instances is preempted it rents another available one (if any) at once. Each
+    rented stretch ends when the node is preempted or the segment ends. 0 = no cap."""
+    if max_instances <= 0:
+        return list(ivs)
+    points = sorted({t for i in ivs for t in (i.up_s, i.down_s)})
+    held: dict[Interval, float] = {}  # interval -> rented since
+    out: list[Interval] = []
+    for t in points:
+        for iv in [iv for iv in held if iv.down_s <= t]:
+            out.append(Interval(iv.node, held.pop(iv), iv.down_s, iv.preempted))
+        for iv in ivs:
+            if len(held) >= max_instances:
+                break
+            if iv not in held and iv.up_s <= t < iv.down_s:
+                held[iv] = t
+    return sorted(out, key=lambda i: (i.up_s, i.node))

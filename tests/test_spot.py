@@ -63,3 +63,30 @@ def test_costs_by_hand():
     rate = cost_per_hour(dollars, 7200)
     assert rate == pytest.approx((167.52 + 15.96) / 2)
     assert cost_efficiency(10_000, rate) == pytest.approx(10_000 / rate)
+
+
+def test_rented_fleet_is_capped_and_replaced():
+    from rlboost.spot import rented
+
+    ivs = [Interval("a", 0, 10, True), Interval("b", 0, 100, False), Interval("c", 5, 50, True)]
+    assert rented(ivs, 0) == ivs
+    # at most one: a until its preemption, then b takes over at once
+    assert rented(ivs, 1) == [Interval("a", 0, 10, True), Interval("b", 10, 100, False)]
+    two = rented(ivs, 2)
+    assert Interval("c", 10, 50, True) in two and instance_seconds(two) == 10 + 100 + 40
+    assert max(available(two, t) for t in range(100)) == 2
+
+
+def test_uptime_clipped_to_the_run():
+    ivs = [Interval("a", 0, 100, False), Interval("b", 50, 80, True)]
+    assert instance_seconds(ivs, until_s=60) == 60 + 10
+    # a run of 60 s: 8 reserved GPUs + 70 instance-seconds of 2 GPUs
+    assert run_cost(60, 8, instance_seconds(ivs, until_s=60), 2) == pytest.approx(
+        8 * 60 / 3600 * 10.47 + 2 * 70 / 3600 * 2.66)
+
+
+def test_blank_lines_and_comments_are_skipped_and_errors_name_the_line(tmp_path):
+    f = tmp_path / "t.csv"
+    f.write_text("# a comment\n\n0,add,node1\n1000,remove,node1\n2000,add\n")
+    with pytest.raises(TraceError, match=r"line 5"):
+        parse_trace(f)

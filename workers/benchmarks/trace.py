@@ -1,36 +1,78 @@
-"""`rlboost bench trace`: reserved-only vs hybrid on a real spot trace, with an emulated H100 fleet.
+"""`rlboost bench trace`: how much faster and cheaper than the reserved cluster alone, on a real spot trace.
 
-Everything but the GPUs is real: NATS, Redis, worker processes started and preempted
-(SIGTERM with notice, SIGKILL without) as the trace says, hand-offs through the resume lane.
-The GPUs are the emulated engine's timing model (workers/engines/emulated.py) and a trainer
-that takes `TRAIN_S_PER_TOKEN` per trained token on 8 GPUs.
+Everything but the GPUs is real: NATS JetStream, Redis, one worker *process* per preemptible
+instance, started when the trace says the node came up and preempted when it says it went
+(SIGTERM with `--notice` modelled seconds to drain, then SIGKILL; `--notice 0` = SIGKILL at
+once), hand-offs through the resume lane, leases, fencing, the adaptive seeding window. The
+GPUs are the emulated engine's timing model (workers/engines/emulated.py) and an emulated
+trainer (`TRAIN_S_PER_TOKEN`). All figures are in modelled time.
 
-Time is compressed by `--speed` S: every modelled second takes 1/S real seconds (engines
-sleep 1/S of the modelled time, trace events fire at t/S). Figures are reported in modelled
-time. At S=60 the fleet moves ~1M modelled tokens per real second, more than the wire can
-carry at 16-token chunks on 2 cores, so the bench checkpoints every `--chunk` tokens (2048):
-coarser, the same code path.
+Fleet (the published setup, DESIGN §1): a reserved cluster of 8 H100 = the trainer plus its
+seeding engine, modelled as one engine over 8 data-parallel GPUs (`TimingModel.on_gpus(8)`:
+per-sequence and KV costs / 8, the per-step weight read paid by each GPU in parallel) with
+8 x 128 slots; a preemptible instance = 2 H100 = one `rlboost worker --gpus 2 --slots 256`.
+Workload: 128 prompts x 8 samples per step, 256-token prompts, log-normal response lengths
+(median 1,500, sigma 1.0, capped at 14,336: the long tail of reasoning RL).
 
-Fleet (the published setup): the reserved cluster is 8 H100 (the trainer plus its seeding
-engine, modelled as one engine over 8 data-parallel GPUs, 1024 slots); a preemptible instance is
-2 H100 (one worker process, `--gpus 2`, 256 slots). Workload: 128 prompts x 8 samples per step,
-log-normal response lengths (median 1,500, cap 14,336), 256-token prompts.
+Time compression and token granularity. `--speed S` (30): engines sleep 1/S of the modelled
+time, the trainer too, trace events fire at t/S. At S=30 the fleet makes ~0.5M modelled tokens
+per real second; at 16-token chunks the 2-core box carries ~70K checkpointed tokens/s. So the
+granularity is scaled: each emulated token stands for `--token-scale R` (64) modelled tokens
+(`TimingModel.per_emulated_token(R)`: an emulated decode step is R steps, context reads x R^2;
+lengths / R; trained tokens x R), and workers checkpoint every `--chunk` (32) emulated tokens =
+2,048 modelled tokens. Counts are honest emulated tokens x R. What this costs in fidelity: a
+kill without notice regenerates up to one chunk per request, a killed worker's requests return
+after ACK_WAIT_S real seconds (x S modelled), and real host work (flushes, admissions, process
+start-up) is stretched S times in modelled time. The emulated engine overlaps host work between
+calls with GPU time (one call deep, like a pipelined engine), which hides most of it; what is
+left shows as ~15% of rollout time (colocated rollout ~150 s measured vs 131 s modelled).
+Colocated and disaggregated do not depend on the trace: they run `--baseline-duration` (1800 s)
+of the segment; hybrid runs the whole segment. Default: 2 h at S=30 = ~6-7 minutes in all.
 
-Policies:
+Timing constants and their sources:
+- decode/prefill: workers/engines/emulated.py (H100 SXM bandwidth and FLOPs for an 8B model);
+  one 8-GPU step of this workload takes ~131 modelled s of rollout, ~86 s of which is the
+  latency of the longest (14,336-token) responses at ~6 ms per decode step (`model_step_s`).
+- `TRAIN_S_PER_TOKEN` = 3.6e-5 s per trained token on 8 GPUs (~86 s per 2.4M-token step),
+  calibrated so reserved-only colocated measures ~10K tokens/s through the real wire at the
+  default speed (`--calibrate`: 10,234). Cross-check: fwd+bwd (6 x 8e9 FLOP per token) plus the
+  reference and old-policy forward passes (~10 x 8e9 FLOP in all) at ~28% MFU of 8 x 989
+  TFLOP/s gives 3.6e-5 s/token; rollout is ~63% of the colocated step (published: over 70%).
+- weights: the emulated engine's weights are virtual; a node's provisioning delay is its real
+  process start-up (interpreter, connections, first heartbeat: ~0.5-2 s real, x S modelled,
+  reported as `provision_s_p50`), standing for an instance's engine start and weight pull.
+  Nodes already up when the segment starts were provisioned before it and start before the clock.
+- prices: $10.47 per reserved GPU-hour, $2.66 per preemptible GPU-hour (RLBoost evaluation);
+  reserved GPUs are charged for the whole run, each instance for its rented uptime.
+
+Calibration (`--calibrate`, S=30, 1,200 modelled s each, Nov 2026 on this 2-core box):
+reserved-only 10.2K tokens/s (published ~10K); hybrid with 1/2/3/4 static instances
+~11.4/12.1/13.3/~13.5K run averages, ~12/12.5/13.5/14K in steady state (published 12/14/16/18K).
+The gap grows with the fleet: in this physics model rollout is latency-bound (the longest
+responses take ~86 s at any GPU count: `model_step_s(16, ...)` is only 17% shorter than 8 GPUs),
+and a group can only be trained when its slowest sample is done.
+
+Policies (one command runs them all):
 - colocated (veRL-style): the 8 GPUs generate the whole step, then train on it;
-- disaggregated: 4 GPUs generate while 4 GPUs train on groups as they complete;
-- hybrid: the 8 GPUs seed for T_seed (adaptive), hand the unfinished responses to the
-  preemptible fleet and train on completed groups as they arrive;
-- oracle (computed): reserved-only throughput scaled by the available GPUs, as if every
-  available instance-second were used at the reserved cluster's per-GPU rate with no overhead:
-  oracle = colocated x (8 + 2 n) / 8, n = time-averaged available instances.
+- disaggregated (balanced): k GPUs generate while 8-k train on groups as they complete, k
+  chosen by the timing model to minimise the step (`balanced_split`: 4 + 4);
+- hybrid (ours): requests are dispatched by capacity (the reserved engine's GPU share first,
+  pulled by it alone, the rest by the preemptible workers; free slots pull what remains); after
+  T_seed (adaptive SeedWindow; seeding ends early when the reserved engine runs out of work)
+  the reserved engine drains, hands its unfinished responses to the preemptible fleet, and
+  trains on complete groups as they arrive; one optimizer step per batch (on-policy). With no
+  live preemptible worker the step runs colocated; if the fleet vanishes mid-step the reserved
+  engine takes the work back. It rents at most `--max-instances` (4) of the available
+  instances at a time (replacing a preempted one at once when another is available): past
+  that the step is bound by the tail and by training, and more instances only add cost
+  (`--max-instances 0` rents everything the trace offers);
+- oracle (computed, not run): every rented GPU-second, reserved or preemptible, at the reserved
+  cluster's measured per-GPU rate with zero overhead:
+  oracle = colocated x (8 + 2 n) / 8, n = time-averaged instances rented in the segment
+  (`oracle_all_available`: the same with every instance the trace offered).
 
-Status (see issue 6): not calibrated yet. At S=60 the real cost of moving every emulated token
-through NATS and Redis (~16 MB per reserved flush) is multiplied by S and dominates the
-modelled step time, so colocated measures ~4.4K tokens/s instead of the published ~10K and
-the ratios are not yet meaningful. The fix planned: a token scale R (each emulated token stands
-for R modelled tokens: lengths / R, step costs x R, context costs x R^2, trained tokens x R),
-then calibrate TRAIN_S_PER_TOKEN against 10K and check 1-4 static instances against 12-18K.
+`--calibrate` runs colocated and hybrid with 1, 2, 3, 4 static instances (no preemption) and
+prints them next to the published ~10K / 12K / 14K / 16K / 18K tokens/s.
 """
 
 from __future__ import annotations
@@ -41,250 +83,505 @@ import contextlib
 import hashlib
 import json
 import math
+import statistics
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
 from rlboost import wire
 from rlboost.cli import print_result
-from rlboost.clients import open_clients
+from rlboost.clients import Clients, open_clients
 from rlboost.config import Settings, WorkerSettings
-from rlboost.logs import configure_logging
 from rlboost.costs import Prices, cost_efficiency, cost_per_hour, run_cost
+from rlboost.logs import configure_logging
 from rlboost.manager import RolloutManager
 from rlboost.offload import SeedWindow
 from rlboost.services import running_services
-from rlboost.spot import Interval, instance_seconds, intervals, parse_trace, sample_nodes
+from rlboost.spot import (Interval, TraceError, available, instance_seconds, intervals, parse_trace, rented,
+                          sample_nodes, static_intervals)
 from workers.counters import Counters
 from workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel
 from workers.fleet import WorkerFleet
 from workers.worker import RolloutWorker
 
 RESERVED_GPUS, INSTANCE_GPUS = 8, 2
-TRAIN_S_PER_TOKEN = 5.0e-5  # 8 GPUs; a first estimate (2.5M tokens in ~125 s), not yet calibrated
-PROMPT_TOKENS = 256
+SLOTS_PER_GPU = 128
+TRAIN_S_PER_TOKEN = 3.6e-5  # per trained token on the 8 reserved GPUs (see the module docstring)
+PROMPT_TOKENS, MAX_NEW_TOKENS = 256, 14336
+# Real seconds: a request of a worker killed without notice returns after ACK_WAIT_S (x speed
+# in modelled time); leases must expire before that.
+ACK_WAIT_S, LEASE_TTL_S = 6.0, 4.0
+PUBLISHED = {"reserved_only": 10_000, "static": {1: 12_000, 2: 14_000, 3: 16_000, 4: 18_000},
+             "throughput_ratio": [1.51, 1.97], "cost_efficiency_gain": [0.28, 0.49]}
 
 
 def seed_of(step: int, prompt: int, sample: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{step}/{prompt}/{sample}".encode(), digest_size=4).digest(), "little")
 
 
+def modelled_lengths(step: int, prompts: int, samples: int) -> np.ndarray:
+    lm = LengthModel()
+    return np.array([[lm.length(seed_of(step, p, g), "") for g in range(samples)] for p in range(prompts)])
+
+
+def model_step_s(rollout_gpus: int, train_gpus: int, streamed: bool, step: int = 0, prompts: int = 128,
+                 samples: int = 8) -> float:
+    """The timing model alone (no wire): a step on `rollout_gpus` generating and `train_gpus`
+    training, either after the rollout (colocated) or streamed group by group."""
+    lens = modelled_lengths(step, prompts, samples)
+    flat = np.sort(lens.ravel())
+    t = TimingModel().on_gpus(rollout_gpus)
+    j = np.arange(flat.max())
+    first = np.searchsorted(flat, j, side="right")
+    live = len(flat) - first
+    ctx = np.concatenate([np.cumsum((PROMPT_TOKENS + 0 * flat)[::-1])[::-1], [0]])
+    step_s = t.step_base_s + t.step_per_seq_s * live + t.step_per_ctx_token_s * (ctx[first] + j * live)
+    done_at = t.prefill(PROMPT_TOKENS * len(flat)) + np.cumsum(step_s)  # done_at[n-1]: n tokens made
+    per_token = TRAIN_S_PER_TOKEN * RESERVED_GPUS / train_gpus
+    if not streamed:
+        return float(done_at[-1] + lens.sum() * per_token)
+    trainer = 0.0
+    for g in sorted(range(prompts), key=lambda g: lens[g].max()):
+        trainer = max(trainer, float(done_at[lens[g].max() - 1])) + lens[g].sum() * per_token
+    return trainer
+
+
+def balanced_split() -> int:
+    """Rollout GPUs of the best disaggregated split of the reserved cluster (timing model)."""
+    return min(range(1, RESERVED_GPUS), key=lambda k: model_step_s(k, RESERVED_GPUS - k, streamed=True))
+
+
 class Emulation:
-    def __init__(self, a: argparse.Namespace, c, nats_url: str, redis_url: str, workdir: Path, policy: str,
-                 ivs: list[Interval]) -> None:
-        self.a, self.c, self.policy, self.ivs, self.S = a, c, policy, ivs, a.speed
-        self.pool = f"trace-{policy}"
+    """One policy over one segment: the emulated reserved cluster in this process, the
+    preemptible fleet as real worker processes replaying the trace."""
+
+    def __init__(self, a: argparse.Namespace, c: Clients, nats_url: str, redis_url: str, workdir: Path, label: str,
+                 policy: str, ivs: list[Interval]) -> None:
+        self.a, self.c, self.label, self.policy, self.ivs, self.S = a, c, label, policy, ivs, a.speed
+        self.pool = wire.check_name("pool", f"trace-{label}-{wire.new_run_id()}")
         self.manager = RolloutManager(c, self.pool)
-        self.fleet = WorkerFleet(nats_url, redis_url, workdir / policy, self.pool, worker_args=[
-            "--engine", "emulated", "--speed", str(a.speed), "--gpus", str(INSTANCE_GPUS), "--slots", "256",
-            "--checkpoint-tokens", str(a.chunk), "--ack-wait", "5", "--lease-ttl", "3",
-            "--token-scale", str(a.token_scale)],
-            env={"RLBOOST_LOG_LEVEL": "warning"})
-        gpus = RESERVED_GPUS // 2 if policy == "disaggregated" else RESERVED_GPUS
+        self.hb_s = 1.0
+        self.fleet = WorkerFleet(nats_url, redis_url, workdir / label, self.pool, worker_args=[
+            "--engine", "emulated", "--speed", str(a.speed), "--gpus", str(INSTANCE_GPUS),
+            "--slots", str(INSTANCE_GPUS * SLOTS_PER_GPU), "--checkpoint-tokens", str(a.chunk),
+            "--token-scale", str(a.token_scale), "--ack-wait", str(ACK_WAIT_S), "--lease-ttl", str(LEASE_TTL_S),
+            "--drain-grace", str(max(0.05, a.notice / a.speed))],
+            env={"RLBOOST_LOG_LEVEL": "warning", "RLBOOST_WORKER__HEARTBEAT_S": str(self.hb_s)})
+        self.split = balanced_split() if policy == "disaggregated" else RESERVED_GPUS
         R = a.token_scale
-        self.engine = EmulatedEngine(speed=a.speed, timing=TimingModel().on_gpus(gpus).per_emulated_token(R),
+        self.engine = EmulatedEngine(speed=a.speed, timing=TimingModel().on_gpus(self.split).per_emulated_token(R),
                                      lengths=LengthModel().per_emulated_token(R))
-        self.train_share = 0.5 if policy == "disaggregated" else 1.0
+        self.train_s_per_token = TRAIN_S_PER_TOKEN * RESERVED_GPUS / (RESERVED_GPUS - self.split
+                                                                       if policy == "disaggregated" else RESERVED_GPUS)
         self.window = SeedWindow(initial_s=a.t_seed / self.S, floor_s=5.0 / self.S)
         self.counters = Counters()
-        self.preemptions = 0
-        self.uptime_real = 0.0
+        self.preempted: set[str] = set()
+        self.notice_exceeded = 0
+        self.provision_s: list[float] = []
+        self.migrated_from_preempted = 0
+        self.handoffs = 0
+        self.fallbacks = 0
+        self.rows: list[dict] = []
+        self.reserved: tuple[RolloutWorker, asyncio.Task] | None = None
         self.run_id = wire.new_run_id()
 
-    async def replay(self, t0: float, stop: asyncio.Event) -> None:
+    # ------------------------------------------------------------------ the trace
+
+    async def _live(self, exclude: set[str] = frozenset()) -> int:
+        return len(await self.manager.live_workers(exclude=exclude))
+
+    async def prestart(self) -> dict:
+        """Nodes up when the segment starts were provisioned before it: start them before the clock."""
+        procs = {iv: self.fleet.start(prefix="node") for iv in self.ivs if iv.up_s <= 0}
+        deadline = time.monotonic() + 30
+        while await self._live() < len(procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return procs
+
+    async def replay(self, t0: float, stop: asyncio.Event, procs: dict) -> None:
         """Start and preempt worker processes as the trace says (time compressed by S)."""
-        events = sorted([(i.up_s, "up", i) for i in self.ivs] + [(i.down_s, "down", i) for i in self.ivs if i.preempted],
-                        key=lambda e: (e[0], e[1] == "up"))
-        procs = {}
-        for t_model, kind, iv in events:
+        events = sorted([(i.up_s, 1, i) for i in self.ivs if i.up_s > 0] +
+                        [(i.down_s, 0, i) for i in self.ivs if i.preempted], key=lambda e: (e[0], e[1]))
+        tasks = []
+        for t_model, up, iv in events:
             delay = t0 + t_model / self.S - time.monotonic()
             if delay > 0:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=delay)
             if stop.is_set():
                 break
-            if kind == "up":
-                procs[iv] = (self.fleet.start(prefix="node"), time.monotonic())
+            if up:
+                procs[iv] = self.fleet.start(prefix="node")
+                tasks.append(asyncio.create_task(self._provisioned(procs[iv].worker_id, time.monotonic())))
             elif iv in procs:
-                w, started = procs.pop(iv)
-                (self.fleet.terminate if self.a.notice > 0 else self.fleet.kill)(w)
-                self.preemptions += 1
-                self.uptime_real += time.monotonic() - started
-        self.uptime_real += sum(time.monotonic() - started for _, started in procs.values())
+                w = procs.pop(iv)
+                self.preempted.add(w.worker_id)
+                if self.a.notice > 0:
+                    self.fleet.terminate(w)
+                    tasks.append(asyncio.create_task(self._kill_after_notice(w)))
+                else:
+                    self.fleet.kill(w)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def step(self, step: int) -> int:
-        a = self.a
+    async def _spot_waiting(self, stop: asyncio.Event, reserved_id: str, period_s: float = 0.25) -> float:
+        """t_preemptible_waiting of the seeding-window rule: how long the live preemptible
+        workers sat with nothing at all in flight (mean over workers), until `stop`. A worker
+        finishing a few long responses is not waiting: the tail is latency-bound, and counting
+        its empty slots as idle (RolloutManager.sample_idle) keeps T_seed from growing."""
+        waiting = 0.0
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=period_s)
+            live = await self.manager.live_workers(exclude={reserved_id})
+            if live:
+                waiting += period_s * sum(hb.inflight == 0 for hb in live) / len(live)
+        return waiting
+
+    async def _provisioned(self, worker_id: str, started: float) -> None:
+        while time.monotonic() - started < 30:
+            if any(hb.worker_id == worker_id for hb in await self.manager.live_workers()):
+                self.provision_s.append((time.monotonic() - started) * self.S)
+                return
+            await asyncio.sleep(0.05)
+
+    async def _kill_after_notice(self, w) -> None:
+        await asyncio.sleep(self.a.notice / self.S + 0.2)
+        if w.proc.poll() is None:
+            self.notice_exceeded += 1
+            await asyncio.to_thread(self.fleet.kill, w)
+
+    # ------------------------------------------------------------------ one step
+
+    def _share(self, live: int) -> int:
+        """Requests the reserved engine takes at the start of a step: its share of the GPUs."""
+        n = self.a.prompts * self.a.samples
+        return n if live <= 0 or self.policy != "hybrid" else math.ceil(n * RESERVED_GPUS / (RESERVED_GPUS + INSTANCE_GPUS * live))
+
+    def _reserved(self, step: int, tag: str, slots: int | None = None) -> tuple[RolloutWorker, asyncio.Task]:
+        slots = min(slots or self.split * SLOTS_PER_GPU, self.split * SLOTS_PER_GPU)
+        w = RolloutWorker(WorkerSettings(pool=self.pool, slots=slots, checkpoint_tokens=self.a.chunk,
+                                         heartbeat_s=self.hb_s, ack_wait_s=ACK_WAIT_S, lease_ttl_s=LEASE_TTL_S),
+                          self.engine, self.c, worker_id=f"reserved-{tag}-{step}", counters=self.counters)
+        return w, asyncio.create_task(w.run())
+
+    async def step(self, step: int) -> dict:
+        a, R = self.a, self.a.token_scale
         reqs = [wire.RolloutRequest(request_id=wire.request_id(step, p, g, run=self.run_id), step=step,
-                                    policy_version=0, prompt_ids=[7] * (PROMPT_TOKENS // a.token_scale),
-                                    max_new_tokens=14336 // a.token_scale,
-                                    seed=seed_of(step, p, g), group=p)
+                                    policy_version=0, prompt_ids=[7] * (PROMPT_TOKENS // R),
+                                    max_new_tokens=MAX_NEW_TOKENS // R, seed=seed_of(step, p, g), group=p)
                 for p in range(a.prompts) for g in range(a.samples)]
-        live = len(await self.manager.live_workers()) if self.policy == "hybrid" else 0
-        t_seed = self.window.window(live) if self.policy == "hybrid" else math.inf
-        await self.manager.publish_step(reqs)
-        reserved = self._reserved(step)
+        hybrid = self.policy == "hybrid"
+        if self.reserved is None:  # else started (and ready) at the previous step's end
+            self.reserved = self._reserved(step, "seed", self._share(await self._live() if hybrid else 0))
+        reserved, self.reserved = self.reserved, None
+        live = await self._live(exclude={reserved[0].worker_id}) if hybrid else 0
+        t_seed = self.window.window(live) if hybrid else (0.0 if self.policy == "disaggregated" else math.inf)
+        t_start = time.monotonic()
+        stop_idle = asyncio.Event()
+        idle_sampler = asyncio.create_task(self._spot_waiting(stop_idle, reserved[0].worker_id)) if live else None
+        # Dispatch by capacity: the reserved engine's share first (interleaved over prompts), pulled
+        # by it alone (its free slots = its share), then the rest for the preemptible fleet.
+        share = min(len(reqs), reserved[0].cfg.slots)
+        first = set(np.linspace(0, len(reqs) - 1, share).round().astype(int).tolist()) if share < len(reqs) else None
+        if first is None:
+            await self.manager.publish_step(reqs)
+        else:
+            await self.manager.publish_step([q for i, q in enumerate(reqs) if i in first])
+            t_pub = time.monotonic()
+            while len(reserved[0].active) + reserved[0].admitting < len(first) and time.monotonic() - t_pub < 0.3:
+                await asyncio.sleep(0.005)
+            await self.manager.publish_step([q for i, q in enumerate(reqs) if i not in first])
         groups: dict[int, int] = defaultdict(int)
         tokens: dict[int, int] = defaultdict(int)
         ready: asyncio.Queue[int] = asyncio.Queue()
-        idle = {"trainer": 0.0}
+        last_result = [t_start]
 
         async def collect() -> None:
             async for r in self.manager.results(step, {q.request_id for q in reqs}):
                 groups[r.group] += 1
-                tokens[r.group] += len(r.token_ids) * a.token_scale  # modelled tokens
+                tokens[r.group] += len(r.token_ids) * R  # modelled tokens
+                workers = [s.worker_id for s in r.segments]
+                if any(w in self.preempted for w in workers[:-1]):
+                    self.migrated_from_preempted += 1
                 if groups[r.group] == a.samples:
                     ready.put_nowait(r.group)
+                last_result[0] = time.monotonic()
 
         collector = asyncio.create_task(collect())
-        stop_idle = asyncio.Event()
-        idle_sampler = asyncio.create_task(self.manager.sample_idle(stop_idle)) if live else None
-        t_start = time.monotonic()
-        if self.policy != "disaggregated":  # rollout first (seeding window, or the whole step)
-            while not collector.done() and time.monotonic() - t_start < t_seed:
-                await asyncio.sleep(0.01)
-        if reserved and self.policy == "hybrid" and live and not collector.done():
+        rollout_done = asyncio.Event()
+        collector.add_done_callback(lambda _: rollout_done.set())
+        r0 = reserved[0]
+        while not collector.done() and time.monotonic() - t_start < t_seed:  # rollout first
+            await asyncio.sleep(0.01)
+            if hybrid and live and time.monotonic() - t_start > 0.5 and not r0.active and not r0.admitting:
+                break  # the reserved engine ran out of work before T_seed: train now
+        handoffs = 0
+        if hybrid and not collector.done() and await self._live(exclude={reserved[0].worker_id}):
+            before = self.counters.get("handed_off")
             reserved[0].request_drain("seeding window over")
             await reserved[1]
-            reserved = None
-        trained, step_tokens = 0, 0
+            reserved, handoffs = None, self.counters.get("handed_off") - before
+        next_reserved = asyncio.create_task(self._ready_for_next_step(rollout_done, lambda: reserved, step))
+        trained = step_tokens = 0
+        trainer_wait = 0.0
+        busy_until = time.monotonic()  # the emulated trainer: busy until this instant
         while trained < a.prompts:
             t_wait = time.monotonic()
             while True:
                 try:
-                    g = await asyncio.wait_for(ready.get(), timeout=0.25)
+                    g = await asyncio.wait_for(ready.get(), timeout=0.1)
                     break
                 except asyncio.TimeoutError:
-                    if reserved is None and not await self.manager.live_workers():
-                        reserved = self._reserved(step, "fallback")  # nobody left: take the work back
-            idle["trainer"] += time.monotonic() - t_wait
-            await asyncio.sleep(tokens[g] * TRAIN_S_PER_TOKEN / self.train_share / self.S)
+                    if collector.done():
+                        collector.result()
+                    if reserved is None and not await self._live():
+                        self.fallbacks += 1  # nobody left to finish the rollout: take it back
+                        reserved = self._reserved(step, "fallback")
+            trainer_wait += time.monotonic() - t_wait
+            busy_until = max(busy_until, time.monotonic()) + tokens[g] * self.train_s_per_token / self.S
             step_tokens += tokens[g]
             trained += 1
+        await asyncio.sleep(max(0.0, busy_until - time.monotonic()))  # the optimizer step ends the batch
         await collector
-        if reserved:
-            reserved[0].request_drain("step complete")
-            await reserved[1]
+        self.reserved = await next_reserved
         if idle_sampler:
             stop_idle.set()
-            self.window.update(live, idle["trainer"], await idle_sampler)
-        return step_tokens
+            self.window.update(live, trainer_wait, await idle_sampler)
+        self.handoffs += handoffs
+        return {"tokens": step_tokens, "live": live, "handoffs": handoffs,
+                "t_seed": None if math.isinf(t_seed) else round(t_seed * self.S, 1),
+                "trainer_wait_s": round(trainer_wait * self.S, 1), "rollout_s": round((last_result[0] - t_start) * self.S, 1), "step_s": round((time.monotonic() - t_start) * self.S, 1)}
 
-    def _reserved(self, step: int, tag: str = "seed"):
-        w = RolloutWorker(WorkerSettings(pool=self.pool, slots=1024, checkpoint_tokens=self.a.chunk),
-                          self.engine, self.c, worker_id=f"reserved-{self.policy}-{tag}-{step}", counters=self.counters)
-        return w, asyncio.create_task(w.run())
+    async def _ready_for_next_step(self, rollout_done: asyncio.Event, current, step: int):
+        """Once every result of the step is in (nothing left in the queue), the reserved engine
+        for the next step is up and waiting: the one still running, else a new one (started
+        while the trainer trains, as a long-lived engine would be)."""
+        await rollout_done.wait()
+        reserved = current()
+        if reserved is None or reserved[0].draining.is_set():
+            reserved = self._reserved(step + 1, "seed", self._share(await self._live()))
+        return reserved
+
+    # ------------------------------------------------------------------ a whole run
 
     async def run(self, duration_model_s: float) -> dict:
+        procs = await self.prestart() if self.policy == "hybrid" else {}
         t0 = time.monotonic()
         stop = asyncio.Event()
-        replay = asyncio.create_task(self.replay(t0, stop)) if self.policy == "hybrid" else None
-        tokens, steps, t_done = 0, 0, t0
-        while time.monotonic() - t0 < duration_model_s / self.S:
-            n = await self.step(steps)
-            if time.monotonic() - t0 > duration_model_s / self.S * 1.05:
-                break  # a step that ran far past the segment's end does not count
-            tokens, steps, t_done = tokens + n, steps + 1, time.monotonic()
-            print(f"  {self.policy:13} step {steps:3d}  {tokens / ((t_done - t0) * self.S):8,.0f} tokens/s  "
-                  f"({len(self.fleet.live())} preemptible up)", flush=True)
-        stop.set()
-        if replay:
-            await replay
-        regenerated = self.a.token_scale * sum(max(0, w.counters()["generated"] - w.counters()["checkpointed"])
-                                               for w in self.fleet.workers.values())
-        self.fleet.stop_all()
-        elapsed_model = (t_done - t0) * self.S
-        dollars = run_cost(elapsed_model, RESERVED_GPUS, self.uptime_real * self.S, INSTANCE_GPUS, self.a.prices)
-        throughput = tokens / elapsed_model if elapsed_model else 0.0
-        rate = cost_per_hour(dollars, elapsed_model) if elapsed_model else 0.0
+        replay = asyncio.create_task(self.replay(t0, stop, procs)) if self.policy == "hybrid" else None
+        tokens, t_done = 0, t0
+        try:
+            while time.monotonic() - t0 < duration_model_s / self.S:
+                row = await self.step(len(self.rows))
+                if time.monotonic() - t0 > duration_model_s / self.S * 1.05:
+                    break  # a step that ran far past the segment's end does not count
+                tokens, t_done = tokens + row["tokens"], time.monotonic()
+                row["t_end_s"] = round((t_done - t0) * self.S, 1)
+                self.rows.append(row)
+                print(f"  {self.label:14} step {len(self.rows):3d}  t={row['t_end_s']:6.0f} s  "
+                      f"{row['tokens'] / row['step_s']:8,.0f} tok/s (run {tokens / row['t_end_s']:8,.0f})  "
+                      f"step {row['step_s']:5.0f} s  live {row['live']:2d}  T_seed {row['t_seed'] or '-'}  "
+                      f"hand-offs {row['handoffs']}  rollout {row['rollout_s']:.0f} s", flush=True)
+        finally:
+            stop.set()
+            if self.reserved is not None:
+                self.reserved[0].request_drain("run complete")
+                await self.reserved[1]
+            if replay:
+                await replay
+            await asyncio.to_thread(self.fleet.stop_all)
+        R = self.a.token_scale
+        regenerated = R * sum(max(0, w.counters()["generated"] - w.counters()["checkpointed"])
+                              for w in self.fleet.workers.values())
+        regenerated += R * max(0, self.counters.get("generated") - self.counters.get("checkpointed"))
+        elapsed = (t_done - t0) * self.S
+        inst_s = instance_seconds(self.ivs, until_s=elapsed)
+        dollars = run_cost(elapsed, RESERVED_GPUS, inst_s, INSTANCE_GPUS, self.a.prices)
+        throughput = tokens / elapsed if elapsed else 0.0
+        rate = cost_per_hour(dollars, elapsed) if elapsed else 0.0
         return {"throughput": round(throughput, 1), "cost_per_hour": round(rate, 2),
                 "cost_efficiency": round(cost_efficiency(throughput, rate), 2) if rate else 0.0,
-                "preemptions": self.preemptions, "regenerated_tokens": regenerated, "steps": steps,
-                "tokens": tokens, "modelled_s": round(elapsed_model)}
+                "preemptions": len(self.preempted), "regenerated_tokens": regenerated,
+                "steps": len(self.rows), "tokens": tokens, "modelled_s": round(elapsed),
+                "instance_hours": round(inst_s / 3600, 2), "handoffs": self.handoffs,
+                "migrated_from_preempted": self.migrated_from_preempted, "notice_exceeded": self.notice_exceeded,
+                "fallbacks": self.fallbacks, "workers_started": len(self.fleet.workers),
+                "provision_s_p50": round(statistics.median(self.provision_s), 1) if self.provision_s else None,
+                "rollout_gpus": self.split, "t_seed_last": self.rows[-1]["t_seed"] if self.rows else None,
+                "series": [[r["t_end_s"], round(r["tokens"] / r["step_s"])] for r in self.rows]}
 
 
-async def evaluate(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Path, ivs: list[Interval]) -> dict:
+async def evaluate(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Path,
+                   runs: list[tuple[str, str, list[Interval]]]) -> dict:
     out: dict[str, dict] = {}
-    async with open_clients(nats_url, redis_url, "rlboost-trace", pools=tuple(f"trace-{p}" for p in a.policies)) as c:
-        for policy in a.policies:
-            print(f"{policy}:", flush=True)
-            out[policy] = await Emulation(a, c, nats_url, redis_url, workdir, policy, ivs).run(a.duration)
+    async with open_clients(nats_url, redis_url, "rlboost-trace") as c:
+        for label, policy, ivs in runs:
+            print(f"{label}:", flush=True)
+            t = time.monotonic()
+            duration = a.duration if policy == "hybrid" or not a.trace else min(a.duration, a.baseline_duration)
+            out[label] = await Emulation(a, c, nats_url, redis_url, workdir, label, policy, ivs).run(duration)
+            out[label]["wall_s"] = round(time.monotonic() - t, 1)
     return out
 
 
-def main(argv: list[str], s: Settings) -> int:
-    p = argparse.ArgumentParser(prog="rlboost bench trace", description=__doc__.splitlines()[0])
-    p.add_argument("--trace", required=True)
-    p.add_argument("--start", type=float, default=0.0, help="segment start (s into the trace)")
-    p.add_argument("--duration", type=float, default=7200.0, help="segment length (modelled s)")
-    p.add_argument("--fraction", type=float, default=0.5, help="share of the trace's nodes sampled")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--speed", type=float, default=60.0, help="time compression")
-    p.add_argument("--notice", type=float, default=30.0, help="preemption notice (modelled s); 0 = SIGKILL")
-    p.add_argument("--chunk", type=int, default=64, help="checkpoint interval in emulated tokens")
-    p.add_argument("--token-scale", type=int, default=64, help="modelled tokens per emulated token")
-    p.add_argument("--prompts", type=int, default=128)
-    p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--t-seed", type=float, default=60.0, help="initial seeding window (modelled s)")
-    p.add_argument("--policies", default="colocated,disaggregated,hybrid")
-    p.add_argument("--reserved-gpu-hour", type=float, default=Prices.reserved_gpu_hour)
-    p.add_argument("--preemptible-gpu-hour", type=float, default=Prices.preemptible_gpu_hour)
-    p.add_argument("--out", default="")
-    a = p.parse_args(argv)
-    configure_logging(json=s.log_json, level="warning")  # progress lines and the table are the output
-    a.policies = [x for x in a.policies.split(",") if x]
-    a.prices = Prices(a.reserved_gpu_hour, a.preemptible_gpu_hour)
-    events = parse_trace(a.trace)
-    nodes = sample_nodes(events, a.fraction, a.seed)
-    ivs = intervals([e for e in events if e.node in nodes], a.start, a.duration)
-    avg_up = instance_seconds(ivs) / a.duration
-    print(f"trace {a.trace}: {len(nodes)} nodes sampled, {len(ivs)} availability intervals, "
-          f"{avg_up:.2f} instances up on average; {a.duration:.0f} s compressed {a.speed:g}x", flush=True)
-    if not (s.services.nats_url and s.services.redis_url):
-        s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-trace-")
-    out_dir = Path(a.out or tempfile.mkdtemp(prefix="rlboost-trace-out-"))
-    with running_services(s.services) as (nats_url, redis_url):
-        policies = asyncio.run(evaluate(a, nats_url, redis_url, out_dir, ivs))
+def oracle(colocated: dict, ivs: list[Interval], duration_s: float, prices: Prices) -> dict:
+    n = instance_seconds(ivs) / duration_s
+    thr = colocated["throughput"] * (RESERVED_GPUS + INSTANCE_GPUS * n) / RESERVED_GPUS
+    rate = cost_per_hour(run_cost(duration_s, RESERVED_GPUS, instance_seconds(ivs), INSTANCE_GPUS, prices), duration_s)
+    return {"throughput": round(thr, 1), "cost_per_hour": round(rate, 2),
+            "cost_efficiency": round(cost_efficiency(thr, rate), 2), "preemptions": 0, "regenerated_tokens": 0}
+
+
+def summarise(policies: dict, ivs: list[Interval], fleet: list[Interval], a: argparse.Namespace) -> dict:
+    """The oracle is computed on the fleet the hybrid rented (`fleet`); `oracle_all_available`
+    on every instance-second the trace offered."""
+    result: dict = {"policies": policies}
     if "colocated" in policies:
-        col = policies["colocated"]["throughput"]
-        oracle = col * (RESERVED_GPUS + INSTANCE_GPUS * avg_up) / RESERVED_GPUS
-        policies["oracle"] = {"throughput": round(oracle, 1), "cost_per_hour": None, "cost_efficiency": None,
-                              "preemptions": 0, "regenerated_tokens": 0}
-    result: dict = {"policies": policies, "avg_instances_up": round(avg_up, 2), "speed": a.speed}
+        policies["oracle"] = oracle(policies["colocated"], fleet, a.duration, a.prices)
+        result["oracle_all_available"] = oracle(policies["colocated"], ivs, a.duration, a.prices)
     if "hybrid" in policies and "colocated" in policies:
         h, c = policies["hybrid"], policies["colocated"]
         result["throughput_ratio"] = round(h["throughput"] / c["throughput"], 3)
         result["cost_efficiency_gain"] = round(h["cost_efficiency"] / c["cost_efficiency"] - 1, 3)
         result["oracle_fraction"] = round(h["throughput"] / policies["oracle"]["throughput"], 3)
-    print(f"\n{'policy':14}{'tokens/s':>10}{'$/h':>9}{'tok/s per $/h':>15}{'preempt':>9}{'regen':>9}")
+    return result
+
+
+def print_table(policies: dict, published: dict[str, float] | None = None) -> None:
+    print(f"\n{'policy':14}{'tokens/s':>10}{'$/h':>9}{'tok/s per $/h':>15}{'preempt':>9}{'regen':>9}{'hand-offs':>11}"
+          + (f"{'published':>11}" if published else ""))
     for name, r in policies.items():
-        print(f"{name:14}{r['throughput']:>10,.0f}{(r['cost_per_hour'] or 0):>9.2f}{(r['cost_efficiency'] or 0):>15.2f}"
-              f"{r['preemptions']:>9}{r['regenerated_tokens']:>9}")
-    plot(ivs, a.duration, policies, out_dir / "trace.png")
-    (out_dir / "trace.json").write_text(json.dumps(result, indent=2))
-    print(f"(plot and JSON in {out_dir}; published: 1.51-1.97x throughput, +28-49% cost efficiency)")
-    print_result(result)
-    return 0
+        pub = f"{published[name]:>11,.0f}" if published and name in published else ""
+        print(f"{name:14}{r['throughput']:>10,.0f}{r['cost_per_hour']:>9.2f}{r['cost_efficiency']:>15.2f}"
+              f"{r['preemptions']:>9}{r['regenerated_tokens']:>9}{r.get('handoffs', 0):>11}{pub}")
 
 
-def plot(ivs: list[Interval], duration: float, policies: dict, path: Path) -> None:
+def plot(ivs: list[Interval], duration: float, policies: dict, path: Path, fleet: list[Interval] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rlboost.spot import available
-
-    ts = [duration * i / 400 for i in range(401)]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.step([t / 60 for t in ts], [available(ivs, t) for t in ts], where="post")
-    ax1.set_xlabel("minutes")
-    ax1.set_ylabel("preemptible instances up")
-    ax1.set_title("availability (sampled trace segment)")
+    ts = [duration * i / 600 for i in range(601)]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    ax1.step([t / 60 for t in ts], [available(ivs, t) for t in ts], where="post", color="gray", label="available")
+    if fleet is not None:
+        ax1.step([t / 60 for t in ts], [available(fleet, t) for t in ts], where="post", color="black", ls="--",
+                 label="rented by hybrid")
+        ax1.legend(loc="upper left", fontsize=8)
+    ax1.set_xlabel("minutes into the segment")
+    ax1.set_ylabel("preemptible instances up (2xH100 each)", color="gray")
+    ax1.set_title("availability and per-step throughput")
+    axr = ax1.twinx()
+    for name, r in policies.items():
+        if r.get("series"):
+            axr.step([x / 60 for x, _ in r["series"]], [y for _, y in r["series"]], where="pre", label=name)
+    axr.set_ylabel("tokens/s (modelled)")
+    axr.legend(loc="upper right", fontsize=8)
     names = list(policies)
-    ax2.bar(names, [policies[n]["throughput"] for n in names])
-    ax2.set_ylabel("tokens/s (modelled)")
-    ax2.set_title("throughput per policy")
+    ax2.bar(names, [policies[n]["throughput"] for n in names], color="tab:blue")
+    ax2.set_ylabel("tokens/s (modelled)", color="tab:blue")
+    ax3 = ax2.twinx()
+    ax3.plot(names, [policies[n]["cost_efficiency"] for n in names], "o-", color="tab:red")
+    ax3.set_ylabel("tokens/s per $/h", color="tab:red")
+    ax2.set_title("throughput (bars) and cost efficiency (dots) per policy")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def main(argv: list[str], s: Settings) -> int:
+    p = argparse.ArgumentParser(prog="rlboost bench trace", description=__doc__.splitlines()[0])
+    p.add_argument("--trace", help="a trace file: `ms,add|remove,nodeN` per line")
+    p.add_argument("--start", type=float, default=0.0, help="segment start (s into the trace)")
+    p.add_argument("--duration", type=float, default=7200.0, help="segment length (modelled s)")
+    p.add_argument("--fraction", type=float, default=0.5, help="share of the trace's nodes sampled")
+    p.add_argument("--seed", type=int, default=0, help="node sampling seed")
+    p.add_argument("--speed", type=float, default=30.0, help="time compression (modelled s per real s)")
+    p.add_argument("--notice", type=float, default=30.0, help="preemption notice (modelled s); 0 = SIGKILL")
+    p.add_argument("--chunk", type=int, default=32, help="checkpoint interval in emulated tokens")
+    p.add_argument("--token-scale", type=int, default=64, help="modelled tokens per emulated token")
+    p.add_argument("--prompts", type=int, default=128)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--t-seed", type=float, default=90.0, help="initial seeding window (modelled s)")
+    p.add_argument("--policies", default="colocated,disaggregated,hybrid")
+    p.add_argument("--calibrate", action="store_true",
+                   help="colocated and hybrid with 1-4 static instances, against the published figures")
+    p.add_argument("--max-instances", type=int, default=4,
+                   help="hybrid rents at most this many of the available instances at a time (0 = all)")
+    p.add_argument("--baseline-duration", type=float, default=1800.0,
+                   help="modelled s for colocated/disaggregated (reserved-only: independent of the trace)")
+    p.add_argument("--static", default="", help="instead of a trace: hybrid with these many instances always up (1,2)")
+    p.add_argument("--reserved-gpu-hour", type=float, default=Prices.reserved_gpu_hour)
+    p.add_argument("--preemptible-gpu-hour", type=float, default=Prices.preemptible_gpu_hour)
+    p.add_argument("--out", default="", help="directory for trace.png, trace.json and worker logs")
+    a = p.parse_args(argv)
+    configure_logging(json=s.log_json, level="warning")  # progress lines and the table are the output
+    a.prices = Prices(a.reserved_gpu_hour, a.preemptible_gpu_hour)
+    t_wall = time.monotonic()
+    if a.calibrate or a.static:
+        a.duration = a.duration if "--duration" in argv else 1800.0
+        ivs: list[Interval] = []
+        fleet: list[Interval] = []
+        counts = [int(x) for x in (a.static or "1,2,3,4").split(",") if x]
+        runs = ([("colocated", "colocated", [])] if a.calibrate else []) + [
+            (f"static-{n}", "hybrid", static_intervals(n, a.duration)) for n in counts]
+    else:
+        if not a.trace:
+            p.error("--trace FILE is required (or --calibrate)")
+        try:
+            events = parse_trace(a.trace)
+        except (TraceError, OSError) as e:
+            print(f"rlboost bench trace: {e}", flush=True)
+            return 2
+        nodes = sample_nodes(events, a.fraction, a.seed)
+        ivs = intervals([e for e in events if e.node in nodes], a.start, a.duration)
+        fleet = rented(ivs, a.max_instances)
+        runs = [(x, x, fleet if x == "hybrid" else []) for x in a.policies.split(",") if x]
+        unknown = {x for _, x, _ in runs} - {"colocated", "disaggregated", "hybrid"}
+        if unknown:
+            p.error(f"unknown policies {sorted(unknown)}")
+        print(f"trace {a.trace}: {len(nodes)} of {len({e.node for e in events})} nodes sampled (seed {a.seed}), "
+              f"segment [{a.start:.0f}, {a.start + a.duration:.0f}) s: {len(ivs)} availability intervals, "
+              f"{sum(i.preempted for i in ivs)} preemptions, {instance_seconds(ivs) / a.duration:.2f} instances up "
+              f"on average; hybrid rents at most {a.max_instances or 'all'}: {instance_seconds(fleet) / a.duration:.2f} "
+              f"on average, {sum(i.preempted for i in fleet)} preempted; compressed {a.speed:g}x "
+              f"(~{(a.duration + a.baseline_duration * (len(runs) - 1)) / a.speed / 60:.0f} min)", flush=True)
+    if not (s.services.nats_url and s.services.redis_url):
+        s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-trace-")
+    out_dir = Path(a.out or tempfile.mkdtemp(prefix="rlboost-trace-out-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with running_services(s.services) as (nats_url, redis_url):
+        policies = asyncio.run(evaluate(a, nats_url, redis_url, out_dir, runs))
+    if a.calibrate or a.static:
+        published = {"colocated": PUBLISHED["reserved_only"],
+                     **{f"static-{n}": v for n, v in PUBLISHED["static"].items()}}
+        print_table(policies, published)
+        result = {"calibration": {k: {"throughput": v["throughput"], "published": published.get(k)}
+                                  for k, v in policies.items()},
+                  "train_s_per_token": TRAIN_S_PER_TOKEN, "speed": a.speed, "token_scale": a.token_scale}
+    else:
+        result = summarise(policies, ivs, fleet, a)
+        print_table(result["policies"])
+        result.update({"avg_instances_up": round(instance_seconds(ivs) / a.duration, 2),
+                       "avg_instances_rented": round(instance_seconds(fleet) / a.duration, 2),
+                       "max_instances": a.max_instances,
+                       "segment": [a.start, a.duration], "fraction": a.fraction, "seed": a.seed, "speed": a.speed,
+                       "token_scale": a.token_scale, "notice_s": a.notice,
+                       "published": {k: PUBLISHED[k] for k in ("throughput_ratio", "cost_efficiency_gain")}})
+        if "throughput_ratio" in result:
+            print(f"\nhybrid vs colocated: throughput x{result['throughput_ratio']:.2f} (published 1.51-1.97x), "
+                  f"cost efficiency {result['cost_efficiency_gain']:+.0%} (published +28-49%), "
+                  f"{result['oracle_fraction']:.0%} of the oracle")
+    result["wall_s"] = round(time.monotonic() - t_wall, 1)
+    plot(ivs if a.trace else [], a.duration, result.get("policies", policies), out_dir / "trace.png",
+         fleet if a.trace else None)
+    (out_dir / "trace.json").write_text(json.dumps(result, indent=2))
+    print(f"(plot, JSON and worker logs in {out_dir})", flush=True)
+    for r in result.get("policies", {}).values():
+        r.pop("series", None)  # in trace.json; the last line stays one readable JSON object
+    print_result(result)
+    return 0

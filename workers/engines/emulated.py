@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -152,13 +153,15 @@ class EmulatedEngine(Engine):
         self.vocab = vocab
         self.on_tokens = on_tokens  # called as tokens come off each emulated step
         self._prefilled: set[str] = set()  # request ids whose KV cache this engine holds
+        self._gpu_free_at: float | None = None  # wall clock when the last call's modelled GPU work ended
+        self._last_gpu_s = 0.0  # real duration of the last call's modelled GPU work
 
     def set_token_callback(self, fn: Callable[[int], None]) -> bool:
         self.on_tokens = fn
         return True
 
     async def _pace(self, batch: list[Sequence], remaining: list[int], steps: int,
-                    stop: threading.Event | None) -> int:
+                    stop: threading.Event | None, t0: float) -> int:
         """Take the modelled time of `steps` decode steps (vectorised: live count and context
         of every step from the sorted remaining lengths), in slices of >= 2 ms so a kill or a
         stop lands between steps. Returns the steps completed; tokens count as generated once
@@ -175,14 +178,18 @@ class EmulatedEngine(Engine):
         step_s = t.step_base_s + t.step_per_seq_s * live + t.step_per_ctx_token_s * (suffix[first_live] + j * live)
         cum = np.cumsum(step_s) / self.speed
         cum_tokens = np.cumsum(live)
-        at, elapsed = 0, 0.0
+        # Paced against the wall clock from `t0`, not by summing sleeps: a late wake-up (a busy
+        # event loop) is caught up on the next slice instead of accumulating.
+        at = 0
         while at < steps and not (stop is not None and stop.is_set()):
-            end = min(steps, max(at + 1, int(np.searchsorted(cum, elapsed + 0.002, side="left")) + 1))
-            await asyncio.sleep(float(cum[end - 1]) - elapsed)
-            elapsed = float(cum[end - 1])
+            now = time.monotonic() - t0
+            end = min(steps, max(at + 1, int(np.searchsorted(cum, now + 0.002, side="left")) + 1))
+            delay = float(cum[end - 1]) - (time.monotonic() - t0)
+            await asyncio.sleep(max(0.0, delay))
             if self.on_tokens:
                 self.on_tokens(int(cum_tokens[end - 1] - (cum_tokens[at - 1] if at else 0)))
             at = end
+        self._gpu_free_at = t0 + (float(cum[at - 1]) if at else 0.0)
         return at
 
     async def _sleep(self, seconds: float) -> None:
@@ -191,15 +198,34 @@ class EmulatedEngine(Engine):
 
     async def generate(self, batch: list[Sequence], max_tokens: int,
                        stop: threading.Event | None = None) -> list[Generated]:
+        now = time.monotonic()
         ids = {s.request_id for s in batch}
+        continuing = bool(self._prefilled & ids)
         self._prefilled &= ids  # sequences that left the batch free their KV cache
         cold = [s for s in batch if s.request_id not in self._prefilled]
-        await self._sleep(self.timing.prefill(sum(len(s.prompt_ids) + len(s.token_ids) for s in cold)))
+        prefill_s = self.timing.prefill(sum(len(s.prompt_ids) + len(s.token_ids) for s in cold))
         self._prefilled |= {s.request_id for s in cold}
+        # Host and GPU overlap (a pipelined engine, like vLLM's async scheduling): the host work
+        # between two calls on a continuing batch (checkpoint flush, results, admissions) ran
+        # while the GPU kept decoding, up to one call's worth of GPU time. Without this, a
+        # compressed run (speed S) would charge every host millisecond S times.
+        t0 = now
+        if continuing and self._gpu_free_at is not None:
+            t0 = max(now - self._last_gpu_s, min(now, self._gpu_free_at))
 
         remaining = [max(0, target_length(s, self.lengths) - len(s.token_ids)) for s in batch]
         steps = min(max_tokens, max(remaining, default=0))
-        done_steps = steps if self.speed <= 0 else await self._pace(batch, remaining, steps, stop)
+        if not continuing and self.speed > 0:
+            # A batch forming from scratch: admissions are still landing. Like a continuous-
+            # batching scheduler (new requests join at every step), return after one step so the
+            # next call takes everyone who arrived meanwhile.
+            steps = min(steps, 1)
+        if self.speed <= 0:
+            done_steps = steps
+        else:
+            start = t0 + prefill_s / self.speed
+            done_steps = await self._pace(batch, remaining, steps, stop, start)
+            self._last_gpu_s = self._gpu_free_at - t0
         done = [min(r, done_steps) for r in remaining]
         if self.speed <= 0 and self.on_tokens:
             self.on_tokens(sum(done))

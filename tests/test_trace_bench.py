@@ -1,0 +1,61 @@
+"""The trace bench on real servers and real worker processes, at a small scale and high speed:
+a preempted node's requests finish elsewhere, and with no preemptible node hybrid = colocated."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from rlboost.clients import open_clients
+from rlboost.costs import Prices
+from rlboost.spot import Interval, intervals, parse_trace, rented
+from workers.benchmarks import trace as bench
+
+
+def args(**kw) -> argparse.Namespace:
+    base = dict(speed=100.0, chunk=8, token_scale=64, notice=30.0, prompts=16, samples=4, t_seed=10.0,
+                prices=Prices(), max_instances=0)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+async def run(nats_url, redis_url, tmp_path, a, label, policy, ivs, duration):
+    async with open_clients(nats_url, redis_url, "test-trace") as c:
+        return await bench.Emulation(a, c, nats_url, redis_url, tmp_path, label, policy, ivs).run(duration)
+
+
+def test_preempted_node_requests_finish_elsewhere(services, tmp_path):
+    nats_url, redis_url = services
+    a = args()
+    # node A is preempted (30 modelled s notice) 60 s in; node B stays for the whole run
+    ivs = [Interval("a", 0.0, 60.0, True), Interval("b", 0.0, 900.0, False)]
+    out = asyncio.run(run(nats_url, redis_url, tmp_path, a, "preempt", "hybrid", ivs, 900.0))
+    assert out["preemptions"] == 1
+    assert out["steps"] >= 2  # every step completed: no request lost
+    assert out["migrated_from_preempted"] > 0  # A's unfinished requests were finished by others
+    assert out["regenerated_tokens"] == 0  # with notice, nothing is generated twice
+
+
+def test_no_preemptible_node_hybrid_equals_colocated(services, tmp_path):
+    nats_url, redis_url = services
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    ivs = intervals(parse_trace(empty), 0.0, 600.0)
+    assert ivs == []
+    a = args(speed=150.0)
+    col = asyncio.run(run(nats_url, redis_url, tmp_path, a, "col", "colocated", ivs, 600.0))
+    hyb = asyncio.run(run(nats_url, redis_url, tmp_path, a, "hyb", "hybrid", rented(ivs, 4), 600.0))
+    assert hyb["preemptions"] == 0 and hyb["handoffs"] == 0 and hyb["workers_started"] == 0
+    assert hyb["cost_per_hour"] == pytest.approx(col["cost_per_hour"])
+    assert hyb["throughput"] == pytest.approx(col["throughput"], rel=0.15)
+
+
+def test_balanced_split_and_oracle():
+    assert 1 <= bench.balanced_split() < bench.RESERVED_GPUS
+    col = {"throughput": 10_000.0}
+    ivs = [Interval("a", 0, 3600, False), Interval("b", 1800, 3600, False)]  # 1.5 instances on average over 1 h
+    o = bench.oracle(col, ivs, 3600, Prices())
+    assert o["throughput"] == pytest.approx(10_000 * (8 + 2 * 1.5) / 8)
+    assert o["cost_per_hour"] == pytest.approx(8 * 10.47 + 1.5 * 2 * 2.66)
