@@ -214,3 +214,12 @@ async def dead_letter_max_deliveries(js: JetStreamContext, nc: NATS, stop: async
             log.warning("dead-lettered", stream=wire.STREAM_REQUESTS, seq=seq, reason="max deliveries exceeded")
     finally:
         await sub.unsubscribe()
+
+
+async def worker_keys(js: JetStreamContext) -> list[str]:
+    """The registry's keys (worker ids, deleted ones included: `kv.get` then raises), from the
+    bucket stream's subject list in one request. nats-py's `kv.keys()` now and then reports
+    "no keys" for a bucket that has some, which would read as "no workers at all"."""
+    prefix = f"$KV.{wire.BUCKET_WORKERS}."
+    info = await js.stream_info(f"KV_{wire.BUCKET_WORKERS}", subjects_filter=f"{prefix}>")
+    return [subject[len(prefix):] for subject in (info.state.subjects or {})]

@@ -173,20 +173,24 @@ class CheckpointStore:
         (rid, owner, epoch, offset, token_ids, logprobs); each outcome is the new length or the
         error for that request, so one lost lease does not fail the others."""
         ttl_ms = int(ttl_s * 1000)
-        sha = self._append.sha
+        replies = await self._pipelined(self._append, [
+            ((wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid), wire.ckpt_tokens_key(rid)),
+             (epoch, offset, pack(toks, lps), ttl_ms, owner)) for rid, owner, epoch, offset, toks, lps in appends])
+        return [_append_outcome(a[0], a[2], a[3], r) for a, r in zip(appends, replies, strict=True)]
+
+    async def _pipelined(self, script, calls: list[tuple[tuple, tuple]]) -> list[object]:
+        """Run one Lua script for many (keys, args) in one pipeline. EVALSHA directly: the
+        Script wrapper's per-call bookkeeping costs more than Redis spends running the script."""
         for attempt in (1, 2):
             async with self.redis.pipeline(transaction=False) as pipe:
-                # EVALSHA directly: the Script wrapper's per-call bookkeeping costs more than
-                # Redis spends running the script.
-                for rid, owner, epoch, offset, toks, lps in appends:
-                    pipe.evalsha(sha, 3, wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid),
-                                 wire.ckpt_tokens_key(rid), epoch, offset, pack(toks, lps), ttl_ms, owner)
+                for keys, args in calls:
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
                 replies = await pipe.execute(raise_on_error=False)
             if attempt == 1 and any(isinstance(r, NoScriptError) for r in replies):
-                await self.redis.script_load(_APPEND)  # Redis restarted and lost its script cache
+                await self.redis.script_load(script.script)  # Redis restarted and lost its script cache
                 continue
             break
-        return [_append_outcome(a[0], a[2], a[3], r) for a, r in zip(appends, replies, strict=True)]
+        return replies
 
     async def finish(self, rid: str, epoch: int, total_tokens: int) -> None:
         r = await self._finish(
@@ -209,6 +213,12 @@ class CheckpointStore:
     async def release(self, rid: str, epoch: int) -> bool:
         """Give the lease up (drain/hand-off) so the next claimant need not wait for expiry."""
         return await self._release(keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)], args=[epoch]) == 1
+
+    async def release_many(self, leases: Sequence[tuple[str, int]]) -> list[bool]:
+        """`release` for a whole drained batch in one round trip: (rid, epoch) -> released?"""
+        replies = await self._pipelined(self._release, [
+            ((wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)), (epoch,)) for rid, epoch in leases])
+        return [r == 1 for r in replies]
 
     async def read(self, rid: str) -> tuple[list[int], list[float]]:
         return unpack(await self.redis.get(wire.ckpt_tokens_key(rid)) or b"")

@@ -65,6 +65,10 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine: str = "emulated"
     slots: int = 32  # concurrent requests in the running batch
     resume_reserve: float = 0.5  # extra slots (x slots) kept for handed-off requests only
+    handoff_pool: str = ""  # hand-offs go to this pool's resume lane ("" = our own): a reserved
+    # seeding engine with its own queue hands its unfinished responses to the preemptible pool
+    fetch_batch: int = 16  # fresh requests per pull: small pulls interleave between workers, so a
+    # step spreads over the pool instead of filling whichever worker asked first (0 = all free slots)
     checkpoint_tokens: int = 16  # K: checkpoint + publish every K tokens ...
     checkpoint_ms: float = 250.0  # ... or every T ms, whichever first
     lease_ttl_s: float = 8.0  # < ack_wait, so a redelivered request's lease has expired

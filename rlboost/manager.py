@@ -13,7 +13,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from rlboost import wire
+from rlboost import bus, wire
 from rlboost.clients import Clients
 from rlboost.logs import get_logger
 
@@ -66,8 +66,9 @@ class RolloutManager:
         """Workers of this pool whose heartbeat is fresh and who are not draining."""
         kv = await self.c.js.key_value(wire.BUCKET_WORKERS)
         try:
-            keys = await kv.keys()
-        except Exception:  # nats-py raises when the bucket is empty
+            keys = await bus.worker_keys(self.c.js)
+        except Exception as e:
+            self.log.warning("cannot list workers", error=str(e))
             return []
         out = []
         now = time.time()

@@ -34,7 +34,7 @@ async def gather_status(nats_url: str) -> dict:
         workers = []
         try:
             kv = await js.key_value(wire.BUCKET_WORKERS)
-            for key in await kv.keys():
+            for key in await bus.worker_keys(js):
                 entry = await kv.get(key)
                 hb = wire.decode(wire.WorkerHeartbeat, entry.value)
                 workers.append({**msgspec.to_builtins(hb), "age_s": round(time.time() - hb.ts, 1)})

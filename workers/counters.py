@@ -13,7 +13,8 @@ import os
 import struct
 from pathlib import Path
 
-FIELDS = ("generated", "checkpointed", "fenced", "handed_off", "results", "claims", "dead_lettered")
+FIELDS = ("generated", "checkpointed", "fenced", "handed_off", "results", "claims", "dead_lettered",
+          "handoff_rounds")  # a seeding engine's completed hand-offs (SIGUSR2)
 _FMT = "<" + "q" * len(FIELDS)
 _SIZE = struct.calcsize(_FMT)
 

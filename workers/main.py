@@ -24,6 +24,8 @@ def parse_args(argv: list[str], s: Settings) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rlboost worker", description=__doc__.splitlines()[0])
     p.add_argument("--pool", default=w.pool, help="the pool whose work queue this worker consumes")
     p.add_argument("--engine", default=w.engine, choices=["emulated", "torch", "vllm"])
+    p.add_argument("--handoff-pool", default=w.handoff_pool,
+                   help="hand requests off to this pool's resume lane (a reserved seeding engine; default: own pool)")
     p.add_argument("--slots", type=int, default=w.slots, help="concurrent requests in the running batch")
     p.add_argument("--checkpoint-tokens", type=int, default=w.checkpoint_tokens, help="K: checkpoint every K tokens")
     p.add_argument("--model-dir", default=w.model_dir, help="torch/vllm: local Hugging Face model directory")
@@ -42,7 +44,7 @@ def parse_args(argv: list[str], s: Settings) -> argparse.Namespace:
     w.pool, w.engine, w.slots, w.checkpoint_tokens, w.model_dir, w.speed = (
         a.pool, a.engine, a.slots, a.checkpoint_tokens, a.model_dir, a.speed)
     w.ack_wait_s, w.lease_ttl_s, w.drain_grace_s, w.gpus = a.ack_wait, a.lease_ttl, a.drain_grace, a.gpus
-    w.token_scale = a.token_scale
+    w.token_scale, w.handoff_pool = a.token_scale, a.handoff_pool
     return a
 
 
@@ -93,22 +95,29 @@ async def weight_source(s: Settings, js, worker_id: str) -> WeightSource | None:
 
 
 async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
+    """Serve until drained. A hand-off (SIGUSR2: a reserved seeding engine's window is over)
+    gives every request away and serves on with the same engine, in a new round."""
     nats_url, redis_url = resolve_urls(s.services)
     engine = build_engine(s)
     async with open_clients(nats_url, redis_url, f"rlboost-worker-{worker_id}", settings=s) as c:
-        worker = RolloutWorker(s.worker, engine, c, worker_id=worker_id, counters=counters,
-                               weights=await weight_source(s, c.js, worker_id))
-        worker.install_signal_handlers()
+        weights = await weight_source(s, c.js, worker_id)
         if s.metrics.port:
             port = metrics.start_metrics_server(s.metrics.port, s.metrics.bind)
-            worker.log.info("metrics served", url=f"http://{s.metrics.bind}:{port}/metrics")
-        watchdog = asyncio.create_task(_exit_after_grace(worker))
+            get_logger(worker_id=worker_id).info("metrics served", url=f"http://{s.metrics.bind}:{port}/metrics")
         stop_prefetch = asyncio.Event()
-        prefetcher = asyncio.create_task(worker.weights.prefetch(stop_prefetch)) if worker.weights else None
+        prefetcher = asyncio.create_task(weights.prefetch(stop_prefetch)) if weights else None
         try:
-            await worker.run()
+            while True:
+                worker = RolloutWorker(s.worker, engine, c, worker_id=worker_id, counters=counters, weights=weights)
+                worker.install_signal_handlers()
+                watchdog = asyncio.create_task(_exit_after_grace(worker))
+                try:
+                    await worker.run()
+                finally:
+                    watchdog.cancel()
+                if not worker.continue_after:
+                    return
         finally:
-            watchdog.cancel()
             stop_prefetch.set()
             if prefetcher:
                 await asyncio.gather(prefetcher, return_exceptions=True)

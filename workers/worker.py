@@ -48,6 +48,7 @@ from workers.counters import Counters
 from workers.engines.base import Engine, Sequence
 
 T = TypeVar("T")
+JOIN_COALESCE_S = 0.05  # hand-offs arriving together interrupt the engine once per this
 
 # Returns the directory of verified weights for a policy version (pulled if needed).
 WeightSource = Callable[[int], Awaitable[Path]]
@@ -91,6 +92,7 @@ class RolloutWorker:
         self.engine = engine
         self.c = clients
         self.pool = wire.check_name("pool", settings.pool)
+        self.handoff_pool = wire.check_name("hand-off pool", settings.handoff_pool or settings.pool)
         self.worker_id = wire.check_name("worker id", worker_id or make_worker_id(self.pool))
         self.counters = counters or Counters()
         self._engine_counts = engine.set_token_callback(lambda n: self.counters.add("generated", n))
@@ -101,6 +103,7 @@ class RolloutWorker:
         self.admitting = 0
         self.draining = asyncio.Event()
         self.drain_reason = ""
+        self.continue_after = False  # a hand-off (SIGUSR2), not a shutdown
         self.stop_engine = threading.Event()  # tells the engine to return between steps
         self._wake = asyncio.Event()  # work arrived (or drain): the generate loop looks again
         self._slot_events: list[asyncio.Event] = []  # one per feeder: a request left, fetch again
@@ -108,6 +111,8 @@ class RolloutWorker:
         self._token_acks: list[asyncio.Future] = []
         self._admissions: set[asyncio.Task] = set()
         self._started_at = time.time()
+        self._join_pending = False
+        self._last_join = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -119,10 +124,17 @@ class RolloutWorker:
             self.stop_engine.set()
             self._wake.set()
 
+    def request_handoff(self, reason: str = "seeding window over") -> None:
+        """Hand every request off like a drain, but the process serves on afterwards (`serve`
+        starts the next round): a reserved seeding engine at the end of its window."""
+        self.continue_after = True
+        self.request_drain(reason)
+
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig, why in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT"), (signal.SIGUSR1, "spot notice")):
             loop.add_signal_handler(sig, self.request_drain, why)
+        loop.add_signal_handler(signal.SIGUSR2, self.request_handoff)
 
     async def run(self) -> None:
         """Serve until drained. Returns after every in-flight request was handed back."""
@@ -139,7 +151,7 @@ class RolloutWorker:
         self.log.info("worker started", slots=self.cfg.slots, resume_reserve=reserve,
                       checkpoint_tokens=self.cfg.checkpoint_tokens)
         stop_aux = asyncio.Event()
-        feeder = asyncio.gather(self._feed(fresh, self.cfg.slots, self.cfg.slots, 0.25),
+        feeder = asyncio.gather(self._feed(fresh, self.cfg.slots, self.cfg.fetch_batch or self.cfg.slots, 0.25),
                                 self._feed(resume, self.cfg.slots + reserve, 1, 0.5))
         aux = [asyncio.create_task(self._heartbeat_loop(stop_aux)),
                asyncio.create_task(bus.dead_letter_max_deliveries(js, self.c.nc, stop_aux))]
@@ -153,6 +165,10 @@ class RolloutWorker:
                     await sub.unsubscribe()
             await asyncio.gather(*self._admissions, return_exceptions=True)
             await self._hand_back_all()
+            if self.handoff_pool != self.pool:
+                await self._forward_own_queue()
+            if self.continue_after:
+                self.counters.add("handoff_rounds")
         finally:
             feeder.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -229,7 +245,7 @@ class RolloutWorker:
                                                  durable=len(claim.token_ids), logprobs=list(claim.logprobs),
                                                  done=is_complete(req, claim.token_ids))
             if claim.token_ids:
-                self.stop_engine.set()  # a hand-off joins the batch now, not after the current call
+                self._join_soon()
         except (redis.exceptions.RedisError, CheckpointError, OSError) as e:
             self.log.warning("admission failed, handing back", error=str(e))
             with contextlib.suppress(Exception):
@@ -238,6 +254,25 @@ class RolloutWorker:
             self.admitting -= 1
             self._wake.set()
             self._notify_slots()
+
+    def _join_soon(self) -> None:
+        """A hand-off joins the batch now, not after the current engine call: interrupt it. A
+        burst of hand-offs (a drained seeding engine's whole batch) is coalesced into one
+        interruption per JOIN_COALESCE_S, or each arrival would cost a flush of every request."""
+        if self._join_pending:
+            return
+        self._join_pending = True
+
+        def join() -> None:
+            self._join_pending = False
+            self._last_join = time.monotonic()
+            self.stop_engine.set()
+
+        delay = self._last_join + JOIN_COALESCE_S - time.monotonic()
+        if delay <= 0:
+            join()
+        else:
+            asyncio.get_running_loop().call_later(delay, join)
 
     async def _ensure_version(self, version: int) -> bool:
         """Serve one policy version at a time; switch only when no request of another is in flight."""
@@ -393,26 +428,58 @@ class RolloutWorker:
         """After the final flush: release every lease and put every request on the resume lane,
         so a worker with a spare slot claims it at once and continues from the checkpoint with
         nothing to regenerate. Publish first, then ack: a crash in between leaves two messages
-        for one request, which the lease and the finished mark resolve, never zero."""
+        for one request, which the lease and the finished mark resolve, never zero. Batched (one
+        Redis round trip, publishes in flight together): a seeding engine hands back hundreds."""
         leftover = list(self.active.values())
-
-        async def hand_back(a: Active) -> None:
-            if not await self.c.store.release(a.req.request_id, a.epoch):
-                return  # fenced out: not ours to hand back
-            await self.c.js.publish(wire.resume_subject(self.pool), a.msg.data,
-                                    headers={wire.HDR_MSG_ID: wire.handoff_msg_id(a.req.request_id, a.epoch)})
-            await a.msg.ack()
+        try:
+            released = await self.c.store.release_many([(a.req.request_id, a.epoch) for a in leftover])
+        except (redis.exceptions.RedisError, OSError) as e:  # they come back after ack_wait, like after a kill
+            self.log.warning("hand-off failed: could not release", requests=len(leftover), error=str(e))
+            released = [False] * len(leftover)
+        mine = [a for a, ok in zip(leftover, released, strict=True) if ok]  # the rest: fenced out, not ours
+        subject = wire.resume_subject(self.handoff_pool)
+        pubs = []
+        for a in mine:
+            pubs.append(await self.c.js.publish_async(
+                subject, a.msg.data, headers={wire.HDR_MSG_ID: wire.handoff_msg_id(a.req.request_id, a.epoch)}))
+        outcomes = await asyncio.gather(*pubs, return_exceptions=True)
+        for a, out in zip(mine, outcomes, strict=True):
+            if isinstance(out, Exception):  # not acked: it comes back after ack_wait, like after a kill
+                self.log.warning("hand-off failed", request_id=a.req.request_id, error=str(out))
+                continue
+            with contextlib.suppress(Exception):
+                await a.msg.ack()
             self.counters.add("handed_off")
             await self._event(a.req, a.epoch, "release", a.durable, detail=self.drain_reason)
             self.log.info("handed off", request_id=a.req.request_id, at=a.durable)
-
-        outcomes = await asyncio.gather(*(hand_back(a) for a in leftover), return_exceptions=True)
-        for a, out in zip(leftover, outcomes, strict=True):
-            if isinstance(out, Exception):  # it comes back after ack_wait, like after a kill
-                self.log.warning("hand-off failed", request_id=a.req.request_id, error=str(out))
         acks, self._token_acks = self._token_acks, []
         await asyncio.gather(*acks, return_exceptions=True)
         self.active.clear()
+
+    async def _forward_own_queue(self) -> None:
+        """A seeding engine (its own queue, another hand-off pool) hands off its whole share:
+        what is still queued for it (not fetched yet, or given back as the notice landed) goes
+        to the hand-off pool's resume lane as well."""
+        js = self.c.js
+        sub = await js.pull_subscribe_bind(durable=wire.consumer_name(self.pool), stream=wire.STREAM_REQUESTS)
+        try:
+            while True:
+                try:
+                    msgs = await sub.fetch(batch=256, timeout=0.05)
+                except (TimeoutError, asyncio.TimeoutError):
+                    msgs = []
+                if not msgs and not (await sub.consumer_info()).num_pending:
+                    return
+                for msg in msgs:
+                    rid = (msg.headers or {}).get(wire.HDR_MSG_ID) or f"forwarded-{uuid.uuid4().hex}"
+                    await js.publish(wire.resume_subject(self.handoff_pool), msg.data,
+                                     headers={wire.HDR_MSG_ID: wire.handoff_msg_id(rid, 0)})
+                    await msg.ack()
+                    self.counters.add("handed_off")
+                    self.log.info("forwarded unstarted request", request_id=rid, to_pool=self.handoff_pool)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     # ------------------------------------------------------------------ liveness
 

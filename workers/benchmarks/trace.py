@@ -83,6 +83,7 @@ import contextlib
 import hashlib
 import json
 import math
+import signal
 import statistics
 import tempfile
 import time
@@ -162,8 +163,9 @@ class Emulation:
                  policy: str, ivs: list[Interval]) -> None:
         self.a, self.c, self.label, self.policy, self.ivs, self.S = a, c, label, policy, ivs, a.speed
         self.pool = wire.check_name("pool", f"trace-{label}-{wire.new_run_id()}")
+        self.reserved_pool = f"{self.pool}-reserved"  # the seeding engine's own queue: its share
         self.manager = RolloutManager(c, self.pool)
-        self.hb_s = 1.0
+        self.hb_s = 0.25  # heartbeats carry in-flight counts: the seeding rule's idle measure
         self.fleet = WorkerFleet(nats_url, redis_url, workdir / label, self.pool, worker_args=[
             "--engine", "emulated", "--speed", str(a.speed), "--gpus", str(INSTANCE_GPUS),
             "--slots", str(INSTANCE_GPUS * SLOTS_PER_GPU), "--checkpoint-tokens", str(a.chunk),
@@ -171,6 +173,14 @@ class Emulation:
             "--drain-grace", str(max(0.05, a.notice / a.speed))],
             env={"RLBOOST_LOG_LEVEL": "warning", "RLBOOST_WORKER__HEARTBEAT_S": str(self.hb_s)})
         self.split = balanced_split() if policy == "disaggregated" else RESERVED_GPUS
+        # The reserved cluster's rollout GPUs: data-parallel engines of INSTANCE_GPUS each, as
+        # worker processes serving its own queue and handing off to the preemptible pool.
+        self.reserved_fleet = WorkerFleet(nats_url, redis_url, workdir / label, self.reserved_pool, worker_args=[
+            "--engine", "emulated", "--speed", str(a.speed), "--gpus", str(INSTANCE_GPUS),
+            "--slots", str(INSTANCE_GPUS * SLOTS_PER_GPU), "--checkpoint-tokens", str(a.chunk),
+            "--token-scale", str(a.token_scale), "--ack-wait", str(ACK_WAIT_S), "--lease-ttl", str(LEASE_TTL_S),
+            "--handoff-pool", self.pool],
+            env={"RLBOOST_LOG_LEVEL": "warning", "RLBOOST_WORKER__HEARTBEAT_S": str(self.hb_s)})
         R = a.token_scale
         self.engine = EmulatedEngine(speed=a.speed, timing=TimingModel().on_gpus(self.split).per_emulated_token(R),
                                      lengths=LengthModel().per_emulated_token(R))
@@ -185,7 +195,6 @@ class Emulation:
         self.handoffs = 0
         self.fallbacks = 0
         self.rows: list[dict] = []
-        self.reserved: tuple[RolloutWorker, asyncio.Task] | None = None
         self.run_id = wire.new_run_id()
 
     # ------------------------------------------------------------------ the trace
@@ -194,10 +203,15 @@ class Emulation:
         return len(await self.manager.live_workers(exclude=exclude))
 
     async def prestart(self) -> dict:
-        """Nodes up when the segment starts were provisioned before it: start them before the clock."""
-        procs = {iv: self.fleet.start(prefix="node") for iv in self.ivs if iv.up_s <= 0}
-        deadline = time.monotonic() + 30
-        while await self._live() < len(procs) and time.monotonic() < deadline:
+        """The reserved engines, and the nodes up when the segment starts (provisioned before
+        it), start before the clock."""
+        for _ in range(self.split // INSTANCE_GPUS):
+            self.reserved_fleet.start(prefix="reserved")
+        procs = {iv: self.fleet.start(prefix="node") for iv in self.ivs if iv.up_s <= 0} if self.policy == "hybrid" else {}
+        reserved = RolloutManager(self.c, self.reserved_pool)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (await self._live() < len(procs) or
+                                               len(await reserved.live_workers()) < len(self.reserved_fleet.workers)):
             await asyncio.sleep(0.1)
         return procs
 
@@ -226,7 +240,7 @@ class Emulation:
                     self.fleet.kill(w)
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _spot_waiting(self, stop: asyncio.Event, reserved_id: str, period_s: float = 0.25) -> float:
+    async def _spot_waiting(self, stop: asyncio.Event, period_s: float = 0.25) -> float:
         """t_preemptible_waiting of the seeding-window rule: how long the live preemptible
         workers sat with nothing at all in flight (mean over workers), until `stop`. A worker
         finishing a few long responses is not waiting: the tail is latency-bound, and counting
@@ -235,7 +249,7 @@ class Emulation:
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=period_s)
-            live = await self.manager.live_workers(exclude={reserved_id})
+            live = await self.manager.live_workers()
             if live:
                 waiting += period_s * sum(hb.inflight == 0 for hb in live) / len(live)
         return waiting
@@ -260,12 +274,25 @@ class Emulation:
         n = self.a.prompts * self.a.samples
         return n if live <= 0 or self.policy != "hybrid" else math.ceil(n * RESERVED_GPUS / (RESERVED_GPUS + INSTANCE_GPUS * live))
 
-    def _reserved(self, step: int, tag: str, slots: int | None = None) -> tuple[RolloutWorker, asyncio.Task]:
-        slots = min(slots or self.split * SLOTS_PER_GPU, self.split * SLOTS_PER_GPU)
-        w = RolloutWorker(WorkerSettings(pool=self.pool, slots=slots, checkpoint_tokens=self.a.chunk,
+    def _fallback(self, step: int) -> tuple[RolloutWorker, asyncio.Task]:
+        """The preemptible fleet vanished mid-step: the reserved cluster takes the work back."""
+        w = RolloutWorker(WorkerSettings(pool=self.pool, slots=self.split * SLOTS_PER_GPU, checkpoint_tokens=self.a.chunk,
                                          heartbeat_s=self.hb_s, ack_wait_s=ACK_WAIT_S, lease_ttl_s=LEASE_TTL_S),
-                          self.engine, self.c, worker_id=f"reserved-{tag}-{step}", counters=self.counters)
+                          self.engine, self.c, worker_id=f"reserved-fallback-{step}", counters=self.counters)
         return w, asyncio.create_task(w.run())
+
+    async def _hand_off(self) -> int:
+        """End of the seeding window: every reserved engine hands its unfinished responses to
+        the preemptible pool (SIGUSR2) and serves on; returns once all have, with the count."""
+        procs = [w for w in self.reserved_fleet.workers.values() if w.proc.poll() is None]
+        before = {w.worker_id: w.counters() for w in procs}
+        for w in procs:
+            w.proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(
+                w.counters()["handoff_rounds"] <= before[w.worker_id]["handoff_rounds"] for w in procs):
+            await asyncio.sleep(0.005)
+        return sum(w.counters()["handed_off"] - before[w.worker_id]["handed_off"] for w in procs)
 
     async def step(self, step: int) -> dict:
         a, R = self.a, self.a.token_scale
@@ -274,33 +301,28 @@ class Emulation:
                                     max_new_tokens=MAX_NEW_TOKENS // R, seed=seed_of(step, p, g), group=p)
                 for p in range(a.prompts) for g in range(a.samples)]
         hybrid = self.policy == "hybrid"
-        if self.reserved is None:  # else started (and ready) at the previous step's end
-            self.reserved = self._reserved(step, "seed", self._share(await self._live() if hybrid else 0))
-        reserved, self.reserved = self.reserved, None
-        live = await self._live(exclude={reserved[0].worker_id}) if hybrid else 0
+        live = await self._live() if hybrid else 0
         t_seed = self.window.window(live) if hybrid else (0.0 if self.policy == "disaggregated" else math.inf)
         t_start = time.monotonic()
         stop_idle = asyncio.Event()
-        idle_sampler = asyncio.create_task(self._spot_waiting(stop_idle, reserved[0].worker_id)) if live else None
-        # Dispatch by capacity: the reserved engine's share first (interleaved over prompts), pulled
-        # by it alone (its free slots = its share), then the rest for the preemptible fleet.
-        share = min(len(reqs), reserved[0].cfg.slots)
-        first = set(np.linspace(0, len(reqs) - 1, share).round().astype(int).tolist()) if share < len(reqs) else None
-        if first is None:
-            await self.manager.publish_step(reqs)
-        else:
-            await self.manager.publish_step([q for i, q in enumerate(reqs) if i in first])
-            t_pub = time.monotonic()
-            while len(reserved[0].active) + reserved[0].admitting < len(first) and time.monotonic() - t_pub < 0.3:
-                await asyncio.sleep(0.005)
-            await self.manager.publish_step([q for i, q in enumerate(reqs) if i not in first])
+        idle_sampler = asyncio.create_task(self._spot_waiting(stop_idle)) if live else None
+        # Dispatch by capacity: the reserved engines' share (interleaved over prompts) on their
+        # own queue, the rest on the preemptible pool's, where free slots pull it.
+        share = self._share(live)
+        mine = set(np.linspace(0, len(reqs) - 1, share).round().astype(int).tolist())
+        mine_ids = {reqs[i].request_id for i in mine}
+        await self.manager.publish_step([q for i, q in enumerate(reqs) if i in mine], self.reserved_pool)
+        if len(mine) < len(reqs):
+            await self.manager.publish_step([q for i, q in enumerate(reqs) if i not in mine])
         groups: dict[int, int] = defaultdict(int)
         tokens: dict[int, int] = defaultdict(int)
         ready: asyncio.Queue[int] = asyncio.Queue()
         last_result = [t_start]
+        reserved_left = [len(mine_ids)]  # of the reserved share, not finished yet
 
         async def collect() -> None:
             async for r in self.manager.results(step, {q.request_id for q in reqs}):
+                reserved_left[0] -= r.request_id in mine_ids
                 groups[r.group] += 1
                 tokens[r.group] += len(r.token_ids) * R  # modelled tokens
                 workers = [s.worker_id for s in r.segments]
@@ -313,23 +335,19 @@ class Emulation:
         collector = asyncio.create_task(collect())
         rollout_done = asyncio.Event()
         collector.add_done_callback(lambda _: rollout_done.set())
-        r0 = reserved[0]
         while not collector.done() and time.monotonic() - t_start < t_seed:  # rollout first
             await asyncio.sleep(0.01)
-            if hybrid and live and time.monotonic() - t_start > 0.5 and not r0.active and not r0.admitting:
-                break  # the reserved engine ran out of work before T_seed: train now
+            if hybrid and live and not reserved_left[0]:
+                break  # the reserved engines ran out of work before T_seed: train now
         handoffs = 0
-        if hybrid and not collector.done() and await self._live(exclude={reserved[0].worker_id}):
-            before = self.counters.get("handed_off")
-            reserved[0].request_drain("seeding window over")
-            await reserved[1]
-            reserved, handoffs = None, self.counters.get("handed_off") - before
-        next_reserved = asyncio.create_task(self._ready_for_next_step(rollout_done, lambda: reserved, step))
+        handed_off = False
+        if hybrid and not collector.done() and await self._live():
+            handoffs, handed_off = await self._hand_off(), True
+        fallback: tuple[RolloutWorker, asyncio.Task] | None = None
         trained = step_tokens = 0
         trainer_wait = 0.0
         busy_until = time.monotonic()  # the emulated trainer: busy until this instant
         while trained < a.prompts:
-            t_wait = time.monotonic()
             while True:
                 try:
                     g = await asyncio.wait_for(ready.get(), timeout=0.1)
@@ -337,16 +355,19 @@ class Emulation:
                 except asyncio.TimeoutError:
                     if collector.done():
                         collector.result()
-                    if reserved is None and not await self._live():
+                    if handed_off and fallback is None and not await self._live():
                         self.fallbacks += 1  # nobody left to finish the rollout: take it back
-                        reserved = self._reserved(step, "fallback")
-            trainer_wait += time.monotonic() - t_wait
-            busy_until = max(busy_until, time.monotonic()) + tokens[g] * self.train_s_per_token / self.S
+                        fallback = self._fallback(step)
+            arrived = time.monotonic()
+            trainer_wait += max(0.0, arrived - busy_until)  # idle: it had trained all it had
+            busy_until = max(busy_until, arrived) + tokens[g] * self.train_s_per_token / self.S
             step_tokens += tokens[g]
             trained += 1
         await asyncio.sleep(max(0.0, busy_until - time.monotonic()))  # the optimizer step ends the batch
         await collector
-        self.reserved = await next_reserved
+        if fallback is not None:
+            fallback[0].request_drain("step complete")
+            await fallback[1]
         if idle_sampler:
             stop_idle.set()
             self.window.update(live, trainer_wait, await idle_sampler)
@@ -355,20 +376,10 @@ class Emulation:
                 "t_seed": None if math.isinf(t_seed) else round(t_seed * self.S, 1),
                 "trainer_wait_s": round(trainer_wait * self.S, 1), "rollout_s": round((last_result[0] - t_start) * self.S, 1), "step_s": round((time.monotonic() - t_start) * self.S, 1)}
 
-    async def _ready_for_next_step(self, rollout_done: asyncio.Event, current, step: int):
-        """Once every result of the step is in (nothing left in the queue), the reserved engine
-        for the next step is up and waiting: the one still running, else a new one (started
-        while the trainer trains, as a long-lived engine would be)."""
-        await rollout_done.wait()
-        reserved = current()
-        if reserved is None or reserved[0].draining.is_set():
-            reserved = self._reserved(step + 1, "seed", self._share(await self._live()))
-        return reserved
-
     # ------------------------------------------------------------------ a whole run
 
     async def run(self, duration_model_s: float) -> dict:
-        procs = await self.prestart() if self.policy == "hybrid" else {}
+        procs = await self.prestart()
         t0 = time.monotonic()
         stop = asyncio.Event()
         replay = asyncio.create_task(self.replay(t0, stop, procs)) if self.policy == "hybrid" else None
@@ -387,15 +398,13 @@ class Emulation:
                       f"hand-offs {row['handoffs']}  rollout {row['rollout_s']:.0f} s", flush=True)
         finally:
             stop.set()
-            if self.reserved is not None:
-                self.reserved[0].request_drain("run complete")
-                await self.reserved[1]
             if replay:
                 await replay
             await asyncio.to_thread(self.fleet.stop_all)
+            await asyncio.to_thread(self.reserved_fleet.stop_all)
         R = self.a.token_scale
         regenerated = R * sum(max(0, w.counters()["generated"] - w.counters()["checkpointed"])
-                              for w in self.fleet.workers.values())
+                              for w in [*self.fleet.workers.values(), *self.reserved_fleet.workers.values()])
         regenerated += R * max(0, self.counters.get("generated") - self.counters.get("checkpointed"))
         elapsed = (t_done - t0) * self.S
         inst_s = instance_seconds(self.ivs, until_s=elapsed)
@@ -510,7 +519,7 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--policies", default="colocated,disaggregated,hybrid")
     p.add_argument("--calibrate", action="store_true",
                    help="colocated and hybrid with 1-4 static instances, against the published figures")
-    p.add_argument("--max-instances", type=int, default=4,
+    p.add_argument("--max-instances", type=int, default=2,
                    help="hybrid rents at most this many of the available instances at a time (0 = all)")
     p.add_argument("--baseline-duration", type=float, default=1800.0,
                    help="modelled s for colocated/disaggregated (reserved-only: independent of the trace)")
