@@ -509,19 +509,19 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--duration", type=float, default=7200.0, help="segment length (modelled s)")
     p.add_argument("--fraction", type=float, default=0.5, help="share of the trace's nodes sampled")
     p.add_argument("--seed", type=int, default=0, help="node sampling seed")
-    p.add_argument("--speed", type=float, default=30.0, help="time compression (modelled s per real s)")
+    p.add_argument("--speed", type=float, default=20.0, help="time compression (modelled s per real s)")
     p.add_argument("--notice", type=float, default=30.0, help="preemption notice (modelled s); 0 = SIGKILL")
-    p.add_argument("--chunk", type=int, default=32, help="checkpoint interval in emulated tokens")
+    p.add_argument("--chunk", type=int, default=8, help="checkpoint interval in emulated tokens")
     p.add_argument("--token-scale", type=int, default=64, help="modelled tokens per emulated token")
     p.add_argument("--prompts", type=int, default=128)
     p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--t-seed", type=float, default=90.0, help="initial seeding window (modelled s)")
+    p.add_argument("--t-seed", type=float, default=60.0, help="initial seeding window (modelled s)")
     p.add_argument("--policies", default="colocated,disaggregated,hybrid")
     p.add_argument("--calibrate", action="store_true",
                    help="colocated and hybrid with 1-4 static instances, against the published figures")
-    p.add_argument("--max-instances", type=int, default=2,
+    p.add_argument("--max-instances", type=int, default=3,
                    help="hybrid rents at most this many of the available instances at a time (0 = all)")
-    p.add_argument("--baseline-duration", type=float, default=1800.0,
+    p.add_argument("--baseline-duration", type=float, default=900.0,
                    help="modelled s for colocated/disaggregated (reserved-only: independent of the trace)")
     p.add_argument("--static", default="", help="instead of a trace: hybrid with these many instances always up (1,2)")
     p.add_argument("--reserved-gpu-hour", type=float, default=Prices.reserved_gpu_hour)
