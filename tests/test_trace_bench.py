@@ -29,8 +29,10 @@ async def run(nats_url, redis_url, tmp_path, a, label, policy, ivs, duration):
 def test_preempted_node_requests_finish_elsewhere(services, tmp_path):
     nats_url, redis_url = services
     a = args()
-    # node A is preempted (30 modelled s notice) 60 s in; node B stays for the whole run
-    ivs = [Interval("a", 0.0, 60.0, True), Interval("b", 0.0, 900.0, False)]
+    # node A is preempted (30 modelled s notice) 15 s into the first step, while most of its
+    # responses (median 1,500 tokens, ~10 ms per decode step) are still being generated;
+    # node B stays for the whole run
+    ivs = [Interval("a", 0.0, 15.0, True), Interval("b", 0.0, 900.0, False)]
     out = asyncio.run(run(nats_url, redis_url, tmp_path, a, "preempt", "hybrid", ivs, 900.0))
     assert out["preemptions"] == 1
     assert out["steps"] >= 2  # every step completed: no request lost
@@ -59,3 +61,17 @@ def test_balanced_split_and_oracle():
     o = bench.oracle(col, ivs, 3600, Prices())
     assert o["throughput"] == pytest.approx(10_000 * (8 + 2 * 1.5) / 8)
     assert o["cost_per_hour"] == pytest.approx(8 * 10.47 + 1.5 * 2 * 2.66)
+
+
+def test_the_timing_model_alone_by_hand_and_its_hybrid_bound():
+    unit = bench.TimingModel(step_base_s=1.0, step_per_seq_s=0.0, step_per_ctx_token_s=0.0, prefill_per_token_s=0.0)
+    done, left = bench._finish_times(unit, [["a", 2, 0], ["b", 5, 0]], 0.0)
+    assert done == {"a": 2.0, "b": 5.0} and left == []
+    done, left = bench._finish_times(unit, [["a", 2, 0], ["b", 5, 0]], 0.0, t_stop=3.0)
+    assert done == {"a": 2.0} and left == [["b", 2, 3]]  # 3 of b's 5 steps made, context grown by 3
+    done, _ = bench._finish_times(unit, [["a", 2, 0]], 0.0, joins=[(10.0, ["c", 1, 0])])
+    assert done == {"a": 2.0, "c": 11.0}  # an idle engine takes a late join when it arrives
+    colocated = bench.model_step_s(bench.RESERVED_GPUS, bench.RESERVED_GPUS, streamed=False)
+    assert bench.model_hybrid_step_s(2, 60.0) < colocated  # offloading the tail pays in the model
+    bounds = [bench.model_hybrid_throughput(n) for n in (1, 2)]
+    assert bounds[0] < bounds[1]

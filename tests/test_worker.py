@@ -9,7 +9,7 @@ import time
 import msgspec
 import pytest
 
-from rlboost import wire
+from rlboost import bus, wire
 from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
 from workers.benchmarks.chaos import chaos
@@ -207,3 +207,54 @@ async def test_a_finished_checkpoint_whose_message_returns_is_republished_not_re
     assert r.segments[0].worker_id == "dead-worker"
     assert w.counters.get("generated") == 0 and w.counters.get("claims") == 0
     assert (await js.consumer_info(wire.STREAM_REQUESTS, wire.consumer_name("refinish"))).num_ack_pending == 0
+
+
+async def test_a_seeding_engine_hands_its_whole_share_off_on_sigusr2_and_serves_on(clients, nats_url, redis_url,
+                                                                                  tmp_path):
+    """The reserved cluster's seeding engine: its own queue, hand-offs to the preemptible pool.
+    SIGUSR2 ends the seeding window: started requests go to the pool's resume lane from their
+    checkpoints, queued ones are forwarded unstarted, and the same process serves the next step."""
+    import signal
+
+    from workers.fleet import WorkerFleet
+
+    js, step = clients.js, 109
+    await bus.ensure_pool_consumer(js, "spot", wire.ConsumerSpec(ack_wait_s=3.0, max_deliver=20))
+    fleet = WorkerFleet(nats_url, redis_url, tmp_path, "seed", worker_args=[
+        "--engine", "emulated", "--speed", "2", "--slots", "4", "--handoff-pool", "spot",
+        "--ack-wait", "3", "--lease-ttl", "2"], env={"RLBOOST_WORKER__HEARTBEAT_S": "0.2"})
+    seeder = fleet.start(prefix="seed")
+    try:
+        share = [_req(step, i, max_new=5000) for i in range(10)]
+        for r in share:
+            await js.publish(wire.request_subject("seed"), wire.encode(r))
+        deadline = time.monotonic() + 30
+        while seeder.counters()["checkpointed"] < 4 * 16 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        seeder.proc.send_signal(signal.SIGUSR2)
+        while seeder.counters()["handoff_rounds"] < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        c = seeder.counters()
+        assert c["handoff_rounds"] == 1 and c["handed_off"] == 10 and c["results"] == 0
+        assert seeder.proc.poll() is None  # it serves on
+        info = await js.consumer_info(wire.STREAM_REQUESTS, wire.resume_consumer_name("spot"))
+        assert info.num_pending == 10  # the whole share waits on the preemptible pool's resume lane
+
+        nxt = [_req(step + 1, i) for i in range(2)]  # the next step's share: the same process
+        for r in nxt:
+            await js.publish(wire.request_subject("seed"), wire.encode(r))
+        got_next = await _results(js, step + 1, 2)
+        assert {r.segments[0].worker_id for r in got_next.values()} == {seeder.worker_id}
+
+        spot = _worker(clients, "spot", name="spot")
+        task = asyncio.create_task(spot.run())
+        got = await _results(js, step, 10)
+        spot.request_drain("test over")
+        await task
+    finally:
+        fleet.stop_all()
+    assert set(got) == {r.request_id for r in share}
+    started = [r for r in got.values() if r.segments[0].worker_id == seeder.worker_id]
+    assert len(started) == 4 and all(r.segments[1].offset > 0 for r in started)  # resumed, not redone
+    n = min(5000, LengthModel().length(11, ""))
+    assert all(r.token_ids == reference_tokens(11, r.request_id, 0, n)[0] for r in got.values())  # as if never moved

@@ -45,7 +45,8 @@ class WorkerFleet:
     workers: dict[str, WorkerProc] = field(default_factory=dict)
     _n: int = 0
 
-    def start(self, prefix: str = "w") -> WorkerProc:
+    def start(self, prefix: str = "w", extra_args: tuple[str, ...] = ()) -> WorkerProc:
+        """`extra_args` follow `worker_args`, so a flag given in both takes this value."""
         self._n += 1
         wid = f"{prefix}{self._n:03d}"
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -54,7 +55,7 @@ class WorkerFleet:
         env = {**os.environ, "RLBOOST_NATS_URL": self.nats_url, "RLBOOST_REDIS_URL": self.redis_url,
                "OMP_NUM_THREADS": "1", "RLBOOST_LOG_JSON": "1", **self.env}
         cmd = [sys.executable, "-m", "rlboost.cli", "worker", "--pool", self.pool, "--worker-id", wid,
-               "--counters", str(counters), *self.worker_args]
+               "--counters", str(counters), *self.worker_args, *extra_args]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         log.close()
         w = WorkerProc(worker_id=wid, proc=proc, counters_path=counters, started=time.time())
