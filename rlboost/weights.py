@@ -507,8 +507,15 @@ class WeightCache:
         lock = self._locks.setdefault(version, asyncio.Lock())
         async with lock:
             manifest = await self._manifest(version, wait_s)
-            shards = manifest.shards
-            await asyncio.gather(*(self._ensure_shard(s) for s in shards))
+            # One shard failing stops the others: no fetch outlives the ensure() that started it.
+            fetches = [asyncio.create_task(self._ensure_shard(s)) for s in manifest.shards]
+            try:
+                await asyncio.gather(*fetches)
+            except BaseException:
+                for f in fetches:
+                    f.cancel()
+                await asyncio.gather(*fetches, return_exceptions=True)
+                raise
             path = await asyncio.to_thread(self._link_version, manifest)
             return VerifiedVersion(version, path, manifest)
 
@@ -589,19 +596,29 @@ class WeightCache:
         return self.shards_dir / f"{sha}.safetensors"
 
     async def _ensure_shard(self, shard: ShardEntry) -> None:
-        if await self._valid_local(shard):
-            self.stats.shards_reused += 1
-            return
-        fut = self._inflight.get(shard.sha256)
-        if fut is not None:  # another version being ensured right now shares this shard
-            await asyncio.shield(fut)
-            return
+        while True:
+            if await self._valid_local(shard):
+                self.stats.shards_reused += 1
+                return
+            fut = self._inflight.get(shard.sha256)
+            if fut is None:
+                break
+            try:  # another version being ensured right now shares this shard: wait for its fetch
+                await asyncio.shield(fut)
+                return
+            except asyncio.CancelledError:
+                if not fut.cancelled():
+                    raise  # we were cancelled
+                # its ensure() was given up: look again, fetch it ourselves if need be
         fut = asyncio.get_running_loop().create_future()
         self._inflight[shard.sha256] = fut
         try:
             async with self._sem:
                 await self._retrying(f"shard {shard.sha256[:12]}", lambda: self._fetch(shard))
             fut.set_result(None)
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
         except BaseException as e:
             fut.set_exception(e)
             fut.exception()  # retrieved: waiters re-raise it, nobody logs "never retrieved"

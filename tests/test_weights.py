@@ -204,10 +204,14 @@ async def test_damaged_shard_in_transit_is_refused_and_fetched_again(jstore, tmp
 
 async def test_persistently_corrupt_shard_is_never_loaded(jstore, tmp_path):
     await publisher(jstore).publish(model(1), 1)
-    cache = WeightCache(tmp_path / "cache", FaultyStore(jstore, "flip", times=10**6), corrupt_retries=3)
+    faulty = FaultyStore(jstore, "flip", times=10**6)
+    cache = WeightCache(tmp_path / "cache", faulty, corrupt_retries=3)
     with pytest.raises(ShardCorrupt):
         await cache.ensure(1)
     assert cache.stats.shards_refused >= 3
+    reads_left = faulty.left
+    await asyncio.sleep(0.3)
+    assert faulty.left == reads_left  # the failed ensure() left no other shard's fetch running
     assert cache.cached_versions() == []  # no version dir was built from bad bytes
     # The store is healthy again (e.g. the bad replica was replaced): the next ensure recovers.
     cache.store = jstore
