@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
+
+import pytest
 
 from rlboost import wire
-from workers.engines.base import Sequence
+from trainer.model import build_model, build_tokenizer, save
+from trainer.tasks import Addition
+from workers.engines.base import EngineError, Sequence
 
 
 def engine_requests(n: int, rng: random.Random, max_new: int, sampling: list[dict], **overrides) -> list[Sequence]:
@@ -40,3 +45,14 @@ async def step_results(js, step: int, n: int, timeout: float = 20.0) -> dict[str
         got[r.request_id] = r
     await sub.unsubscribe()
     return got
+
+
+async def assert_wrong_shape_refused_untouched(engine, seqs: list[Sequence], one_go, where: Path, heads: int) -> None:
+    """Weights of another architecture are refused; the engine keeps generating with its own."""
+    before = await one_go(engine, seqs)
+    tok = build_tokenizer(Addition().alphabet)
+    save(build_model(len(tok), seed=5, hidden=32, layers=2, heads=heads, mlp=128), tok, where)
+    with pytest.raises(EngineError, match="wrong shape"):
+        await engine.load_weights(where, version=1)
+    assert engine.policy_version == 0
+    assert [g.token_ids for g in await one_go(engine, seqs)] == [g.token_ids for g in before]

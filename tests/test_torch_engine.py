@@ -8,11 +8,11 @@ import threading
 
 import pytest
 import torch
-from helpers import engine_requests, fresh
+from helpers import assert_wrong_shape_refused_untouched, engine_requests, fresh
 
 from trainer.model import build_model, build_tokenizer, init_model_dir, save
 from trainer.tasks import Addition
-from workers.engines.base import EngineError, Sequence
+from workers.engines.base import Sequence
 from workers.engines.torch_engine import TorchEngine, gumbel_noise
 
 torch.set_num_threads(1)
@@ -155,14 +155,7 @@ async def test_load_weights_changes_outputs_and_back(model_dir, tmp_path):
 
 async def test_weights_that_do_not_fit_are_refused_untouched(model_dir, tmp_path):
     engine = TorchEngine(str(model_dir))
-    seqs = _requests(2, random.Random(7))
-    before = await _one_go(engine, seqs)
-    tok = build_tokenizer(Addition().alphabet)
-    save(build_model(len(tok), seed=5, hidden=32, layers=2, heads=4, mlp=128), tok, tmp_path / "wrong")
-    with pytest.raises(EngineError, match="wrong shape"):
-        await engine.load_weights(tmp_path / "wrong", version=1)
-    assert engine.policy_version == 0
-    assert [g.token_ids for g in await _one_go(engine, seqs)] == [g.token_ids for g in before]
+    await assert_wrong_shape_refused_untouched(engine, _requests(2, random.Random(7)), _one_go, tmp_path / "wrong", 4)
 
 
 def test_gumbel_noise_is_keyed_and_gumbel_distributed():

