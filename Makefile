@@ -22,7 +22,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rlboost demo
 
+# pyflakes first: unused imports and undefined names fail the build before the slow part.
 test: $(STAMP)
+	$(BIN)/python -m pyflakes rlboost workers trainer tests infra
 	$(BIN)/python -m pytest -q
 
 clean:

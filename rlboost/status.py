@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from rlboost import bus, wire
 from rlboost.config import Settings
 from rlboost.services import EmbeddedServices, ServiceError, resolve_urls
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 async def gather_status(nats_url: str) -> dict:
@@ -45,7 +49,7 @@ async def gather_status(nats_url: str) -> dict:
         await nc.drain()
 
 
-def fleet_table(status: dict) -> "Table":
+def fleet_table(status: dict) -> Table:
     from rich.table import Table
 
     t = Table(title=f"rlboost fleet  {time.strftime('%H:%M:%S')}")

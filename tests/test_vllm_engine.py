@@ -34,7 +34,8 @@ from rlboost import wire  # noqa: E402
 from rlboost.clients import open_clients  # noqa: E402
 from rlboost.config import WorkerSettings  # noqa: E402
 from rlboost.objstore import JetStreamBlobStore  # noqa: E402
-from rlboost.weights import VersionPointer, WeightCache, WeightPublisher  # noqa: E402
+from rlboost.weight_cache import WeightCache  # noqa: E402
+from rlboost.weights import VersionPointer, WeightPublisher  # noqa: E402
 from trainer.model import build_model, build_tokenizer, init_model_dir, save  # noqa: E402
 from trainer.tasks import Addition  # noqa: E402
 from workers.counters import Counters  # noqa: E402

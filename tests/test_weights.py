@@ -15,16 +15,15 @@ import torch
 
 from rlboost import wire
 from rlboost.objstore import BlobStore, FileBlobStore, JetStreamBlobStore
+from rlboost.weight_cache import WeightCache, load_tensors
 from rlboost.weights import (
     Manifest,
     ShardCorrupt,
     StoreUnavailable,
     VersionPointer,
     VersionUnavailable,
-    WeightCache,
     WeightPublisher,
     gc_store,
-    load_tensors,
     plan_shards,
     published_versions,
 )

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import json
 import math
@@ -41,7 +40,8 @@ from rlboost.logs import configure_logging, get_logger
 from rlboost.manager import RolloutManager
 from rlboost.offload import SeedWindow
 from rlboost.services import running_services
-from rlboost.weights import VersionPointer, WeightCache, WeightPublisher, open_store
+from rlboost.weight_cache import WeightCache
+from rlboost.weights import VersionPointer, WeightPublisher, open_store
 from trainer.grpo_trainer import GRPOTrainer
 from trainer.model import encode, read_meta
 from trainer.report import RunReport

@@ -13,7 +13,8 @@ from rlboost.clients import open_clients
 from rlboost.config import Settings
 from rlboost.logs import get_logger
 from rlboost.services import resolve_urls
-from rlboost.weights import VersionPointer, WeightCache, open_store
+from rlboost.weight_cache import WeightCache
+from rlboost.weights import VersionPointer, open_store
 from workers.counters import Counters
 from workers.engines import EngineError, make_engine
 from workers.worker import RolloutWorker, WeightSource, make_worker_id

@@ -68,7 +68,7 @@ def copy_into(params: dict, tensors: dict) -> None:
 
 def read_raw(paths: list[Path], params: dict, manifest) -> None:
     """The baseline: the same safetensors files from local disk into the parameters."""
-    from rlboost.weights import read_safetensors
+    from rlboost.weight_cache import read_safetensors
 
     flat: dict = {}
     for path in paths:
@@ -83,7 +83,8 @@ async def run(nats_url: str, a: argparse.Namespace, work: Path) -> dict:
     import torch
 
     from rlboost.objstore import FileBlobStore, JetStreamBlobStore
-    from rlboost.weights import WeightCache, WeightPublisher
+    from rlboost.weight_cache import WeightCache
+    from rlboost.weights import WeightPublisher
 
     nc = await bus.connect(nats_url, name="bench-weights")
     js = nc.jetstream()

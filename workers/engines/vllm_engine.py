@@ -283,7 +283,7 @@ def _has_split_tensors(weights_dir: Path) -> bool:
 def _join_split_tensors(weights_dir: Path) -> Path:
     """A weight-cache version whose publisher split big tensors into row blocks
     (`name@rows<i>`): write the joined tensors to a temporary directory vLLM can read."""
-    from rlboost.weights import load_tensors
+    from rlboost.weight_cache import load_tensors
     from safetensors.torch import save_file
 
     tensors = load_tensors(weights_dir)
