@@ -12,6 +12,7 @@ from rlboost.clients import open_clients
 from rlboost.costs import Prices
 from rlboost.spot import Interval, intervals, parse_trace, rented
 from workers.benchmarks import trace as bench
+from workers.benchmarks import trace_model as model
 
 
 def args(**kw) -> argparse.Namespace:
@@ -40,7 +41,7 @@ def test_preempted_node_requests_finish_elsewhere(services, tmp_path, notice):
     if notice:
         assert out["regenerated_tokens"] == 0  # with notice, nothing is generated twice
     else:  # killed: at most what A generated after its last checkpoint of each request
-        assert out["regenerated_tokens"] <= a.chunk * a.token_scale * bench.INSTANCE_GPUS * bench.SLOTS_PER_GPU
+        assert out["regenerated_tokens"] <= a.chunk * a.token_scale * model.INSTANCE_GPUS * model.SLOTS_PER_GPU
 
 
 def test_no_preemptible_node_hybrid_equals_colocated(services, tmp_path):
@@ -58,7 +59,7 @@ def test_no_preemptible_node_hybrid_equals_colocated(services, tmp_path):
 
 
 def test_balanced_split_and_oracle():
-    assert 1 <= bench.balanced_split() < bench.RESERVED_GPUS
+    assert 1 <= model.balanced_split() < model.RESERVED_GPUS
     col = {"throughput": 10_000.0}
     ivs = [Interval("a", 0, 3600, False), Interval("b", 1800, 3600, False)]  # 1.5 instances on average over 1 h
     o = bench.oracle(col, ivs, 3600, Prices())
@@ -67,14 +68,14 @@ def test_balanced_split_and_oracle():
 
 
 def test_the_timing_model_alone_by_hand_and_its_hybrid_bound():
-    unit = bench.TimingModel(step_base_s=1.0, step_per_seq_s=0.0, step_per_ctx_token_s=0.0, prefill_per_token_s=0.0)
-    done, left = bench._finish_times(unit, [["a", 2, 0], ["b", 5, 0]], 0.0)
+    unit = model.TimingModel(step_base_s=1.0, step_per_seq_s=0.0, step_per_ctx_token_s=0.0, prefill_per_token_s=0.0)
+    done, left = model._finish_times(unit, [["a", 2, 0], ["b", 5, 0]], 0.0)
     assert done == {"a": 2.0, "b": 5.0} and left == []
-    done, left = bench._finish_times(unit, [["a", 2, 0], ["b", 5, 0]], 0.0, t_stop=3.0)
+    done, left = model._finish_times(unit, [["a", 2, 0], ["b", 5, 0]], 0.0, t_stop=3.0)
     assert done == {"a": 2.0} and left == [["b", 2, 3]]  # 3 of b's 5 steps made, context grown by 3
-    done, _ = bench._finish_times(unit, [["a", 2, 0]], 0.0, joins=[(10.0, ["c", 1, 0])])
+    done, _ = model._finish_times(unit, [["a", 2, 0]], 0.0, joins=[(10.0, ["c", 1, 0])])
     assert done == {"a": 2.0, "c": 11.0}  # an idle engine takes a late join when it arrives
-    colocated = bench.model_step_s(bench.RESERVED_GPUS, bench.RESERVED_GPUS, streamed=False)
-    assert bench.model_hybrid_step_s(2, 60.0) < colocated  # offloading the tail pays in the model
-    bounds = [bench.model_hybrid_throughput(n) for n in (1, 2)]
+    colocated = model.model_step_s(model.RESERVED_GPUS, model.RESERVED_GPUS, streamed=False)
+    assert model.model_hybrid_step_s(2, 60.0) < colocated  # offloading the tail pays in the model
+    bounds = [model.model_hybrid_throughput(n) for n in (1, 2)]
     assert bounds[0] < bounds[1]
