@@ -266,14 +266,15 @@ class Control(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class LeaseEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """A change of hands of a request: claimed, released on drain, lost to fencing, finished."""
+    """A change of hands of a request: published (by the manager), claimed, released on drain,
+    lost to fencing, finished, dead-lettered."""
 
     v: int = SCHEMA_VERSION
     request_id: str
     step: int
     worker_id: str
     epoch: int
-    kind: Literal["claim", "release", "fenced", "finish", "deadletter"]
+    kind: Literal["publish", "claim", "release", "fenced", "finish", "deadletter"]
     offset: int
     ts: float
     detail: str = ""

@@ -13,6 +13,7 @@ from helpers import step_results
 from rlboost import bus, wire
 from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
+from rlboost.manager import RolloutManager
 from workers.benchmarks.chaos import chaos
 from workers.counters import Counters
 from workers.engines.emulated import EmulatedEngine, LengthModel, reference_tokens
@@ -133,7 +134,7 @@ async def test_replay_tells_the_life_of_a_handed_off_request(clients):
     js, step = clients.js, 105
     slow = _worker(clients, "replay", speed=2.0, name="first", lengths=LengthModel(median=1e9))
     task = asyncio.create_task(slow.run())
-    await js.publish(wire.request_subject("replay"), wire.encode(_req(step, 0, max_new=300)))
+    await RolloutManager(clients, "replay").publish_step([_req(step, 0, max_new=300)])
     while slow.counters.get("checkpointed") < 32:
         await asyncio.sleep(0.02)
     slow.request_drain("SIGTERM")
@@ -144,7 +145,7 @@ async def test_replay_tells_the_life_of_a_handed_off_request(clients):
     fast.request_drain("test over")
     await task
     life = await life_of(js, step, wire.request_id(step, 0, 0))
-    assert [e.kind for e in life.events] == ["claim", "release", "claim", "finish"]
+    assert [e.kind for e in life.events] == ["publish", "claim", "release", "claim", "finish"]
     by_worker = life.tokens_by_worker()
     assert set(by_worker) == {"replay-first", "replay-second"} and sum(by_worker.values()) == 300
     assert life.handoffs() == 1 and len(life.result.token_ids) == 300
