@@ -70,6 +70,26 @@ class Life:
                 "finish_reason": r.finish_reason if r else None, "finished": r is not None}
 
 
+def migrations(events: list[wire.LeaseEvent]) -> list[tuple[wire.LeaseEvent, wire.LeaseEvent]]:
+    """(left, claimed) pairs, one per change of hands: each claim by a worker other than the
+    request's last holder, with the event that ended that hold — its `release` (a hand-off),
+    or its own `claim` when it vanished without one (a kill, or a lease lost)."""
+    by_rid: dict[str, list[wire.LeaseEvent]] = defaultdict(list)
+    for e in events:
+        by_rid[e.request_id].append(e)
+    out = []
+    for evs in by_rid.values():
+        last = None  # the last claim or release
+        for e in sorted(evs, key=lambda e: e.ts):
+            if e.kind == "claim":
+                if last is not None and last.worker_id != e.worker_id:
+                    out.append((last, e))
+                last = e
+            elif e.kind == "release":
+                last = e
+    return out
+
+
 async def life_of(js: JetStreamContext, step: int, request_id: str) -> Life:
     life = Life(request_id)
     life.events = sorted(await read_subject(js, wire.event_subject(step, request_id), wire.LeaseEvent), key=lambda e: e.ts)

@@ -38,10 +38,14 @@ def test_preempted_node_requests_finish_elsewhere(services, tmp_path, notice):
     assert out["preemptions"] == 1
     assert out["steps"] >= 2  # every step completed: no request lost
     assert out["migrated_from_preempted"] > 0  # A's unfinished requests were finished by others
+    moved = out["migration_latency"]
     if notice:
         assert out["regenerated_tokens"] == 0  # with notice, nothing is generated twice
+        assert moved["after_kill_s"]["n"] == 0  # A handed everything off in time
     else:  # killed: at most what A generated after its last checkpoint of each request
         assert out["regenerated_tokens"] <= a.chunk * a.token_scale * model.INSTANCE_GPUS * model.SLOTS_PER_GPU
+        assert moved["after_kill_s"]["n"] > 0 and moved["after_kill_s"]["p50"] > 0
+    assert moved["after_handoff_s"]["n"] > 0  # the seeding engines' hand-offs at T_seed
 
 
 def test_no_preemptible_node_hybrid_equals_colocated(services, tmp_path):

@@ -129,7 +129,7 @@ def test_chaos_with_real_processes_loses_duplicates_and_corrupts_nothing(service
 
 
 async def test_replay_tells_the_life_of_a_handed_off_request(clients):
-    from rlboost.replay import life_of
+    from rlboost.replay import life_of, migrations
 
     js, step = clients.js, 105
     slow = _worker(clients, "replay", speed=2.0, name="first", lengths=LengthModel(median=1e9))
@@ -149,6 +149,9 @@ async def test_replay_tells_the_life_of_a_handed_off_request(clients):
     by_worker = life.tokens_by_worker()
     assert set(by_worker) == {"replay-first", "replay-second"} and sum(by_worker.values()) == 300
     assert life.handoffs() == 1 and len(life.result.token_ids) == 300
+    [(left, claimed)] = migrations(life.events)
+    assert (left.kind, left.worker_id, claimed.worker_id) == ("release", "replay-first", "replay-second")
+    assert claimed.offset == left.offset  # resumed exactly where it was handed off
 
 
 async def test_metrics_endpoint_reports_a_serving_worker(clients):

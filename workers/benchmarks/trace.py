@@ -86,6 +86,7 @@ from rlboost.costs import Prices, cost_efficiency, cost_per_hour, run_cost
 from rlboost.logs import configure_logging
 from rlboost.manager import RolloutManager
 from rlboost.offload import SeedWindow
+from rlboost.replay import migrations, read_subject
 from rlboost.services import running_services
 from rlboost.spot import (Interval, TraceError, available, instance_seconds, intervals, parse_trace, rented,
                           sample_nodes, static_intervals)
@@ -141,6 +142,7 @@ class Emulation:
         self.preempted: set[str] = set()
         self.notice_exceeded = 0
         self.provision_s: list[float] = []
+        self.killed_at: dict[str, float] = {}  # worker id -> wall time of its SIGKILL
         self.migrated_from_preempted = 0
         self.handoffs = 0
         self.fallbacks = 0
@@ -190,7 +192,7 @@ class Emulation:
                     self.fleet.terminate(w)
                     tasks.append(asyncio.create_task(self._kill_after_notice(w)))
                 else:
-                    self.fleet.kill(w)
+                    self.killed_at[w.worker_id] = self.fleet.kill(w)
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _spot_waiting(self, stop: asyncio.Event, period_s: float = 0.25) -> float:
@@ -218,7 +220,27 @@ class Emulation:
         await asyncio.sleep(self.a.notice / self.S + 0.2)
         if w.proc.poll() is None:
             self.notice_exceeded += 1
-            await asyncio.to_thread(self.fleet.kill, w)
+            self.killed_at[w.worker_id] = await asyncio.to_thread(self.fleet.kill, w)
+
+    async def _migration_latency(self) -> dict:
+        """Modelled seconds from a request leaving a worker to its claim by the next (read back
+        from the lease events): after a release (a seeding engine's hand-off at T_seed, a
+        preempted node's within its notice), or after the SIGKILL of a node that left none."""
+        events = [e for e in await read_subject(self.c.js, "rb.evt.>", wire.LeaseEvent, idle_s=1.0)
+                  if e.request_id.startswith(self.run_id)]
+        handoff, takeover = [], []
+        for left, claimed in migrations(events):
+            if left.kind == "release":
+                handoff.append((claimed.ts - left.ts) * self.S)
+            elif left.worker_id in self.killed_at:
+                takeover.append((claimed.ts - self.killed_at[left.worker_id]) * self.S)
+
+        def summary(xs: list[float]) -> dict:
+            xs = sorted(xs)
+            q = lambda p: round(xs[min(len(xs) - 1, int(p * len(xs)))], 1) if xs else None  # noqa: E731
+            return {"n": len(xs), "p50": q(0.5), "p95": q(0.95), "max": q(1.0)}
+
+        return {"after_handoff_s": summary(handoff), "after_kill_s": summary(takeover)}
 
     # ------------------------------------------------------------------ one step
 
@@ -355,6 +377,7 @@ class Emulation:
                 await replay
             await asyncio.to_thread(self.fleet.stop_all)
             await asyncio.to_thread(self.reserved_fleet.stop_all)
+        migration = await self._migration_latency() if self.policy == "hybrid" else None
         R = self.a.token_scale
         counted = [w.counters() for w in [*self.fleet.workers.values(), *self.reserved_fleet.workers.values()]]
         counted.append(self.counters.snapshot())
@@ -370,7 +393,7 @@ class Emulation:
                 "preemptions": len(self.preempted), "regenerated_tokens": regenerated, "fenced_tokens": fenced,
                 "steps": len(self.rows), "tokens": tokens, "modelled_s": round(elapsed),
                 "instance_hours": round(inst_s / 3600, 2), "handoffs": self.handoffs,
-                "migrated_from_preempted": self.migrated_from_preempted, "notice_exceeded": self.notice_exceeded,
+                "migrated_from_preempted": self.migrated_from_preempted, "migration_latency": migration, "notice_exceeded": self.notice_exceeded,
                 "fallbacks": self.fallbacks, "workers_started": len(self.fleet.workers),
                 "provision_s_p50": round(statistics.median(self.provision_s), 1) if self.provision_s else None,
                 "rollout_gpus": self.split, "t_seed_last": self.rows[-1]["t_seed"] if self.rows else None,
@@ -544,6 +567,10 @@ def main(argv: list[str], s: Settings) -> int:
             print(f"\nhybrid vs colocated: throughput x{result['throughput_ratio']:.2f} (published 1.51-1.97x), "
                   f"cost efficiency {result['cost_efficiency_gain']:+.0%} (published +28-49%), "
                   f"{result['oracle_fraction']:.0%} of the oracle")
+        if (m := policies.get("hybrid", {}).get("migration_latency")) and m["after_handoff_s"]["n"]:
+            h, k = m["after_handoff_s"], m["after_kill_s"]
+            print(f"migration (modelled s to the next claim): {h['n']} after a hand-off p50 {h['p50']} p95 {h['p95']}"
+                  + (f"; {k['n']} after a kill p50 {k['p50']} p95 {k['p95']}" if k["n"] else ""))
     result["wall_s"] = round(time.monotonic() - t_wall, 1)
     plot(ivs if a.trace else [], a.duration, result.get("policies", policies), out_dir / "trace.png",
          fleet if a.trace else None)
