@@ -470,11 +470,17 @@ class RolloutWorker:
                     msgs = []
                 if not msgs and not (await sub.consumer_info()).num_pending:
                     return
-                for msg in msgs:
-                    rid = (msg.headers or {}).get(wire.HDR_MSG_ID) or f"forwarded-{uuid.uuid4().hex}"
-                    await js.publish(wire.resume_subject(self.handoff_pool), msg.data,
-                                     headers={wire.HDR_MSG_ID: wire.handoff_msg_id(rid, 0)})
-                    await msg.ack()
+                rids = [(m.headers or {}).get(wire.HDR_MSG_ID) or f"forwarded-{uuid.uuid4().hex}" for m in msgs]
+                pubs = [await js.publish_async(wire.resume_subject(self.handoff_pool), m.data,
+                                               headers={wire.HDR_MSG_ID: wire.handoff_msg_id(rid, 0)})
+                        for m, rid in zip(msgs, rids, strict=True)]
+                outcomes = await asyncio.gather(*pubs, return_exceptions=True)
+                for msg, rid, out in zip(msgs, rids, outcomes, strict=True):
+                    if isinstance(out, Exception):  # not acked: it returns to our queue after ack_wait
+                        self.log.warning("forward failed", request_id=rid, error=str(out))
+                        continue
+                    with contextlib.suppress(Exception):
+                        await msg.ack()
                     self.counters.add("handed_off")
                     self.log.info("forwarded unstarted request", request_id=rid, to_pool=self.handoff_pool)
         finally:

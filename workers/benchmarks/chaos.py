@@ -35,6 +35,7 @@ from rlboost.clients import open_clients
 from rlboost.config import Settings
 from rlboost.replay import read_subject
 from rlboost.services import running_services
+from workers.benchmarks import percentile
 from workers.engines.emulated import LengthModel, reference_tokens
 from workers.fleet import WorkerFleet
 
@@ -181,10 +182,6 @@ def analyse(a, requests, results, events, chunks, actions, fleet: WorkerFleet, e
                 if later:
                     handoffs_ms.append((min(later) - t) * 1000)
 
-    def pct(xs: list[float], p: float) -> float | None:
-        xs = sorted(xs)
-        return round(xs[min(len(xs) - 1, int(p * len(xs)))], 1) if xs else None
-
     count = lambda k: sum(1 for x in actions if x[0] == k)  # noqa: E731
     return {
         "requests": len(requests), "lost": sum(1 for q in requests if q.request_id not in by_rid),
@@ -194,9 +191,9 @@ def analyse(a, requests, results, events, chunks, actions, fleet: WorkerFleet, e
         "killed_inflight": killed_inflight, "checkpoint_tokens": a.k,
         "regenerated_tokens_term": regenerated["terminated"], "regenerated_tokens_kill": regenerated["killed"],
         "regenerated_tokens_stop": regenerated["stopped"], "regenerated_tokens_undisturbed": regenerated["running"],
-        "handoffs": len(handoffs_ms), "handoff_p50_ms": pct(handoffs_ms, 0.5), "handoff_p99_ms": pct(handoffs_ms, 0.99),
-        "released_p50_ms": pct(released_ms, 0.5), "released_p99_ms": pct(released_ms, 0.99),
-        "reclaimed_p50_ms": pct(claimed_ms, 0.5), "reclaimed_p99_ms": pct(claimed_ms, 0.99),
+        "handoffs": len(handoffs_ms), "handoff_p50_ms": percentile(handoffs_ms, 0.5), "handoff_p99_ms": percentile(handoffs_ms, 0.99),
+        "released_p50_ms": percentile(released_ms, 0.5), "released_p99_ms": percentile(released_ms, 0.99),
+        "reclaimed_p50_ms": percentile(claimed_ms, 0.5), "reclaimed_p99_ms": percentile(claimed_ms, 0.99),
         "tokens": sum(len(v[0].token_ids) for v in by_rid.values()), "seconds": round(elapsed, 1),
     }
 

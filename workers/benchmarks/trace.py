@@ -90,6 +90,7 @@ from rlboost.replay import migrations, read_subject
 from rlboost.services import running_services
 from rlboost.spot import (Interval, TraceError, available, instance_seconds, intervals, parse_trace, rented,
                           sample_nodes, static_intervals)
+from workers.benchmarks import percentile
 from workers.benchmarks.trace_model import (INSTANCE_GPUS, MAX_NEW_TOKENS, PROMPT_TOKENS, PUBLISHED, RESERVED_GPUS,
                                             SLOTS_PER_GPU, TRAIN_S_PER_TOKEN, balanced_split, model_hybrid_throughput,
                                             model_step_s, modelled_lengths, seed_of)
@@ -236,9 +237,7 @@ class Emulation:
                 takeover.append((claimed.ts - self.killed_at[left.worker_id]) * self.S)
 
         def summary(xs: list[float]) -> dict:
-            xs = sorted(xs)
-            q = lambda p: round(xs[min(len(xs) - 1, int(p * len(xs)))], 1) if xs else None  # noqa: E731
-            return {"n": len(xs), "p50": q(0.5), "p95": q(0.95), "max": q(1.0)}
+            return {"n": len(xs), "p50": percentile(xs, 0.5), "p95": percentile(xs, 0.95), "max": percentile(xs, 1.0)}
 
         return {"after_handoff_s": summary(handoff), "after_kill_s": summary(takeover)}
 
