@@ -244,10 +244,6 @@ def _req(step: int, i: int, rng: random.Random, version: int = 0, max_new: int =
                                seed=rng.randrange(1 << 30), group=i)
 
 
-async def _results(js, step: int, n: int, timeout: float = 120.0) -> dict[str, wire.RolloutResult]:
-    return await step_results(js, step, n, timeout)
-
-
 async def test_worker_completes_resumes_a_handed_off_request_and_follows_new_weights(
         engine, model_dir, other_weights, nats_url, redis_url, js, tmp_path):
     pool, n = "vllm", 4
@@ -282,7 +278,7 @@ async def test_worker_completes_resumes_a_handed_off_request_and_follows_new_wei
         # 2. The vLLM worker resumes them, and completes fresh ones.
         w = RolloutWorker(settings, engine, c, worker_id=f"{pool}-vllm", counters=Counters(), weights=pull)
         task = asyncio.create_task(w.run())
-        got = await _results(js, step, n)
+        got = await step_results(js, step, n, timeout=120.0)
         assert set(got) == {r.request_id for r in reqs}
         ref0 = _reference_model(model_dir)
         resumed = 0
@@ -304,7 +300,7 @@ async def test_worker_completes_resumes_a_handed_off_request_and_follows_new_wei
         more = [_req(step, i, rng, max_new=40) for i in range(6)]
         for r in more:
             await js.publish(wire.request_subject(pool), wire.encode(r))
-        got = await _results(js, step, len(more))
+        got = await step_results(js, step, len(more), timeout=120.0)
         assert set(got) == {r.request_id for r in more}
         assert all(g.segments[0].worker_id == w.worker_id and len(g.token_ids) == 40 for g in got.values())
 
@@ -314,7 +310,7 @@ async def test_worker_completes_resumes_a_handed_off_request_and_follows_new_wei
         newer = [_req(step, i, rng, version=1, max_new=40) for i in range(4)]
         for r in newer:
             await js.publish(wire.request_subject(pool), wire.encode(r))
-        got = await _results(js, step, len(newer))
+        got = await step_results(js, step, len(newer), timeout=120.0)
         assert engine.policy_version == 1
         ref1 = _reference_model(v1_dir)
         for r in newer:

@@ -547,8 +547,9 @@ def main(argv: list[str], s: Settings) -> int:
         published = {"colocated": PUBLISHED["reserved_only"],
                      **{f"static-{n}": v for n, v in PUBLISHED["static"].items()}}
         tokens = float(modelled_lengths(0, a.prompts, a.samples).sum())
-        model = {k: (tokens / model_step_s(RESERVED_GPUS, RESERVED_GPUS, streamed=False) if k == "colocated"
-                     else model_hybrid_throughput(int(k.split("-")[1]))) for k in policies}
+        size = dict(prompts=a.prompts, samples=a.samples)
+        model = {k: (tokens / model_step_s(RESERVED_GPUS, RESERVED_GPUS, streamed=False, **size) if k == "colocated"
+                     else model_hybrid_throughput(int(k.split("-")[1]), **size)) for k in policies}
         print_table(policies, published, model)
         result = {"calibration": {k: {"throughput": v["throughput"], "published": published.get(k),
                                       "model": round(model[k])} for k, v in policies.items()},

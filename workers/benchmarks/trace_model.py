@@ -138,10 +138,11 @@ def model_hybrid_step_s(instances: int, t_seed: float, step: int = 0, prompts: i
     return trainer
 
 
-def model_hybrid_throughput(instances: int, t_seeds: tuple[float, ...] = (15, 30, 45, 60, 75, 90, 120)) -> float:
+def model_hybrid_throughput(instances: int, t_seeds: tuple[float, ...] = (15, 30, 45, 60, 75, 90, 120),
+                            prompts: int = 128, samples: int = 8) -> float:
     """Tokens/s of the model-only hybrid step at its best T_seed: the physics bound."""
-    tokens = float(modelled_lengths(0, 128, 8).sum())
-    return tokens / min(model_hybrid_step_s(instances, t) for t in t_seeds)
+    tokens = float(modelled_lengths(0, prompts, samples).sum())
+    return tokens / min(model_hybrid_step_s(instances, t, prompts=prompts, samples=samples) for t in t_seeds)
 
 
 def balanced_split() -> int:
