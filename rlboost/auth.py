@@ -5,13 +5,14 @@ Two roles (`services.auth` in rlboost/config.py):
 - **trainer** (the trainer and the manager): everything. It provisions streams, consumers and
   buckets, publishes fresh requests and policy versions, reads results.
 - **worker** (rollout workers on preemptible capacity): exactly what `workers/worker.py` needs
-  and nothing more. It may pull from its pool's two consumers and ack, publish token chunks,
-  results, lease events, dead letters and hand-offs (the resume lane only), put its own
-  heartbeat in `rb-workers`, read `rb-policy`, `rb-control` and the weights object store, and
-  move poison messages to the DLQ. It may not publish fresh requests, touch stream
-  configurations (create/update/delete/purge), put to `rb-policy`/`rb-control` or write weights.
-  A stolen worker credential can therefore not inject prompts, change the policy or wipe a
-  stream.
+  and nothing more. It may pull from its pools' two consumers and ack, publish token chunks,
+  results, lease events, dead letters and hand-offs (its pools' resume lanes only), put its
+  heartbeat in `rb-workers`, read `rb-policy`, `rb-control` and the weights object store. It may
+  not publish fresh requests, touch stream or consumer configurations (create/update/delete/
+  purge: no `max_deliver = 1`), delete messages by sequence (the trainer's manager moves poison
+  messages), put to `rb-policy`/`rb-control` or write weights. In Redis it reads checkpoint keys
+  and runs the checkpoint scripts by EVALSHA (the trainer loads them); no EVAL/SCRIPT, DEL,
+  KEYS/SCAN. What it can still do, and why the trainer does not trust it: README "Security".
 
 A role is on when it has a password or a public nkey; the role's password is also its Redis ACL
 password (one secret per role). Nothing here holds a secret: passwords come from the settings
@@ -65,27 +66,29 @@ def trainer_permissions() -> dict[str, Any]:
 
 def worker_permissions(pools: list[str] | tuple[str, ...] = ("*",)) -> dict[str, Any]:
     """NATS publish/subscribe allow and deny lists of the worker role. `pools` narrows the
-    consumers and the resume lane to those pools (`*` = any pool)."""
+    consumers and the resume lane to those pools (`*` = any pool).
+
+    NATS wildcards are whole tokens: `rb-workers-*` would be a literal consumer name that
+    matches nothing, so "any pool" is the token wildcard `*` in the consumer position (every
+    consumer on the requests stream is a pool consumer). The worker may use its pools'
+    consumers (info, pull, ack) but never create, update or delete one (that would let it set
+    `max_deliver` to 1), nor delete a stream message by sequence: the trainer provisions the
+    consumers and moves poison messages (rlboost/manager.py)."""
     rq = wire.STREAM_REQUESTS
     allow = [
         "rb.tok.>", "rb.res.>", "rb.evt.>", "rb.dlq.>",  # token chunks, results, lease events, DLQ
         f"$KV.{wire.BUCKET_WORKERS}.>",  # own heartbeat in the registry
         "$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.INFO.*",  # look-ups, read only
-        f"$JS.API.STREAM.MSG.GET.{rq}", f"$JS.API.STREAM.MSG.DELETE.{rq}",  # poison -> DLQ
         "$JS.FC.>",  # flow-control replies of ordered consumers (KV watch)
     ]
     for pool in pools:
-        fresh = wire.consumer_name(pool) if pool != "*" else "rb-workers-*"
-        resume = wire.resume_consumer_name(pool) if pool != "*" else "rb-resume-*"
-        allow.append(wire.resume_subject(pool))  # hand-offs: the resume lane only
-        for durable in (fresh, resume):
+        durables = (wire.consumer_name(pool), wire.resume_consumer_name(pool)) if pool != "*" else ("*",)
+        allow.append(wire.resume_subject(pool))  # hand-offs: the resume lane only (`rb.req.*.resume`)
+        for durable in durables:
             allow += [
                 f"$JS.API.CONSUMER.INFO.{rq}.{durable}",
                 f"$JS.API.CONSUMER.MSG.NEXT.{rq}.{durable}",
                 f"$JS.ACK.{rq}.{durable}.>",  # ack / nak / in-progress / term
-                # (re)create its pool's durable consumers, never other pools' or streams
-                f"$JS.API.CONSUMER.CREATE.{rq}.{durable}", f"$JS.API.CONSUMER.CREATE.{rq}.{durable}.>",
-                f"$JS.API.CONSUMER.DURABLE.CREATE.{rq}.{durable}",
             ]
     for stream in READ_ONLY_STREAMS:
         allow += [
@@ -98,12 +101,15 @@ def worker_permissions(pools: list[str] | tuple[str, ...] = ("*",)) -> dict[str,
         "rb.req.*",  # the fresh lane: only the trainer/manager injects prompts
         "$JS.API.STREAM.CREATE.>", "$JS.API.STREAM.UPDATE.>", "$JS.API.STREAM.DELETE.>",
         "$JS.API.STREAM.PURGE.>", "$JS.API.STREAM.RESTORE.>", "$JS.API.ACCOUNT.>",
+        "$JS.API.STREAM.MSG.DELETE.>",  # deleting queued requests by sequence
+        f"$JS.API.CONSUMER.CREATE.{rq}", f"$JS.API.CONSUMER.CREATE.{rq}.>",  # (re)configuring the pool consumers
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{rq}.>", f"$JS.API.CONSUMER.DELETE.{rq}.>",
         f"$KV.{wire.BUCKET_POLICY}.>", f"$KV.{wire.BUCKET_CONTROL}.>", f"$O.{wire.BUCKET_WEIGHTS}.>",
     ]
     return {
         "publish": {"allow": _dedup(allow), "deny": deny},
-        # replies (JetStream API, pulls, KV/object reads) and the poison-message advisories
-        "subscribe": {"allow": ["_INBOX.>", f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{rq}.>"]},
+        # replies (JetStream API, pulls, KV/object reads); no advisories: poison is the trainer's
+        "subscribe": {"allow": ["_INBOX.>"]},
     }
 
 
@@ -182,10 +188,22 @@ def render_nats_conf(services: ServicesSettings, *, env_refs: bool = False, list
 # ---------------------------------------------------------------- Redis ACL
 
 # The worker touches only checkpoint keys (`rb:{rid}:*`, rlboost/wire.py) through
-# rlboost/checkpoint.py: reads, appends and the fencing Lua scripts. -@dangerous removes
-# FLUSHALL/FLUSHDB/KEYS/CONFIG/DEBUG/SHUTDOWN/CLIENT/... which key patterns cannot restrict.
-WORKER_REDIS_RULES = "resetkeys ~rb:* resetchannels -@all +@read +@write +@scripting +@connection +@transaction -@dangerous"
+# rlboost/checkpoint.py: a few reads, and the fencing Lua scripts by EVALSHA. Lua runs with the
+# caller's permissions, so the write commands those scripts call are granted too; everything
+# else is not: no EVAL or SCRIPT (the trainer loads the project's scripts, `load_scripts`), no
+# DEL/UNLINK/FLUSH*/RENAME, no KEYS/SCAN/RANDOMKEY (key names are not listed), no CONFIG/DEBUG.
+# Value sizes are bounded by the server (`REDIS_MAX_VALUE`).
+WORKER_REDIS_COMMANDS = (
+    "ping", "hello", "auth", "echo", "select",  # connection
+    "get", "hget", "hmget", "lrange", "exists",  # reads of rlboost/checkpoint.py
+    "evalsha",  # the checkpoint scripts, loaded by the trainer
+    # called by those scripts (with the worker's permissions):
+    "hincrby", "hset", "set", "rpush", "expire", "pexpire", "pttl", "strlen", "append",
+    "time", "ttl",  # the claim's epoch clock (fencing that survives a store restart), the :tok TTL check
+)
+WORKER_REDIS_RULES = "resetkeys ~rb:* resetchannels -@all " + " ".join(f"+{c}" for c in WORKER_REDIS_COMMANDS)
 TRAINER_REDIS_RULES = "~* &* +@all"
+REDIS_MAX_VALUE = "8mb"  # proto-max-bulk-len: no client writes a bigger value (a checkpoint: 1M tokens)
 
 
 def render_redis_acl(auth: AuthSettings, *, env_refs: bool = False) -> str:
@@ -219,7 +237,7 @@ def render_redis_start(auth: AuthSettings) -> str:
         'cat > "$ACL" <<EOF\n'
         f"{acl}"
         "EOF\n"
-        'exec redis-server --aclfile "$ACL" "$@"\n'
+        f'exec redis-server --aclfile "$ACL" --proto-max-bulk-len {REDIS_MAX_VALUE} "$@"\n'
     )
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -22,13 +24,15 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     KeyValueConfig,
+    PubAck,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
-from rlboost import wire
+from rlboost import auth, wire
+from rlboost.config import ServicesSettings
 from rlboost.logs import get_logger
 
 log = get_logger(component="bus")
@@ -36,36 +40,49 @@ log = get_logger(component="bus")
 _RETENTION = {"limits": RetentionPolicy.LIMITS, "workqueue": RetentionPolicy.WORK_QUEUE}
 
 
-async def connect(url: str, name: str = "rlboost", **kwargs: Any) -> NATS:
+async def connect(url: str, name: str = "rlboost", services: ServicesSettings | None = None, **kwargs: Any) -> NATS:
     """Connect with reconnects on; a clear error if nobody answers or the credentials are refused.
+
+    `services`: the client identity settings of this process, applied here so that every
+    connection honours them: TLS (a CA to verify the server, a client certificate for mutual
+    TLS) and an nkey seed (`rlboost.auth.nats_connect_options`). Explicit kwargs win.
 
     With unlimited reconnects nats-py retries a refused login forever, so the first
     authorization violation during the initial connect ends the attempt with a ConnectionError
     that says so (after connecting, e.g. a rotated password, it keeps retrying as before)."""
+    if services is not None:
+        kwargs = {**auth.nats_connect_options(services), **kwargs}
     user_cb = kwargs.pop("error_cb", None)
     refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
 
     async def error_cb(e: Exception) -> None:
         text = str(e).lower()
         if not refused.done() and ("authorization violation" in text or "authentication" in text
-                                   or isinstance(e, nats.errors.AuthorizationError)):
-            refused.set_result(e)
+                                   or isinstance(e, (nats.errors.AuthorizationError, ssl.SSLError))):
+            refused.set_result(e)  # a TLS handshake that fails is as final as a refused password
         if user_cb is not None:
             await user_cb(e)
         else:
             log.warning("nats error", error=str(e) or type(e).__name__)
 
     # nats-py sends URL credentials as they stand; URLs carry them %-encoded (rlboost.services).
-    parts = urlsplit(url)
-    if parts.username is not None and "user" not in kwargs:
-        kwargs["user"] = unquote(parts.username)
-        kwargs["password"] = unquote(parts.password or "")
-        url = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
-        shown = f"{parts.scheme}://***@{parts.netloc.rsplit('@', 1)[1]}"
-    else:
-        shown = _redact(url)
+    # A cluster is a comma-separated list of URLs: the client fails over between them.
+    servers, shown_all = [], []
+    for one in url.split(","):
+        parts = urlsplit(one.strip())
+        if parts.username is not None and "user" not in kwargs:
+            kwargs["user"] = unquote(parts.username)
+            kwargs["password"] = unquote(parts.password or "")
+        if parts.username is not None:
+            servers.append(urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1])))
+            shown_all.append(f"{parts.scheme}://***@{parts.netloc.rsplit('@', 1)[1]}")
+        else:
+            servers.append(one.strip())
+            shown_all.append(_redact(one.strip()))
+    shown = ",".join(shown_all)
+    kwargs.setdefault("reconnect_time_wait", 0.5)  # a restarted server is found within half a second
     nc = NATS()
-    attempt = asyncio.ensure_future(nc.connect(url, name=name, connect_timeout=5, max_reconnect_attempts=-1,
+    attempt = asyncio.ensure_future(nc.connect(servers if len(servers) > 1 else servers[0], name=name, connect_timeout=5, max_reconnect_attempts=-1,
                                                drain_timeout=2, allow_reconnect=True, error_cb=error_cb, **kwargs))
     try:
         await asyncio.wait({attempt, refused}, return_when=asyncio.FIRST_COMPLETED)
@@ -76,6 +93,10 @@ async def connect(url: str, name: str = "rlboost", **kwargs: Any) -> NATS:
                 await attempt
             with contextlib.suppress(Exception):
                 await nc.close()
+    if refused.done() and not nc.is_connected and isinstance(refused.result(), ssl.SSLError):
+        raise ConnectionError(
+            f"NATS at {shown}: TLS handshake failed ({refused.result()}); check services.nats_tls_ca / "
+            f"nats_tls_cert / nats_tls_key (RLBOOST_SERVICES__NATS_TLS_CA, ...)")
     if refused.done() and not nc.is_connected:
         raise ConnectionError(
             f"NATS at {shown} refused the credentials (authorization violation: {refused.result()}); "
@@ -88,6 +109,89 @@ async def connect(url: str, name: str = "rlboost", **kwargs: Any) -> NATS:
     return nc
 
 
+class PublishFailed(RuntimeError):
+    """Some messages were not stored (no ack in time, after every retry); `ids` names them."""
+
+    def __init__(self, what: str, ids: list[str], cause: str) -> None:
+        shown = ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+        super().__init__(f"{len(ids)} {what} not stored: {shown} ({cause})")
+        self.ids = ids
+
+
+Outgoing = tuple[str, bytes, dict[str, str]]  # (subject, payload, headers with a Nats-Msg-Id)
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """The outcome of one message of `publish_batch`: its ack, or the last error."""
+
+    ack: PubAck | None
+    error: Exception | None
+    attempts: int
+
+    @property
+    def ok(self) -> bool:
+        return self.ack is not None
+
+    @property
+    def taken_before(self) -> bool:
+        """The stream already held this Nats-Msg-Id at the first attempt: someone else's
+        message with our id (a retry finding it is just our own earlier attempt)."""
+        return self.ack is not None and bool(self.ack.duplicate) and self.attempts == 1
+
+
+async def publish_batch(js: JetStreamContext, msgs: list[Outgoing], *, ack_timeout_s: float = 5.0,
+                        deadline_s: float = 15.0) -> list[Published]:
+    """Publish `msgs` with their acks in flight together; every wait is bounded.
+
+    nats-py's `publish_async` futures have no timeout: an ack lost to a server restart leaves
+    its future pending forever (and holds one of nats-py's pending-publish permits). Here each
+    round waits at most `ack_timeout_s`, cancels what did not answer (releasing the permits) and
+    publishes those again with the same headers, until `deadline_s`. Each message must carry a
+    `Nats-Msg-Id`: a retried message that was stored after all is dropped by the stream as a
+    duplicate, so "retry" never means "twice". One outcome per message, in order."""
+    outcomes: list[PubAck | Exception | None] = [None] * len(msgs)
+    attempts = [0] * len(msgs)
+    todo = list(range(len(msgs)))
+    deadline = time.monotonic() + deadline_s
+    backoff = 0.1
+    while todo:
+        futures: dict[int, asyncio.Future] = {}
+        for i in todo:
+            subject, data, headers = msgs[i]
+            attempts[i] += 1
+            try:
+                # No wait_stall: with one, nats-py wraps every publish in a task (an event-loop
+                # turn each); its pending-publish permits are bounded anyway, since every
+                # future that outlives ack_timeout_s is cancelled below, which releases it.
+                futures[i] = await js.publish_async(subject, data, headers=headers)
+            except Exception as e:  # stalled (too many pending), disconnected with a full buffer
+                outcomes[i] = e
+        if futures:
+            _, pending = await asyncio.wait(futures.values(), timeout=ack_timeout_s)
+            for f in pending:
+                f.cancel()
+        retry = []
+        for i in todo:
+            f = futures.get(i)
+            if f is not None and f.done() and not f.cancelled() and f.exception() is None:
+                outcomes[i] = f.result()
+                continue
+            if f is not None:
+                outcomes[i] = (f.exception() if f.done() and not f.cancelled()
+                               else TimeoutError(f"no ack in {ack_timeout_s:g} s"))
+            retry.append(i)
+        todo = retry
+        if not todo or time.monotonic() + backoff >= deadline:
+            break
+        log.warning("publishes unacknowledged, retrying with the same Nats-Msg-Id", count=len(todo),
+                    error=str(outcomes[todo[0]]))
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, 1.0)
+    return [Published(o, None, n) if isinstance(o, PubAck) else Published(None, o, n)  # type: ignore[arg-type]
+            for o, n in zip(outcomes, attempts, strict=True)]
+
+
 def _redact(url: str) -> str:
     if "@" in url:
         scheme, rest = url.split("://", 1)
@@ -95,8 +199,9 @@ def _redact(url: str) -> str:
     return url
 
 
-def stream_config(spec: wire.StreamSpec) -> StreamConfig:
+def stream_config(spec: wire.StreamSpec, replicas: int = 1) -> StreamConfig:
     return StreamConfig(
+        num_replicas=replicas,
         name=spec.name,
         subjects=list(spec.subjects),
         retention=_RETENTION[spec.retention],
@@ -120,13 +225,15 @@ def pool_consumer_configs(pool: str, spec: wire.ConsumerSpec) -> list[ConsumerCo
 
 
 async def provision(js: JetStreamContext, pools: tuple[str, ...] = (), consumer: wire.ConsumerSpec | None = None,
-                    registry_ttl_s: float = 10.0) -> None:
-    """Create or update every stream, the pools' consumers and the KV buckets."""
+                    registry_ttl_s: float = 10.0, replicas: int = 1) -> None:
+    """Create or update every stream, the pools' consumers and the KV buckets. `replicas`:
+    their replication on a JetStream cluster, for what this call creates (existing ones keep theirs)."""
     for spec in wire.STREAMS:
-        cfg = stream_config(spec)
+        cfg = stream_config(spec, replicas)
         try:
             info = await js.stream_info(spec.name)
             if not _same_stream(info.config, cfg):  # unchanged: no update (a worker may not)
+                cfg.num_replicas = info.config.num_replicas  # an update never rescales
                 await js.update_stream(cfg)
         except NotFoundError:
             try:
@@ -135,9 +242,9 @@ async def provision(js: JetStreamContext, pools: tuple[str, ...] = (), consumer:
                 await js.update_stream(cfg)
     for pool in pools:
         await ensure_pool_consumer(js, pool, consumer or wire.ConsumerSpec())
-    await _kv(js, KeyValueConfig(bucket=wire.BUCKET_WORKERS, ttl=registry_ttl_s, history=1))
-    await _kv(js, KeyValueConfig(bucket=wire.BUCKET_POLICY, history=5))
-    await _kv(js, KeyValueConfig(bucket=wire.BUCKET_CONTROL, history=1))
+    await _kv(js, KeyValueConfig(bucket=wire.BUCKET_WORKERS, ttl=registry_ttl_s, history=1, replicas=replicas))
+    await _kv(js, KeyValueConfig(bucket=wire.BUCKET_POLICY, history=5, replicas=replicas))
+    await _kv(js, KeyValueConfig(bucket=wire.BUCKET_CONTROL, history=1, replicas=replicas))
 
 
 def _same_stream(have: StreamConfig, want: StreamConfig) -> bool:
@@ -150,9 +257,23 @@ def _same_stream(have: StreamConfig, want: StreamConfig) -> bool:
 
 
 async def ensure_pool_consumer(js: JetStreamContext, pool: str, spec: wire.ConsumerSpec) -> None:
+    """Create or update the pool's consumers, but only where they are missing or differ: the
+    worker identity may read consumer info and never (re)configure a consumer (rlboost/auth.py),
+    so a worker joining a pool the trainer provisioned makes no forbidden call."""
     wire.check_name("pool", pool)
     for cfg in pool_consumer_configs(pool, spec):
+        try:
+            have = (await js.consumer_info(wire.STREAM_REQUESTS, cfg.durable_name)).config
+            if _same_consumer(have, cfg):
+                continue
+        except NotFoundError:
+            pass
         await js.add_consumer(wire.STREAM_REQUESTS, cfg)
+
+
+def _same_consumer(have: ConsumerConfig, want: ConsumerConfig) -> bool:
+    return (have.filter_subject == want.filter_subject and have.max_deliver == want.max_deliver
+            and have.max_ack_pending == want.max_ack_pending and abs(float(have.ack_wait or 0) - float(want.ack_wait or 0)) < 1e-3)
 
 
 async def _kv(js: JetStreamContext, cfg: KeyValueConfig) -> None:
@@ -165,8 +286,27 @@ async def _kv(js: JetStreamContext, cfg: KeyValueConfig) -> None:
             await js.key_value(cfg.bucket)
 
 
-async def dead_letter(js: JetStreamContext, msg: Msg, reason: str, stream: str) -> None:
-    """Copy the raw message to the DLQ with the reason, then ack it so it is not redelivered."""
+async def follow(js: JetStreamContext, subject: str, within_s: float = 30.0) -> JetStreamContext.PushSubscription:
+    """An ordered consumer on `subject`, from the start of its stream.
+
+    Creating one is a JetStream API call that needs the stream's leader; right after a cluster
+    node is lost (or while a single server restarts) there is none for a few seconds, and the
+    call times out. Readers of results and events must outlive that, so it is retried until
+    `within_s`. The stream is named, not looked up: a lookup needs the meta leader as well."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await js.subscribe(subject, stream=wire.stream_of(subject), ordered_consumer=True)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, ServiceUnavailableError) as e:
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"no JetStream leader answered for {subject} within {within_s:.0f} s") from e
+            log.warning("waiting for a JetStream leader", subject=subject, error=type(e).__name__)
+            await asyncio.sleep(0.5)
+
+
+async def dead_letter(js: JetStreamContext, msg: Msg, reason: str, stream: str, ack: bool = True) -> None:
+    """Copy the raw message to the DLQ with the reason, then ack it so it is not redelivered.
+    `ack=False` for a message read from a limits stream (results), which nobody acks."""
     meta_seq = ""
     try:
         meta_seq = str(msg.metadata.sequence.stream)
@@ -179,7 +319,8 @@ async def dead_letter(js: JetStreamContext, msg: Msg, reason: str, stream: str) 
         wire.HDR_MSG_ID: f"dlq-{stream}-{meta_seq}" if meta_seq else f"dlq-{time.time_ns()}",
     }
     await js.publish(wire.dlq_subject(stream), msg.data, headers=headers)
-    await msg.ack()
+    if ack:
+        await msg.ack()
     log.warning("dead-lettered", stream=stream, subject=msg.subject, seq=meta_seq, reason=reason)
 
 

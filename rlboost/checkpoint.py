@@ -6,24 +6,77 @@ epoch (the fencing token), and every append/finish carries the writer's epoch. A
 checks epoch and offset and writes in one atomic step, so a worker that was paused (SIGSTOP)
 and resumed after another worker took the request over learns it lost the lease and cannot
 corrupt what the new owner writes.
+
+Epochs never go backwards, even when Redis does. A restart without persistence, the AOF's
+last unsynced second (`appendfsync everysec`) or a failover to a replica that missed the last
+writes all roll `meta` back, and a plain counter would then hand a new claimant the epoch a
+paused worker still holds (two writers, one epoch). So a claim's epoch is a hybrid logical
+clock: max(stored epoch + 1, Redis server time in microseconds). Whatever was lost was issued
+before the store went down; every claim after it is issued later, so its epoch is larger than
+any epoch handed out before, whatever `meta` remembers. (Assumes the server clock does not
+step back across a restart by more than the outage lasted; a failover takes seconds.)
+What a restart costs: with the AOF, a kill -9 loses at most the last second of appends; each
+request whose tail was lost is resumed from its last persisted checkpoint (the writer's next
+append no longer continues the checkpoint, the worker hands the request back), so at most
+~1 s of generation plus K tokens is regenerated per request in flight. A clean shutdown
+(SIGTERM) fsyncs the AOF and loses nothing.
+
+A worker's flush (the new tokens of every request it serves) is one fenced write: one script
+call (`append_packed`, `_APPEND_MANY`) that checks each request's epoch and offset and appends,
+with an outcome per request. On a Redis Cluster a script may only touch keys of one hash slot,
+and the keys of a request share its `{rid}` tag: there the flush is grouped by slot (one call
+per slot) and redis-py's cluster pipeline sends each master its calls in one batch. The key
+layout stays per request rather than per worker or per bucket: a request moves between workers
+and its keys must be found from its id alone by whichever worker claims it next, and a coarse
+shared tag would pile a whole bucket of requests onto one master. So on a cluster a flush costs
+a script call per request, sent per node; on a standalone Redis or a sentinel's primary it is
+one call.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
 
 import numpy as np
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
+import redis.exceptions
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import ExponentialBackoff
+from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import AskError, ClusterError, NoScriptError, ResponseError, TryAgainError
 
 from rlboost import wire
+from rlboost.errors import (
+    AlreadyFinished,
+    CheckpointError,
+    CorruptCheckpoint,
+    LeaseHeld,
+    LeaseLost,
+    OffsetMismatch,
+    lua_error,
+)
+from rlboost.logs import get_logger
 
-RECORD = np.dtype([("token", "<i4"), ("logprob", "<f4")])
+# The checkpoint errors live in rlboost.errors (one root); callers import them from here too.
+__all__ = ["AlreadyFinished", "CheckpointError", "CorruptCheckpoint", "LeaseHeld", "LeaseLost", "OffsetMismatch",
+           "CheckpointStore", "Claim", "pack", "unpack", "parse_segment"]
+
+log = get_logger(component="checkpoint")
+
+RECORD = wire.RECORD
+MAX_APPENDS_PER_CALL = 1024  # requests per fenced-append script call (bounds how long it blocks Redis)
 
 _CLAIM = """
+redis.replicate_commands()  -- TIME is not deterministic: replicate the effects (Redis < 7)
 local meta, lease, hist, tok = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner, ttl, version, steal, keep = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5])
+local weights = ARGV[6]
 if redis.call('HGET', meta, 'finished') == '1' then
   return {-1, tonumber(redis.call('HGET', meta, 'epoch') or '0'), ''}
 end
@@ -31,77 +84,88 @@ local cur = redis.call('GET', lease)
 if cur and steal ~= '1' and string.match(cur, '^(%S+)') ~= owner then
   return {-2, redis.call('PTTL', lease), cur}
 end
-local epoch = redis.call('HINCRBY', meta, 'epoch', 1)
-redis.call('HSET', meta, 'owner', owner)
-redis.call('SET', lease, owner .. ' ' .. epoch, 'PX', ttl)
+-- Hybrid logical clock: never below the server time (us), so a rolled-back meta cannot
+-- hand out an epoch issued before the rollback. Below 2^53: exact in Lua's doubles.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local epoch = math.max(tonumber(redis.call('HGET', meta, 'epoch') or '0') + 1, now)
+local es = string.format('%d', epoch)
+redis.call('HSET', meta, 'epoch', es, 'owner', owner)
+redis.call('SET', lease, owner .. ' ' .. es, 'PX', ttl)
 local data = redis.call('GET', tok) or ''
-redis.call('RPUSH', hist, owner .. ' ' .. epoch .. ' ' .. (string.len(data) / 8) .. ' ' .. version)
+redis.call('RPUSH', hist, owner .. ' ' .. es .. ' ' .. (string.len(data) / 8) .. ' ' .. version .. ' ' .. weights)
 for _, k in ipairs({meta, hist, tok}) do redis.call('EXPIRE', k, keep) end
-return {epoch, 0, data}
+return {es, 0, data}
 """
 
-_APPEND = """
-local meta, lease, tok = KEYS[1], KEYS[2], KEYS[3]
-local m = redis.call('HMGET', meta, 'epoch', 'finished')
-if m[1] ~= ARGV[1] then return -1 end
-if m[2] == '1' then return -3 end
-if redis.call('STRLEN', tok) ~= tonumber(ARGV[2]) * 8 then return -2 end
-local len = redis.call('APPEND', tok, ARGV[3]) / 8
-if redis.call('PEXPIRE', lease, ARGV[4]) == 0 then
-  redis.call('SET', lease, ARGV[5] .. ' ' .. ARGV[1], 'PX', ARGV[4])
+# The fenced append of a whole flush, in one script call. KEYS are (meta, lease, tok) per
+# request; ARGV = ttl_ms, owner, keep_s, then "epoch offset nbytes" of every request as one
+# space-separated string and all their records concatenated as one string (two bulk strings
+# instead of three per request: packing and parsing per-request arguments cost the client more
+# than Redis spends in the script). Each request gets exactly the checks of a single append
+# (epoch, finished, offset) and its own outcome: the new length, -1 stale epoch, -2 offset
+# mismatch, -3 finished, or -4 when Redis refused one of its commands (a key of the wrong
+# type), whose message follows. The reply is {"n1,n2,...", message of each -4 in order}.
+# pcall keeps one request's error from aborting the others (earlier writes of a script are
+# never rolled back).
+_APPEND_MANY = """
+local ttl, owner, keep, heads, blob = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local function one(meta, lease, tok, epoch, offset, data)
+  local m = redis.call('HMGET', meta, 'epoch', 'finished')
+  if m[1] ~= epoch then return -1 end
+  if m[2] == '1' then return -3 end
+  if redis.call('STRLEN', tok) ~= tonumber(offset) * 8 then return -2 end
+  local len = redis.call('APPEND', tok, data) / 8
+  -- The claim's EXPIRE ran before the first append created this key (an append at 0 is the
+  -- one that creates it: the offset check above saw it empty): give it the TTL now.
+  if offset == '0' then redis.call('EXPIRE', tok, keep) end
+  if redis.call('PEXPIRE', lease, ttl) == 0 then
+    redis.call('SET', lease, owner .. ' ' .. epoch, 'PX', ttl)
+  end
+  return len
 end
-return len
+local codes, reply, i, at = {}, {''}, 0, 1
+for epoch, offset, nbytes in string.gmatch(heads, '(%d+) (%d+) (%d+)') do
+  local k, n = 3 * i, tonumber(nbytes)
+  local ok, r = pcall(one, KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], epoch, offset, string.sub(blob, at, at + n - 1))
+  at = at + n
+  i = i + 1
+  if ok then codes[i] = string.format('%d', r)
+  else
+    codes[i] = '-4'
+    reply[#reply + 1] = type(r) == 'table' and r.err or tostring(r)
+  end
+end
+if 3 * i ~= #KEYS or at ~= string.len(blob) + 1 then return redis.error_reply('ERR append batch does not add up') end
+reply[1] = table.concat(codes, ',')
+return reply
 """
 
 _FINISH = """
 local meta, lease, tok = KEYS[1], KEYS[2], KEYS[3]
-local epoch, total = tonumber(ARGV[1]), tonumber(ARGV[2])
-if tonumber(redis.call('HGET', meta, 'epoch') or '0') ~= epoch then return -1 end
+local total = tonumber(ARGV[2])
+if redis.call('HGET', meta, 'epoch') ~= ARGV[1] then return -1 end
 if redis.call('STRLEN', tok) / 8 ~= total then return -2 end
 redis.call('HSET', meta, 'finished', '1')
-redis.call('DEL', lease)
+redis.call('PEXPIRE', lease, 0)  -- deletes it; the worker identity has no DEL
 return 1
 """
 
 _RENEW = """
 local meta, lease = KEYS[1], KEYS[2]
-local epoch, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
-if tonumber(redis.call('HGET', meta, 'epoch') or '0') ~= epoch then return -1 end
+local ttl = tonumber(ARGV[2])
+if redis.call('HGET', meta, 'epoch') ~= ARGV[1] then return -1 end
 if redis.call('HGET', meta, 'finished') == '1' then return -3 end
-redis.call('SET', lease, ARGV[3] .. ' ' .. epoch, 'PX', ttl)
+redis.call('SET', lease, ARGV[3] .. ' ' .. ARGV[1], 'PX', ttl)
 return 1
 """
 
 _RELEASE = """
 local meta, lease = KEYS[1], KEYS[2]
-if tonumber(redis.call('HGET', meta, 'epoch') or '0') ~= tonumber(ARGV[1]) then return -1 end
-redis.call('DEL', lease)
+if redis.call('HGET', meta, 'epoch') ~= ARGV[1] then return -1 end
+redis.call('PEXPIRE', lease, 0)  -- deletes it; the worker identity has no DEL
 return 1
 """
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-class LeaseLost(CheckpointError):
-    """The writer's epoch is stale: another worker owns the request now. Drop it."""
-
-
-class LeaseHeld(CheckpointError):
-    """Another live owner holds the lease; retry after `retry_after_s`."""
-
-    def __init__(self, rid: str, holder: str, retry_after_s: float) -> None:
-        super().__init__(f"{rid} is leased by {holder} for {retry_after_s:.2f}s more")
-        self.holder, self.retry_after_s = holder, retry_after_s
-
-
-class AlreadyFinished(CheckpointError):
-    """The request already has its result; whoever holds the message should just ack it."""
-
-
-class OffsetMismatch(CheckpointError):
-    """An append that does not continue exactly where the checkpoint ends (a bug, never silent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,21 +184,46 @@ def pack(token_ids: Sequence[int], logprobs: Sequence[float]) -> bytes:
     return rec.tobytes()
 
 
-def unpack(data: bytes) -> tuple[list[int], list[float]]:
+def unpack(data: bytes, rid: str = "?") -> tuple[list[int], list[float]]:
+    """The checkpoint door: bytes from Redis become (tokens, logprobs) or CorruptCheckpoint."""
+    if len(data) % RECORD.itemsize:
+        raise CorruptCheckpoint(f"{rid}: token checkpoint is {len(data)} bytes, not a multiple of {RECORD.itemsize}")
     rec = np.frombuffer(data, dtype=RECORD)
-    return rec["token"].tolist(), rec["logprob"].tolist()
+    tokens = rec["token"]
+    if len(tokens) and int(tokens.min()) < 0:
+        raise CorruptCheckpoint(f"{rid}: token checkpoint holds a negative token id")
+    return tokens.tolist(), rec["logprob"].tolist()
+
+
+def parse_segment(raw: bytes) -> wire.Segment:
+    """One history line `owner epoch offset policy_version [weights]`, or CorruptCheckpoint."""
+    try:
+        owner, epoch, offset, version, *weights = raw.decode("ascii").split(" ")
+        if len(weights) > 1:
+            raise ValueError(f"{5 + len(weights) - 1} fields")
+        seg = wire.Segment(offset=int(offset), worker_id=wire.check_name("worker id", owner), epoch=int(epoch),
+                           policy_version=int(version), weights=wire.check_weights_id("".join(weights)))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpoint(f"history line {raw[:80]!r}: {e}") from None
+    if min(seg.offset, seg.epoch, seg.policy_version) < 0:
+        raise CorruptCheckpoint(f"history line {raw[:80]!r}: negative field")
+    return seg
 
 
 class CheckpointStore:
     """Pooled async client over the checkpoint keys of `rlboost.wire`."""
 
-    def __init__(self, url: str, max_connections: int = 32, keep_s: int = 86400) -> None:
+    def __init__(self, url: str, max_connections: int = 32, keep_s: int = 86400, timeout_s: float = 5.0) -> None:
         # BlockingConnectionPool waits for a free connection instead of raising under load.
-        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=30)
-        self.redis = aioredis.Redis(connection_pool=pool)
+        # Every call is bounded: a Redis that stops answering (killed, paused, partitioned)
+        # raises TimeoutError after `timeout_s` instead of freezing the caller.
+        self.redis = _connect(url, max_connections, timeout_s)
         self.keep_s = keep_s
         self._claim = self.redis.register_script(_CLAIM)
-        self._append = self.redis.register_script(_APPEND)
+        self._append_many = self.redis.register_script(_APPEND_MANY)
+        self._resp_keys: dict[str, bytes] = {}  # rid -> its append keys in RESP (_keys_resp)
+        self._queued: list[tuple[tuple, asyncio.Future]] = []  # commands coalesced into the next pipeline
+        self._sending: set[asyncio.Task] = set()
         self._finish = self.redis.register_script(_FINISH)
         self._renew = self.redis.register_script(_RENEW)
         self._release = self.redis.register_script(_RELEASE)
@@ -142,23 +231,75 @@ class CheckpointStore:
     async def close(self) -> None:
         await self.redis.aclose()
 
+    async def load_scripts(self) -> bool:
+        """SCRIPT LOAD the checkpoint scripts (idempotent). The trainer does this: the worker
+        identity may only EVALSHA them (rlboost/auth.py), so after a Redis restart emptied the
+        script cache, workers wait for the trainer's next load. False if this identity may not.
+        On a Redis Cluster, redis-py sends SCRIPT LOAD to every master (each has its own cache)."""
+        try:
+            for script in (self._claim, self._append_many, self._finish, self._renew, self._release):
+                await self.redis.script_load(script.script)
+        except redis.exceptions.NoPermissionError:
+            return False
+        return True
+
     async def ping(self) -> None:
         await self.redis.ping()
 
-    async def claim(self, rid: str, owner: str, policy_version: int, ttl_s: float, steal: bool = False) -> Claim:
-        """Take the lease with a new epoch and get the tokens so far (to resume from)."""
+    async def claim(self, rid: str, owner: str, policy_version: int, ttl_s: float, steal: bool = False,
+                    weights: str = "") -> Claim:
+        """Take the lease with a new epoch and get the tokens so far (to resume from).
+        `weights` names the weights that will generate from here on (recorded in the segment)."""
         k = wire
-        status, extra, data = await self._claim(
-            keys=[k.ckpt_meta_key(rid), k.ckpt_lease_key(rid), k.ckpt_history_key(rid), k.ckpt_tokens_key(rid)],
-            args=[owner, int(ttl_s * 1000), policy_version, "1" if steal else "0", self.keep_s],
-        )
-        if status == -1:
-            raise AlreadyFinished(f"{rid} is finished")
+        try:
+            reply = await self._coalesced(
+                ("EVALSHA", self._claim.sha, 4, k.ckpt_meta_key(rid), k.ckpt_lease_key(rid), k.ckpt_history_key(rid),
+                 k.ckpt_tokens_key(rid), owner, int(ttl_s * 1000), policy_version, "1" if steal else "0", self.keep_s,
+                 wire.check_weights_id(weights)))
+            if isinstance(reply, Exception):
+                raise reply
+            status, extra, data = reply  # type: ignore[misc]
+        except ResponseError as e:  # e.g. an epoch that is not an integer
+            # A cluster's CLUSTERDOWN / TRYAGAIN / MOVED (a master restarting, slots moving) is
+            # the store being unavailable, not the checkpoint being corrupt: the caller retries.
+            if (isinstance(e, (NoScriptError, ClusterError, TryAgainError, AskError)) or "NOPERM" in str(e)
+                    or "no permissions" in str(e).lower()):
+                raise
+            raise CorruptCheckpoint(f"{rid}: claim refused by Redis: {e}") from None
+        status = int(status)
         if status == -2:
-            holder = data.decode() if isinstance(data, bytes) else str(data)
+            holder = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
             raise LeaseHeld(rid, holder, max(extra, 0) / 1000)
-        tokens, logprobs = unpack(data)
+        if (err := lua_error("claim", status, rid)) is not None:
+            raise err
+        tokens, logprobs = unpack(data, rid)
         return Claim(epoch=int(status), token_ids=tokens, logprobs=logprobs)
+
+    def _coalesced(self, command: tuple) -> asyncio.Future:
+        """One command's reply (or its error, as a value), sent in one pipeline with every other
+        command coalesced in the same event-loop turn: a worker claims the requests of a fetch
+        together, and a Redis round trip each cost more than the claims themselves."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queued.append((command, fut))
+        if len(self._queued) == 1:
+            loop.call_soon(self._send_queued)
+        return fut
+
+    def _send_queued(self) -> None:
+        batch, self._queued = self._queued, []
+        task = asyncio.ensure_future(self._run_queued(batch))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _run_queued(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
+        try:
+            replies = await self._pipeline([command for command, _ in batch])
+        except Exception as e:  # the store unreachable (after the client's retries): each caller sees it
+            replies = [e] * len(batch)
+        for (_, fut), reply in zip(batch, replies, strict=True):
+            if not fut.done():  # its caller may have been cancelled meanwhile
+                fut.set_result(reply)
 
     async def append(self, rid: str, owner: str, epoch: int, offset: int, token_ids: Sequence[int],
                      logprobs: Sequence[float], ttl_s: float) -> int:
@@ -169,26 +310,146 @@ class CheckpointStore:
 
     async def append_many(self, appends: Sequence[tuple[str, str, int, int, Sequence[int], Sequence[float]]],
                           ttl_s: float) -> list[int | CheckpointError]:
-        """Fenced appends of many requests in one pipeline (one round trip). Each entry is
-        (rid, owner, epoch, offset, token_ids, logprobs); each outcome is the new length or the
-        error for that request, so one lost lease does not fail the others."""
-        ttl_ms = int(ttl_s * 1000)
-        replies = await self._pipelined(self._append, [
-            ((wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid), wire.ckpt_tokens_key(rid)),
-             (epoch, offset, pack(toks, lps), ttl_ms, owner)) for rid, owner, epoch, offset, toks, lps in appends])
-        return [_append_outcome(a[0], a[2], a[3], r) for a, r in zip(appends, replies, strict=True)]
+        """Fenced appends of many requests (a worker's flush). Each entry is (rid, owner, epoch,
+        offset, token_ids, logprobs); each outcome is the new length or the error for that
+        request, so one lost lease does not fail the others."""
+        return await self.append_packed([(rid, owner, epoch, offset, pack(toks, lps))
+                                         for rid, owner, epoch, offset, toks, lps in appends], ttl_s)
 
-    async def _pipelined(self, script, calls: list[tuple[tuple, tuple]]) -> list[object]:
-        """Run one Lua script for many (keys, args) in one pipeline. EVALSHA directly: the
-        Script wrapper's per-call bookkeeping costs more than Redis spends running the script."""
+    async def append_packed(self, appends: Sequence[tuple[str, str, int, int, bytes]],
+                            ttl_s: float) -> list[int | CheckpointError]:
+        """`append_many` with the records already packed (`pack`): (rid, owner, epoch, offset,
+        records). One script call per (hash slot, owner) group, all in one round trip (see
+        `_groups`); outcomes in the order of `appends`."""
+        if not appends:
+            return []
+        ttl = b"%d" % int(ttl_s * 1000)
+        keep = b"%d" % self.keep_s
+        cluster = isinstance(self.redis, RedisCluster)
+        groups = self._groups(appends) if cluster or len({a[1] for a in appends}) > 1 else [
+            (appends[0][1], range(j, min(j + MAX_APPENDS_PER_CALL, len(appends))))
+            for j in range(0, len(appends), MAX_APPENDS_PER_CALL)]
+        calls = []
+        for owner, members in groups:
+            keys: list[bytes] = []
+            heads: list[bytes] = []
+            blobs: list[bytes] = []
+            for i in members:
+                rid, _, epoch, offset, data = appends[i]
+                keys.append(self._keys_resp(rid) if not cluster else wire.ckpt_append_keys(rid))
+                heads.append(b"%d %d %d" % (epoch, offset, len(data)))
+                blobs.append(data)
+            if cluster:
+                keys = [k for three in keys for k in three]  # type: ignore[misc]
+            calls.append((keys, [ttl, owner.encode(), keep, b" ".join(heads), b"".join(blobs)]))
+        replies = await (self._pipelined if cluster else self._raw_scripts)(self._append_many, calls)
+        out: list[int | CheckpointError] = [CheckpointError("no reply")] * len(appends)  # every slot is set below
+        for (_, members), reply in zip(groups, replies, strict=True):
+            for i, r in zip(members, _append_replies(reply, len(members)), strict=True):
+                if type(r) is int and r >= 0:  # the common case, without the error lookup
+                    out[i] = r
+                else:
+                    rid, _, epoch, offset, _ = appends[i]
+                    out[i] = _append_outcome(rid, epoch, offset, r)
+        return out
+
+    def _keys_resp(self, rid: str) -> bytes:
+        """The RESP encoding of a request's three append keys, kept while the request is in
+        flight (it is appended to every flush). Bounded: forgotten wholesale when full."""
+        got = self._resp_keys.get(rid)
+        if got is None:
+            if len(self._resp_keys) >= 1 << 16:
+                self._resp_keys.clear()
+            got = self._resp_keys[rid] = _bulks(wire.ckpt_append_keys(rid))
+        return got
+
+    async def _raw_scripts(self, script, calls: Sequence[tuple[Sequence[bytes], Sequence[bytes]]]) -> list[object]:
+        """EVALSHA calls packed here (RESP) and sent on one pooled connection as one write:
+        redis-py's generic command packing cost more per request of a flush than the script
+        itself. Each call's keys come RESP-encoded, three per request (`_keys_resp`). Not on a
+        cluster (no routing here). A lost connection raises ConnectionError for the caller to
+        retry: safe, the scripts refuse a repeat."""
+        sha = script.sha.encode()
+        payload = b"".join(b"*%d\r\n" % (3 + 3 * len(keys) + len(args)) + _bulks([b"EVALSHA", sha, b"%d" % (3 * len(keys))])
+                           + b"".join(keys) + _bulks(args) for keys, args in calls)
+        pool = self.redis.connection_pool
+        for attempt in (1, 2):
+            conn = await pool.get_connection()
+            try:
+                # The client's retry policy, as for any redis-py command: a restarted Redis closed
+                # our pooled connection; reconnect and send again (safe, see above).
+                replies = await conn.retry.call_with_retry(lambda: self._send_read(conn, payload, len(calls)),
+                                                           lambda _: conn.disconnect())
+            except BaseException:
+                await conn.disconnect()
+                raise
+            finally:
+                await pool.release(conn)
+            if attempt == 1 and any(isinstance(r, NoScriptError) for r in replies) and await self.load_scripts():
+                continue  # Redis restarted and lost its script cache (see _pipelined)
+            return replies
+        return replies
+
+    @staticmethod
+    async def _send_read(conn, payload: bytes, n: int) -> list[object]:
+        await conn.send_packed_command(payload, check_health=False)
+        replies: list[object] = []
+        for _ in range(n):
+            try:
+                replies.append(await conn.read_response())
+            except ResponseError as e:  # one call's error: the rest of the replies still follow
+                replies.append(e)
+        return replies
+
+    def _groups(self, appends: Sequence[tuple]) -> list[tuple[str, Sequence[int]]]:
+        """Which appends share one script call: (owner, indices) per group.
+
+        A standalone Redis (or a sentinel's primary) runs the whole flush as one call, at most
+        MAX_APPENDS_PER_CALL requests each (a script blocks the server while it runs: bounded).
+        A Redis Cluster refuses a script whose keys span hash slots, so there a flush is grouped
+        by the slot of each request's `{rid}` tag, and redis-py's cluster pipeline sends each
+        master its groups in one batch. Why not change the key layout so that a flush's keys
+        share a slot (a per-worker or per-bucket tag)? A request moves between workers, and its
+        keys must be found by whoever claims it next from its id alone; a coarse bucket tag
+        would pile a whole bucket of requests onto one master. Sharding by request stays, and
+        on a cluster a flush costs one call per request (today's cost), grouped per node."""
+        by: dict[tuple[int, str], list[int]] = {}
+        cluster = isinstance(self.redis, RedisCluster)
+        for i, a in enumerate(appends):
+            slot = key_slot(wire.ckpt_meta_key(a[0]).encode()) if cluster else 0
+            by.setdefault((slot, a[1]), []).append(i)
+        out = []
+        for (_, owner), members in by.items():
+            out += [(owner, members[j:j + MAX_APPENDS_PER_CALL]) for j in range(0, len(members), MAX_APPENDS_PER_CALL)]
+        return out
+
+    async def _pipelined(self, script, calls: Sequence[tuple[Sequence, Sequence]]) -> list[object]:
+        """Run one Lua script for many (keys, args) in one pipeline (see `_pipeline`)."""
+        return await self._pipeline([("EVALSHA", script.sha, len(keys), *keys, *args) for keys, args in calls])
+
+    async def _pipeline(self, commands: Sequence[tuple]) -> list[object]:
+        """Commands (scripts by EVALSHA) in one pipeline, one reply or exception each. EVALSHA
+        directly: the Script wrapper's per-call bookkeeping costs more than Redis spends running
+        the script.
+
+        On a Redis Cluster the pipeline is redis-py's ClusterPipeline: it routes each command by
+        the slot of its keys and sends one batch per master. Every script call's keys share one
+        hash slot (one `{rid}` tag, or a group of `append_packed` made per slot), so each script
+        stays atomic. `execute_command`, not `evalsha()`: ClusterPipeline blocks the latter by
+        name, though it routes EVALSHA fine."""
         for attempt in (1, 2):
             async with self.redis.pipeline(transaction=False) as pipe:
-                for keys, args in calls:
-                    pipe.evalsha(script.sha, len(keys), *keys, *args)
-                replies = await pipe.execute(raise_on_error=False)
+                for command in commands:
+                    pipe.execute_command(*command)
+                try:
+                    replies = await pipe.execute(raise_on_error=False)
+                except AttributeError as e:  # see _Cluster
+                    raise RedisConnectionError(f"connection closed under this pipeline: {e}") from e
             if attempt == 1 and any(isinstance(r, NoScriptError) for r in replies):
-                await self.redis.script_load(script.script)  # Redis restarted and lost its script cache
-                continue
+                # Redis restarted and lost its script cache. A worker identity may not load
+                # scripts: its calls fail (and are retried) until the trainer reloads them.
+                if await self.load_scripts():
+                    continue
             break
         return replies
 
@@ -197,18 +458,36 @@ class CheckpointStore:
             keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid), wire.ckpt_tokens_key(rid)],
             args=[epoch, total_tokens],
         )
-        if r == -1:
-            raise LeaseLost(f"{rid}: epoch {epoch} is stale, cannot finish")
-        if r == -2:
-            raise OffsetMismatch(f"{rid}: finish with {total_tokens} tokens does not match the checkpoint")
+        if (err := lua_error("finish", r, f"{rid} (epoch {epoch}, {total_tokens} tokens)")) is not None:
+            raise err
+
+    async def finish_many(self, finishes: Sequence[tuple[str, int, int]]) -> list[list[wire.Segment] | CheckpointError]:
+        """`finish` for many requests, (rid, epoch, total_tokens) each, in one round trip, with
+        each request's provenance (`segments`) read in the same pipeline: what its result
+        carries. One outcome per request: its segments, or its error."""
+        commands: list[tuple] = []
+        for rid, epoch, total in finishes:
+            commands.append(("EVALSHA", self._finish.sha, 3, wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid),
+                             wire.ckpt_tokens_key(rid), epoch, total))
+            commands.append(("LRANGE", wire.ckpt_history_key(rid), 0, -1))
+        replies = await self._pipeline(commands)
+        out: list[list[wire.Segment] | CheckpointError] = []
+        for j, (rid, epoch, total) in enumerate(finishes):
+            fin, hist = replies[2 * j], replies[2 * j + 1]
+            detail = f"{rid} (epoch {epoch}, {total} tokens)"
+            if isinstance(fin, Exception) or isinstance(hist, Exception):
+                out.append(CheckpointError(f"{detail}: {fin if isinstance(fin, Exception) else hist}"))
+            elif (err := lua_error("finish", int(fin), detail)) is not None:  # type: ignore[arg-type]
+                out.append(err)
+            else:
+                out.append(_segments(rid, hist))  # type: ignore[arg-type]
+        return out
 
     async def renew(self, rid: str, owner: str, epoch: int, ttl_s: float) -> None:
         r = await self._renew(keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)],
                               args=[epoch, int(ttl_s * 1000), owner])
-        if r == -1:
-            raise LeaseLost(f"{rid}: epoch {epoch} is stale, cannot renew")
-        if r == -3:
-            raise AlreadyFinished(f"{rid} is finished")
+        if (err := lua_error("renew", r, f"{rid} (epoch {epoch})")) is not None:
+            raise err
 
     async def release(self, rid: str, epoch: int) -> bool:
         """Give the lease up (drain/hand-off) so the next claimant need not wait for expiry."""
@@ -221,31 +500,108 @@ class CheckpointStore:
         return [r == 1 for r in replies]
 
     async def read(self, rid: str) -> tuple[list[int], list[float]]:
-        return unpack(await self.redis.get(wire.ckpt_tokens_key(rid)) or b"")
+        return unpack(await self.redis.get(wire.ckpt_tokens_key(rid)) or b"", rid)
 
     async def epoch(self, rid: str) -> int:
-        return int(await self.redis.hget(wire.ckpt_meta_key(rid), "epoch") or 0)
+        raw = await self.redis.hget(wire.ckpt_meta_key(rid), "epoch") or b"0"
+        try:
+            return int(raw)
+        except ValueError:
+            raise CorruptCheckpoint(f"{rid}: epoch {raw[:40]!r} is not an integer") from None
+
+    async def owner(self, rid: str) -> tuple[str, int, bool]:
+        """(owner, epoch, finished) of the request's meta hash: what a result is checked against."""
+        owner, epoch, finished = await self.redis.hmget(wire.ckpt_meta_key(rid), "owner", "epoch", "finished")
+        try:
+            return (owner or b"").decode("ascii"), int(epoch or 0), finished == b"1"
+        except (UnicodeDecodeError, ValueError):
+            raise CorruptCheckpoint(f"{rid}: meta hash does not parse") from None
 
     async def is_finished(self, rid: str) -> bool:
         return await self.redis.hget(wire.ckpt_meta_key(rid), "finished") == b"1"
 
     async def segments(self, rid: str) -> list[wire.Segment]:
-        """Who generated which tokens, with which policy version; empty segments dropped."""
-        segs = []
-        for raw in await self.redis.lrange(wire.ckpt_history_key(rid), 0, -1):
-            owner, epoch, offset, version = raw.decode().split(" ")
-            segs.append(wire.Segment(offset=int(offset), worker_id=owner, epoch=int(epoch), policy_version=int(version)))
-        return [s for i, s in enumerate(segs) if i + 1 == len(segs) or segs[i + 1].offset != s.offset]
+        """Who generated which tokens, with which policy version; empty segments dropped.
+
+        A history line that does not parse is skipped and logged, not raised: the history is
+        provenance, the tokens are the result, and a finished result must never be lost to junk
+        written next to it."""
+        return _segments(rid, await self.redis.lrange(wire.ckpt_history_key(rid), 0, -1))
+
+
+class _Cluster(RedisCluster):
+    """redis-py's async cluster client closes all of a node's connections when one of them
+    fails, under the feet of other tasks using them: those raise AttributeError (the socket
+    writer is gone). Report that as the lost connection it is, so callers retry or hand the
+    request back as after any Redis outage, instead of an admission task dying with it."""
+
+    async def execute_command(self, *args, **kwargs):
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except AttributeError as e:
+            raise RedisConnectionError(f"connection closed under this call: {e}") from e
+
+
+def _connect(url: str, max_connections: int, timeout_s: float) -> aioredis.Redis | RedisCluster:
+    """A pooled client. `redis+sentinel://[user:pass@]host:port[,host:port]/<master>[/db]` asks
+    the sentinels for the primary, and again after a failover; `redis+cluster://[user:pass@]
+    host:port[,host:port][/0]` is a Redis Cluster reached through those startup nodes (the
+    client learns the slot map from them and follows MOVED/ASK)."""
+    common = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                  # A restarted Redis closed our pooled connections: reconnect and retry (safe: a
+                  # script that did run is refused the second time by its offset/epoch checks).
+                  retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 6), retry_on_error=[RedisConnectionError])
+    if not url.startswith(("redis+sentinel://", "redis+cluster://")):
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout_s * 2,
+                                                        **common)
+        return aioredis.Redis(connection_pool=pool)
+    parts = urlsplit(url)
+    hosts = [(h.rsplit(":", 1)[0], int(h.rsplit(":", 1)[1])) for h in parts.netloc.rsplit("@", 1)[-1].split(",")]
+    auth = {"username": unquote(parts.username) if parts.username else None,
+            "password": unquote(parts.password) if parts.password else None}
+    if url.startswith("redis+cluster://"):  # a cluster has database 0 only
+        return _Cluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], max_connections=max_connections,
+                            **auth, **common)
+    master, _, db = parts.path.strip("/").partition("/")
+    sentinel = Sentinel(hosts, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    return sentinel.master_for(master or "rb", db=int(db or 0), max_connections=max_connections, **auth, **common)
+
+
+def _segments(rid: str, lines: list[bytes]) -> list[wire.Segment]:
+    segs = []
+    for raw in lines:
+        try:
+            segs.append(parse_segment(raw))
+        except CorruptCheckpoint as e:
+            log.warning("skipping corrupt history line", request_id=rid, error=str(e))
+    return [s for i, s in enumerate(segs) if i + 1 == len(segs) or segs[i + 1].offset != s.offset]
+
+
+def _bulks(parts: Sequence[bytes]) -> bytes:
+    """Bulk strings of the Redis protocol (RESP); a command is an array of them."""
+    out = []
+    for p in parts:
+        out += (b"$%d\r\n" % len(p), p, b"\r\n")
+    return b"".join(out)
+
+
+def _append_replies(reply: object, n: int) -> list[object]:
+    """The reply of one batched append call -> one outcome per request (see _APPEND_MANY)."""
+    if isinstance(reply, Exception):  # the whole call failed
+        return [reply] * n
+    try:
+        codes, *errors = reply  # type: ignore[misc]
+        out: list[object] = [int(c) for c in codes.split(b",")] if n else []
+    except (TypeError, ValueError, AttributeError):
+        return [CheckpointError(f"unexpected reply {reply!r:.80}")] * n
+    if len(out) != n:
+        return [CheckpointError(f"{len(out)} outcomes for {n} appends")] * n
+    errors.reverse()
+    return [errors.pop() if c == -4 and errors else c for c in out]
 
 
 def _append_outcome(rid: str, epoch: int, offset: int, reply: object) -> int | CheckpointError:
-    if isinstance(reply, Exception):
-        return CheckpointError(f"{rid}: {reply}")
+    if isinstance(reply, (Exception, bytes, str)):  # a call that failed, or a command one request's pcall caught
+        return CheckpointError(f"{rid}: {reply.decode(errors='replace') if isinstance(reply, bytes) else reply}")
     n = int(reply)  # type: ignore[arg-type]
-    if n == -1:
-        return LeaseLost(f"{rid}: epoch {epoch} is stale")
-    if n == -2:
-        return OffsetMismatch(f"{rid}: append at {offset} does not continue the checkpoint")
-    if n == -3:
-        return AlreadyFinished(f"{rid} is finished")
-    return n
+    return lua_error("append", n, f"{rid} (epoch {epoch}, at {offset})") or n

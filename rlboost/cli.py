@@ -8,9 +8,12 @@ dir (embedded servers started by `rlboost up`). Benchmarks live one per module i
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import json
 import pkgutil
+import re
 import sys
 
 from rlboost.config import ConfigError, Settings, load_settings
@@ -29,8 +32,22 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_up(args: argparse.Namespace, s: Settings) -> int:
+    if args.cluster:
+        s.services.nats_cluster = args.cluster
+    if args.sentinel:
+        s.services.redis_sentinel = True
+    if args.redis_cluster:
+        s.services.redis_cluster = args.redis_cluster
     svc = EmbeddedServices(s.services)
     st, started = svc.up()
+    if started and s.services.nats_cluster > 1:
+        import asyncio
+
+        from rlboost.services import provision_cluster
+
+        replicas = asyncio.run(provision_cluster(svc.nats_url(st), min(3, s.services.nats_cluster)))
+        print(f"JetStream cluster of {s.services.nats_cluster} nodes: streams, KV buckets and the weight "
+              f"store at replication {replicas}")
     word = "started" if started else "already running"
     print(f"{word}: nats {svc.nats_url(st)} (JetStream in {svc.data_dir / 'jetstream'}), redis {svc.redis_url(st)}")
     print(f"state: {svc.state_path}")
@@ -56,6 +73,7 @@ BENCH_PACKAGES = ("rlboost.benchmarks", "workers.benchmarks", "trainer.benchmark
 
 def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
     names = _bench_names()
+    args.name = args.name.replace("-", "_")  # `bench train-memory` is the module train_memory
     if args.name not in names:
         print(f"unknown benchmark {args.name!r}; available: {', '.join(sorted(names))}", file=sys.stderr)
         return 2
@@ -64,16 +82,47 @@ def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
 
 
 def _bench_names() -> dict[str, str]:
-    found: dict[str, str] = {}
+    """Benchmark name -> package, for every module of the bench packages that defines a
+    top-level `main` (a helper module such as workers.benchmarks.throughput is not a benchmark)."""
+    return {name: package for name, (package, _) in _benchmarks().items()}
+
+
+def _benchmarks() -> dict[str, tuple[str, str]]:
+    """name -> (package, first docstring line). Read from the source with `ast`, not imported:
+    `rlboost bench --help` must not pay for importing torch."""
+    found: dict[str, tuple[str, str]] = {}
     for package in BENCH_PACKAGES:
         try:
             pkg = importlib.import_module(package)
         except ImportError:
             continue
         for m in pkgutil.iter_modules(pkg.__path__):
-            if not m.name.startswith("_"):
-                found.setdefault(m.name, package)
+            if m.name.startswith("_") or m.name in found:
+                continue
+            spec = importlib.util.find_spec(f"{package}.{m.name}")
+            try:
+                with open(spec.origin, encoding="utf-8") as f:  # type: ignore[union-attr, arg-type]
+                    tree = ast.parse(f.read())
+            except (OSError, SyntaxError, TypeError, AttributeError):
+                continue
+            if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+                found[m.name] = (package, _summary(ast.get_docstring(tree) or ""))
     return found
+
+
+def _summary(doc: str) -> str:
+    """A bench module's one-line summary: its docstring's first sentence, without the
+    "`rlboost bench NAME`: " it opens with."""
+    para = " ".join(doc.strip().split("\n\n", 1)[0].split())
+    para = para.split("`: ", 1)[-1]
+    return re.split(r"(?<=[.?!])\s", para, maxsplit=1)[0]
+
+
+def _bench_help() -> str:
+    rows = sorted(_benchmarks().items())
+    width = max((len(n) for n, _ in rows), default=0)
+    return "benchmarks (`rlboost bench NAME --help` for a benchmark's options):\n" + "\n".join(
+        f"  {name.replace('_', '-'):{width}}  {doc}" for name, (_, doc) in rows)
 
 
 def _run_module(module: str):
@@ -102,14 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="state dir of the embedded servers (default: $RLBOOST_DATA_DIR)")
     p.add_argument("--log-json", action="store_true", help="JSON log lines instead of console lines")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", help="start embedded NATS (JetStream) and Redis on free loopback ports").set_defaults(fn=cmd_up)
+    up = sub.add_parser("up", help="start embedded NATS (JetStream) and Redis on free loopback ports")
+    up.add_argument("--cluster", type=int, default=0, help="N JetStream nodes (a cluster on loopback), replication 3")
+    up.add_argument("--sentinel", action="store_true", help="Redis primary + replica + a sentinel (automatic failover)")
+    up.add_argument("--redis-cluster", type=int, metavar="N",
+                    help="a Redis Cluster of N masters (checkpoints sharded by request)")
+    up.set_defaults(fn=cmd_up)
     sub.add_parser("down", help="stop the embedded servers started by `up`").set_defaults(fn=cmd_down)
     st = sub.add_parser("status", help="servers, streams, queue depths and live workers")
     st.add_argument("--json", action="store_true")
     st.add_argument("--watch", action="store_true", help="the fleet live (rich), until Ctrl-C")
     st.set_defaults(fn=cmd_status)
-    b = sub.add_parser("bench", help="benchmarks; each ends with one JSON line")
-    b.add_argument("name")
+    b = sub.add_parser("bench", help="benchmarks; each ends with one JSON line", epilog=_bench_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("name", help="the benchmark (listed below)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     for name, (module, help_) in COMMANDS.items():

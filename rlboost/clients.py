@@ -25,17 +25,19 @@ class Clients:
 async def open_clients(nats_url: str, redis_url: str, name: str, settings: Settings | None = None,
                        pools: tuple[str, ...] = ()) -> AsyncIterator[Clients]:
     """Connect, provision (idempotent), and close everything on the way out."""
-    nc = await bus.connect(nats_url, name=name)
+    nc = await bus.connect(nats_url, name=name, services=settings.services if settings else None)
     store = CheckpointStore(redis_url)
     try:
         try:
             await store.ping()
         except Exception as e:
             raise ConnectionError(f"cannot reach Redis: {e}") from e
+        await store.load_scripts()  # the trainer's identity may; a worker's may not (and need not)
         js = nc.jetstream()
         w = settings.worker if settings else None
         spec = wire.ConsumerSpec(ack_wait_s=w.ack_wait_s, max_deliver=w.max_deliver) if w else wire.ConsumerSpec()
-        await bus.provision(js, pools=pools, consumer=spec)
+        await bus.provision(js, pools=pools, consumer=spec,
+                            replicas=settings.services.nats_replicas if settings else 1)
         yield Clients(nc=nc, js=js, store=store)
     finally:
         await store.close()

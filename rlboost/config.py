@@ -1,12 +1,22 @@
-"""One typed settings object, from defaults, then a TOML file, then RLBOOST_* environment variables.
+"""One typed settings tree: defaults, then a TOML file, then RLBOOST_* environment variables,
+then command-line overrides (`--trainer.lr 1e-5` or `trainer.lr=1e-5`).
 
-Environment names are the dotted path upper-cased with `__` between levels, plus two short
-aliases users expect: RLBOOST_NATS_URL and RLBOOST_REDIS_URL (= services.nats_url / redis_url).
-Example: RLBOOST_WORKER__SLOTS=64 sets `worker.slots`.
+Sections: [run] (what a run is: steps, seed, checkpoints, loggers), [trainer] (device,
+precision, optimizer, schedule, memory), [algorithm] (the GRPO loss, its off-policy correction),
+[rollout] (prompts, samples, the seeding window), [services], [worker], [metrics], [weights] (how
+policy versions are stored: snapshots and sparse deltas). Environment names are the dotted path
+upper-cased with `__` between levels, plus two short aliases users expect: RLBOOST_NATS_URL and
+RLBOOST_REDIS_URL (= services.nats_url / redis_url). Example:
+RLBOOST_WORKER__SLOTS=64 sets `worker.slots`. Every value is validated when the tree is built,
+with an error that names the key; relations between keys (a lease shorter than the ack wait) are
+checked here too, not in one command's argument parser. `dump_toml` writes the effective
+settings: a run started from that file is the same run.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -14,8 +24,10 @@ from typing import Any
 
 import msgspec
 
+from rlboost.errors import RlboostError
 
-class ConfigError(ValueError):
+
+class ConfigError(RlboostError, ValueError):
     """A config file or environment value that does not fit the settings schema."""
 
 
@@ -55,6 +67,11 @@ class ServicesSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     redis_user: str = ""  # Redis ACL user; empty = the `default` user
     redis_password: str = ""
     startup_timeout_s: float = 15.0
+    nats_cluster: int = 1  # `rlboost up --cluster N`: N JetStream nodes on loopback (streams at replication min(N, 3))
+    nats_replicas: int = 1  # replication of the streams, KV buckets and object store a provisioner creates
+    redis_sentinel: bool = False  # `rlboost up --sentinel`: Redis primary + replica + a sentinel that fails over
+    redis_cluster: int = 0  # `rlboost up --redis-cluster N`: a Redis Cluster of N masters on loopback (N >= 2)
+    redis_aof: bool = True  # embedded Redis: append-only file, fsync every second (false: keep nothing)
     # Server side: per-role identities and permissions (rlboost/auth.py). All empty = today's
     # behaviour (open servers, or the single nats_user/nats_password and redis_password).
     auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
@@ -73,14 +90,55 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     checkpoint_ms: float = 250.0  # ... or every T ms, whichever first
     lease_ttl_s: float = 8.0  # < ack_wait, so a redelivered request's lease has expired
     heartbeat_s: float = 1.0
+    stall_s: float = 15.0  # no engine step or flush for this long: stop extending (and fetching) requests
+    publish_timeout_s: float = 2.0  # per ack; an unacknowledged publish is retried with its Nats-Msg-Id
     drain_grace_s: float = 5.0
     ack_wait_s: float = 10.0
     max_deliver: int = 20
     model_dir: str = ""
+    # Engine options. torch: device, dtype (float64 default: reproducible), max_model_len;
+    # vllm: dtype ("" = the model's on GPU, float32 on CPU), max_model_len (0 = the model's),
+    # tensor_parallel_size, gpu_memory_utilization, enforce_eager.
+    device: str = "cpu"
+    dtype: str = ""
+    max_model_len: int = 0
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool | None = None  # None: CUDA graphs on a GPU, eager on CPU
     cache_dir: str = ""  # weight cache; empty = <data_dir>/weight-cache/<worker id>
     speed: float = 1.0  # emulated engine: >1 runs faster than the modelled H100, 0 = no sleeping
     gpus: int = 1  # emulated engine: GPUs behind this worker (data parallel; a spot instance = 2)
     token_scale: int = 1  # emulated engine: each emitted token stands for this many modelled tokens
+    emulated_pulls: bool = False  # emulated engine: pull each version's shards anyway (fault benches)
+
+    def __post_init__(self) -> None:
+        # A redelivered request must find its old lease expired, or the new worker is refused.
+        _check(self.lease_ttl_s < self.ack_wait_s, "worker.lease_ttl_s",
+               f"{self.lease_ttl_s} must be < worker.ack_wait_s ({self.ack_wait_s})")
+        _check(self.slots > 0, "worker.slots", "must be > 0")
+        _check(self.checkpoint_tokens > 0, "worker.checkpoint_tokens", "must be > 0")
+
+
+class DataSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`rlboost run`'s data and reward (README "Your model, your data, your reward"); the
+    command-line flags of the same names override these."""
+
+    task: str = ""  # built-in task: addition (generated; the demo) | math; "" = addition without --data
+    train: str = ""  # JSONL / Parquet file or a datasets.save_to_disk folder ("" = the task's generator)
+    eval: str = ""  # held-out file; "" = a seeded eval_fraction of train
+    reward: str = ""  # module:fn | path/to/file.py:fn | a built-in task's name; "" = the task's
+    max_prompt_tokens: int = 1024  # longer prompts are filtered (counted, logged) before a step
+    max_response_tokens: int = 0  # 0 = the task's (addition: its longest answer + EOS; else 512)
+    eval_size: int = 256
+    eval_fraction: float = 0.1
+    shuffle: bool = True
+    epochs: int = 0  # 0 = as many as the steps need
+    prompt_key: str = "prompt"
+    messages_key: str = "messages"
+    ground_truth_key: str = ""  # "" = ground_truth, else answer, else reward_model.ground_truth
+    data_source_key: str = "data_source"
+    reward_workers: int = 2
+    reward_timeout_s: float = 10.0
 
 
 class MetricsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -88,12 +146,198 @@ class MetricsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bind: str = "127.0.0.1"  # containers set 0.0.0.0 so Prometheus can scrape
 
 
+LOGGERS = ("tensorboard", "wandb")
+
+
+class RunSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What one training run is. `rlboost run` flags (--steps, --seed, ...) are shorthands for these."""
+
+    policy: str = "hybrid"  # hybrid | colocated | disaggregated
+    steps: int = 40
+    max_minutes: float = 0.0  # stop after the step that crosses this (0 = no limit)
+    seed: int = 0
+    eval_every: int = 5
+    run_dir: str = ""  # empty: runs/<time>
+    run_id: str = ""  # empty: a new one (a resumed run keeps its own)
+    model_dir: str = ""  # a Hugging Face causal-LM folder (read only); empty: <data_dir>/model, built if missing
+    init_model: bool = False  # build the demo model into model_dir first if it is missing
+    workers: int = 2  # preemptible worker processes the run starts itself
+    nproc: int = 1  # trainer ranks (FSDP2 under torchrun); 1 = one process, no torch.distributed
+    checkpoint_every: int = 10  # steps between training checkpoints (0 = only at the end)
+    keep_checkpoints: int = 2  # the newest K are kept
+    loggers: list[str] = msgspec.field(default_factory=list)  # "tensorboard", "wandb"
+    wandb_project: str = "rlboost"
+    wandb_mode: str = "offline"  # offline (no network needed; `wandb sync` later) | online
+    save_rollouts: bool = False
+    shuffle_rewards: bool = False  # control: rewards shuffled within each group
+    chaos: str = ""  # e.g. "3:term,5:kill": worker signals mid-step (benches)
+    bootstrap_target: float = 0.35
+    bootstrap_seconds: float = 240.0
+    gpu_hour_dollars: float = 0.0  # price of the trainer's reserved capacity; 0 = no cost metric
+    worker_hour_dollars: float = 0.0  # price of one preemptible worker
+
+    def __post_init__(self) -> None:
+        _check(self.policy in ("hybrid", "colocated", "disaggregated"), "run.policy",
+               f"{self.policy!r}: use hybrid, colocated or disaggregated")
+        _check(self.steps > 0, "run.steps", "must be > 0")
+        _check(self.nproc >= 1, "run.nproc", "must be >= 1")
+        _check(self.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0")
+        _check(self.keep_checkpoints >= 1, "run.keep_checkpoints", "must be >= 1")
+        _check(self.eval_every >= 1, "run.eval_every", "must be >= 1")
+        bad = [x for x in self.loggers if x not in LOGGERS]
+        _check(not bad, "run.loggers", f"unknown {bad}: use {list(LOGGERS)}")
+        _check(self.wandb_mode in ("offline", "online", "disabled"), "run.wandb_mode", "offline | online | disabled")
+
+
+class TrainerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Device, precision, optimizer and memory of the policy update."""
+
+    device: str = "auto"  # auto (cuda if present, else cpu) | cpu | cuda | cuda:N
+    # auto: bf16 on CUDA, fp32 on CPU. bf16 = bf16 compute, fp32 master weights and optimizer
+    # state; fp64 = deterministic (bench reproduce: identical weights whatever the arrival order)
+    precision: str = "auto"
+    lr: float = 1e-4
+    weight_decay: float = 0.0  # AdamW, decoupled; norms and biases are never decayed
+    betas: list[float] = msgspec.field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: float = 1e-8
+    warmup_steps: int = 0  # linear warm-up from 0 to lr
+    lr_schedule: str = "constant"  # constant | cosine | linear (after warm-up, to min_lr_ratio * lr)
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0  # max global gradient norm (0 = off)
+    # When a group is back-propagated: `arrival` = as soon as it is in (training overlaps the
+    # rollout tail; the gradient sum's order follows arrival, so fp32 rounding may differ run to
+    # run); `ordered` = in group order (an early group waits as tokens), the same sum whatever
+    # the arrival order; auto = ordered in fp64 (the deterministic mode), arrival otherwise.
+    group_order: str = "auto"
+    micro_batch_tokens: int = 4096  # prompt + response tokens per forward/backward pass
+    activation_checkpointing: bool = False  # recompute layer activations in backward: less memory
+    # dtype of the published weights, cast from the master weights: auto = bf16 for a bf16 model
+    # (config.json's torch_dtype) or bf16 training, else fp32
+    publish_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "trainer.device",
+               f"{self.device!r}: use auto, cpu, cuda or cuda:N")
+        _check(self.precision in ("auto", "bf16", "fp32", "fp64"), "trainer.precision",
+               f"{self.precision!r}: use auto, bf16, fp32 or fp64")
+        _check(self.lr > 0, "trainer.lr", "must be > 0")
+        _check(self.weight_decay >= 0, "trainer.weight_decay", "must be >= 0")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",
+               "two values in [0, 1)")
+        _check(self.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0")
+        _check(self.lr_schedule in ("constant", "cosine", "linear"), "trainer.lr_schedule",
+               f"{self.lr_schedule!r}: use constant, cosine or linear")
+        _check(0 <= self.min_lr_ratio <= 1, "trainer.min_lr_ratio", "must be in [0, 1]")
+        _check(self.grad_clip >= 0, "trainer.grad_clip", "must be >= 0")
+        _check(self.micro_batch_tokens > 0, "trainer.micro_batch_tokens", "must be > 0")
+        _check(self.group_order in ("auto", "arrival", "ordered"), "trainer.group_order",
+               f"{self.group_order!r}: use auto, arrival or ordered")
+        _check(self.publish_dtype in ("auto", "bf16", "fp16", "fp32"), "trainer.publish_dtype",
+               f"{self.publish_dtype!r}: use auto, bf16, fp16 or fp32")
+
+
+class WeightsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How policy versions are stored in the weight store (rlboost/weights/)."""
+
+    deltas: bool = True  # store a version as a sparse delta against the previous one when it pays
+    delta_max_ratio: float = 0.5  # a delta pays when its bytes are at most this fraction of the full version
+    full_every: int = 10  # a full snapshot at least every N versions (bounds a late joiner's replay)
+    keep_versions: int = 3  # GC keeps the newest N versions, plus every version they need
+
+    def __post_init__(self) -> None:
+        _check(0 < self.delta_max_ratio <= 1, "weights.delta_max_ratio", "must be in (0, 1]")
+        _check(self.full_every >= 1, "weights.full_every", "must be >= 1")
+        _check(self.keep_versions >= 1, "weights.keep_versions", "must be >= 1")
+
+    def publisher_options(self) -> dict:
+        return {"deltas": self.deltas, "delta_max_ratio": self.delta_max_ratio, "full_every": self.full_every,
+                "keep_versions": self.keep_versions}
+
+
+OFF_POLICY = ("none", "tis", "decoupled")  # algorithm.off_policy
+
+
+class AlgorithmSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The GRPO objective."""
+
+    clip_eps: float = 0.2  # PPO ratio clip
+    kl_coef: float = 0.0  # KL to the initial policy (k3); the reference is loaded only when > 0
+    entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
+    # Off-policy correction from the engines' recorded (behaviour) logprobs mu, for tokens sampled
+    # by another policy than the one trained (stale versions in partial/async rollout, or an
+    # engine whose numerics differ from the trainer's). `none`: PPO clip around mu, as always;
+    # `tis` (verl's truncated IS): clip around the trainer's own logprobs pi_old, each token's
+    # loss weighted by min(pi_old/mu, is_cap); `decoupled` (AReaL): the same clip, weight
+    # pi_old/mu, tokens whose weight exceeds is_cap dropped from the gradient.
+    off_policy: str = "none"
+    is_cap: float = 2.0  # tis: the truncation C; decoupled: the drop threshold; none: only counted
+
+    def __post_init__(self) -> None:
+        _check(0 < self.clip_eps < 1, "algorithm.clip_eps", "must be in (0, 1)")
+        _check(self.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0")
+        _check(self.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0")
+        _check(self.off_policy in OFF_POLICY, "algorithm.off_policy",
+               f"{self.off_policy!r}: use {', '.join(OFF_POLICY)}")
+        # a cap of 1 or less would cut or drop on-policy tokens too (their ratio is 1 give or take rounding)
+        _check(math.isfinite(self.is_cap) and self.is_cap > 1, "algorithm.is_cap", "must be a number > 1")
+
+
+class RolloutSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a step asks of the rollout side."""
+
+    prompts: int = 32  # groups per step
+    samples: int = 8  # responses per prompt (the group)
+    temperature: float = 1.0
+    slots: int = 32  # batch slots of the run's own workers and reserved engine
+    checkpoint_tokens: int = 16  # K of the run's own workers
+    t_seed: float = 2.0  # initial seeding window (s)
+    t_seed_floor: float = 0.5
+    # rlboost.orchestrator: sync (on-policy, RLBoost's step) | partial (a step trains on the first
+    # `prompts` complete groups of prompts x (1 + overprovision) in flight; the others continue
+    # under the next version) | async (the next max_staleness steps are published ahead)
+    mode: str = "sync"
+    max_staleness: int = 1  # async: versions a trained token may lag; partial: recorded only
+    overprovision: float = 0.25  # partial: extra groups kept in flight
+    # the reserved side's seeding engine: in this process, or an `rlboost worker` process on the
+    # reserved pool; torch | vllm | emulated. vllm_sleep: free the GPU while the trainer trains
+    # (vLLM sleep mode, GPUs only: refused where the engine cannot sleep)
+    seeding: str = "in_process"
+    seeding_engine: str = "torch"
+    vllm_sleep: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.mode in ("sync", "partial", "async"), "rollout.mode", f"{self.mode!r}: use sync, partial or async")
+        _check(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
+        _check(self.overprovision >= 0, "rollout.overprovision", "must be >= 0")
+        _check(self.seeding in ("in_process", "process"), "rollout.seeding",
+               f"{self.seeding!r}: use in_process or process")
+        _check(self.seeding_engine in ("torch", "vllm", "emulated"), "rollout.seeding_engine",
+               f"{self.seeding_engine!r}: use torch, vllm or emulated")
+        _check(self.prompts > 0, "rollout.prompts", "must be > 0")
+        _check(self.samples > 0, "rollout.samples", "must be > 0")
+        _check(self.temperature > 0, "rollout.temperature", "must be > 0")
+        _check(0 <= self.t_seed_floor <= self.t_seed, "rollout.t_seed_floor",
+               f"{self.t_seed_floor} must be in [0, rollout.t_seed ({self.t_seed})]")
+
+
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    run: RunSettings = msgspec.field(default_factory=RunSettings)
+    trainer: TrainerSettings = msgspec.field(default_factory=TrainerSettings)
+    algorithm: AlgorithmSettings = msgspec.field(default_factory=AlgorithmSettings)
+    rollout: RolloutSettings = msgspec.field(default_factory=RolloutSettings)
     services: ServicesSettings = msgspec.field(default_factory=ServicesSettings)
     worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
     metrics: MetricsSettings = msgspec.field(default_factory=MetricsSettings)
+    data: DataSettings = msgspec.field(default_factory=DataSettings)
+    weights: WeightsSettings = msgspec.field(default_factory=WeightsSettings)
     log_json: bool = False
     log_level: str = "info"
+
+
+def _check(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        # msgspec turns a ValueError of __post_init__ into a ValidationError: ConfigError names the key
+        raise ValueError(f"{key}: {why}")
 
 
 _ALIASES = {"RLBOOST_NATS_URL": ("services", "nats_url"), "RLBOOST_REDIS_URL": ("services", "redis_url"),
@@ -127,8 +371,45 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
-def load_settings(path: str | os.PathLike[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
-    """Defaults < TOML file (explicit path, else $RLBOOST_CONFIG) < environment."""
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`--trainer.lr 1e-5`, `--trainer.lr=1e-5` or `trainer.lr=1e-5` -> {"trainer": {"lr": "1e-5"}}.
+
+    Values stay strings (TOML-parsed when they look like TOML: lists, booleans, numbers) and
+    are converted and validated with the rest of the tree."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("--") and "=" not in a:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {a} has no value")
+            key, value, i = a[2:], args[i + 1], i + 2
+        elif "=" in a:
+            key, _, value = a.removeprefix("--").partition("=")
+            i += 1
+        else:
+            raise ConfigError(f"override {a!r}: use section.key=value or --section.key value")
+        parts = key.replace("-", "_").split(".")
+        if len(parts) < 2 or not all(parts):
+            raise ConfigError(f"override {key!r}: use section.key (e.g. trainer.lr)")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = _literal(value)
+    return out
+
+
+def _literal(value: str) -> Any:
+    """A TOML literal if the value is one (3, 1e-5, true, ["a", "b"]), else the string itself."""
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, environ: dict[str, str] | None = None,
+                  overrides: dict[str, Any] | None = None) -> Settings:
+    """Defaults < TOML file (explicit path, else $RLBOOST_CONFIG) < environment < overrides."""
     environ = dict(os.environ if environ is None else environ)
     path = path or environ.get("RLBOOST_CONFIG")
     data: dict[str, Any] = msgspec.to_builtins(Settings())
@@ -141,8 +422,58 @@ def load_settings(path: str | os.PathLike[str] | None = None, environ: dict[str,
             raise ConfigError(f"config file {path}: {e}") from None
         _merge(data, file_data)
     _merge(data, _env_overrides(environ))
+    _merge(data, overrides or {})
     try:
         # strict=False lets environment strings become ints, floats and booleans.
         return msgspec.convert(data, Settings, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(f"invalid setting: {e}") from None
+
+
+def apply_overrides(s: Settings, overrides: dict[str, Any]) -> Settings:
+    """`s` with `overrides` (nested dict, e.g. from `parse_overrides`) merged in and validated."""
+    if not overrides:
+        return s
+    data = _merge(msgspec.to_builtins(s), overrides)
+    try:
+        return msgspec.convert(data, Settings, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid setting: {e}") from None
+
+
+_SECRET = ("password", "nkey_seed")
+
+
+def dump_toml(s: Settings) -> str:
+    """The effective settings as TOML (secrets blanked: they come from the environment again)."""
+    lines: list[str] = []
+
+    def section(prefix: str, data: dict[str, Any]) -> None:
+        scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+        if prefix:
+            lines.append(f"[{prefix}]")
+        for k, v in scalars.items():
+            if v is None:  # TOML has no null: left out, the key's default (None) comes back on load
+                continue
+            if any(x in k for x in _SECRET):
+                v = ""
+            lines.append(f"{k} = {_toml_value(v)}")
+        lines.append("")
+        for k, v in data.items():
+            if isinstance(v, dict):
+                section(f"{prefix}.{k}" if prefix else k, v)
+
+    section("", msgspec.to_builtins(s))
+    return "\n".join(lines).lstrip("\n")
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v) if v == v and v not in (float("inf"), float("-inf")) else ("inf" if v > 0 else "nan")
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"no TOML for {type(v).__name__}")

@@ -48,18 +48,21 @@ REQUESTS_CLAIMED = Counter("rlboost_worker_requests_claimed_total", "Requests cl
 RESULTS = Counter("rlboost_worker_results_total", "Responses finished and published", ["pool"], registry=REGISTRY)
 DEAD_LETTERS = Counter("rlboost_dead_letters_total", "Messages moved to the dead-letter stream", ["pool"],
                        registry=REGISTRY)
+REQUEST_ERRORS = Counter("rlboost_worker_request_errors_total",
+                         "Requests the engine could not serve, answered with an error result", ["pool"],
+                         registry=REGISTRY)
 INFLIGHT = Gauge("rlboost_worker_inflight_requests", "Requests in the running batch", ["pool"], registry=REGISTRY)
 SLOTS = Gauge("rlboost_worker_slots", "Batch slots of the worker", ["pool"], registry=REGISTRY)
 DRAINING = Gauge("rlboost_worker_draining", "1 while the worker drains after a preemption notice", ["pool"],
                  registry=REGISTRY)
 HANDOFFS = Counter("rlboost_handoffs_total", "Requests handed off to the resume lane (drain, seeding end)",
                    ["pool"], registry=REGISTRY)
+# Set by the trainer from the workers' crash-proof counters (generated - checkpointed), which a
+# killed worker cannot report itself. (A per-flush latency histogram was declared here once and
+# never emitted: removed rather than left empty.)
 REGENERATED_TOKENS = Counter("rlboost_regenerated_tokens_total",
                              "Tokens generated again because they were lost before a checkpoint", ["pool"],
                              registry=REGISTRY)
-CHECKPOINT_SECONDS = Histogram("rlboost_checkpoint_flush_seconds", "Checkpoint flush (append pipeline) latency",
-                               ["pool"], buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1.0),
-                               registry=REGISTRY)
 
 # ---------------------------------------------------------------- weights
 POLICY_VERSION = Gauge("rlboost_policy_version", "Policy version loaded (workers) or published (trainer)",
@@ -76,8 +79,51 @@ QUEUE_PENDING = Gauge("rlboost_queue_pending_requests", "Requests waiting in a p
                       ["pool", "lane"], registry=REGISTRY)
 QUEUE_ACK_PENDING = Gauge("rlboost_queue_ack_pending_requests", "Requests delivered and not yet acked",
                           ["pool", "lane"], registry=REGISTRY)
-COST_DOLLARS = Counter("rlboost_cost_dollars_total", "Accumulated compute cost", ["pool"], registry=REGISTRY)
-WORKERS_LIVE = Gauge("rlboost_workers_live", "Workers with a fresh heartbeat", ["pool"], registry=REGISTRY)
+COST_DOLLARS = Counter("rlboost_cost_dollars_total", "Accumulated compute cost (trainer: when [run] prices are set)",
+                       ["pool"], registry=REGISTRY)
+WORKERS_LIVE = Gauge("rlboost_workers_live", "Workers with a fresh heartbeat (set by the trainer each step)",
+                     ["pool"], registry=REGISTRY)
+
+# ---------------------------------------------------------------- training (the trainer, per step)
+TRAINER_STEP = Gauge("rlboost_trainer_step", "Last completed training step", registry=REGISTRY)
+TRAINER_LOSS = Gauge("rlboost_trainer_loss", "GRPO loss of the last step (token mean)", registry=REGISTRY)
+TRAINER_KL = Gauge("rlboost_trainer_kl", "KL to the reference of the last step (k3, token mean)", registry=REGISTRY)
+TRAINER_ENTROPY = Gauge("rlboost_trainer_entropy", "Policy entropy of the last step (token mean, nats)",
+                        registry=REGISTRY)
+TRAINER_GRAD_NORM = Gauge("rlboost_trainer_grad_norm", "Global gradient norm before clipping", registry=REGISTRY)
+TRAINER_LR = Gauge("rlboost_trainer_learning_rate", "Learning rate of the last step", registry=REGISTRY)
+TRAINER_CLIP_FRACTION = Gauge("rlboost_trainer_clip_fraction", "Share of tokens whose ratio was clipped",
+                              registry=REGISTRY)
+TRAINER_REWARD = Gauge("rlboost_trainer_reward_mean", "Mean reward of the last step's responses", registry=REGISTRY)
+TRAINER_TOKENS_PER_S = Gauge("rlboost_trainer_tokens_per_second", "Response tokens trained per second of training",
+                             registry=REGISTRY)
+TRAINER_STEP_SECONDS = Histogram("rlboost_trainer_step_seconds", "Wall time of a training step (rollout included)",
+                                 buckets=(1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800), registry=REGISTRY)
+TRAINER_CHECKPOINT_SECONDS = Histogram("rlboost_trainer_checkpoint_seconds", "Time to write a training checkpoint",
+                                       buckets=(.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300), registry=REGISTRY)
+TRAINER_IS_RATIO = Gauge("rlboost_trainer_is_ratio", "Behaviour importance ratio pi_old/mu of the last step's tokens",
+                         ["stat"], registry=REGISTRY)
+TRAINER_IS_CAPPED = Gauge("rlboost_trainer_is_capped_fraction", "Share of tokens whose ratio exceeded algorithm.is_cap",
+                          registry=REGISTRY)
+TRAINER_STALENESS = Gauge("rlboost_trainer_staleness_versions",
+                          "Policy versions between a token's sampler and the trained one", ["stat"], registry=REGISTRY)
+SEED_WINDOW = Gauge("rlboost_seed_window_seconds", "T_seed of the last step (hybrid policy)", registry=REGISTRY)
+
+
+def observe_training(row: dict) -> None:
+    """Trainer side: one step's row (trainer/run.py) onto the gauges above."""
+    for gauge, key in ((TRAINER_STEP, "step"), (TRAINER_LOSS, "loss"), (TRAINER_KL, "kl"),
+                       (TRAINER_ENTROPY, "entropy"), (TRAINER_GRAD_NORM, "grad_norm"), (TRAINER_LR, "lr"),
+                       (TRAINER_CLIP_FRACTION, "clip_fraction"), (TRAINER_REWARD, "reward"),
+                       (TRAINER_TOKENS_PER_S, "trained_tokens_per_s"), (SEED_WINDOW, "t_seed"),
+                       (TRAINER_IS_RATIO.labels("mean"), "is_ratio_mean"),
+                       (TRAINER_IS_RATIO.labels("max"), "is_ratio_max"), (TRAINER_IS_CAPPED, "is_capped"),
+                       (TRAINER_STALENESS.labels("mean"), "staleness_mean"),
+                       (TRAINER_STALENESS.labels("max"), "staleness_max")):
+        if isinstance(row.get(key), (int, float)):
+            gauge.set(row[key])
+    if isinstance(row.get("step_s"), (int, float)):
+        TRAINER_STEP_SECONDS.observe(row["step_s"])
 
 
 def _build_info() -> None:
@@ -134,6 +180,7 @@ _COUNTER_FIELDS = {
     "results": (RESULTS, False),
     "claims": (REQUESTS_CLAIMED, False),
     "dead_lettered": (DEAD_LETTERS, False),
+    "request_errors": (REQUEST_ERRORS, False),
 }
 
 

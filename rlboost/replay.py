@@ -2,8 +2,10 @@
 
 Everything a request went through is on the wire: its lease events (RB_EVENTS: published,
 claimed, released on a drain, fenced after a takeover, finished), its token chunks as they were
-checkpointed (RB_TOKENS), and its result (RB_RESULTS). Replay reads them with ordered
-consumers filtered to the request's subjects and prints a timeline.
+checkpointed (RB_TOKENS: one `TokenFlush` per worker flush, which carries the chunks of every
+request of that flush), and its result (RB_RESULTS). Replay reads them with ordered consumers
+filtered to the request's subjects (the step's token flushes, for its chunks) and prints a
+timeline.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from nats.js import JetStreamContext
 
 from rlboost import bus, wire
-from rlboost.config import Settings
+from rlboost.config import ServicesSettings, Settings
 from rlboost.services import resolve_urls
 
 _STEP = re.compile(r"(?:^|-)s(\d+)-p\d+-g\d+$")
@@ -28,7 +30,7 @@ _STEP = re.compile(r"(?:^|-)s(\d+)-p\d+-g\d+$")
 async def read_subject(js: JetStreamContext, subject: str, kind: type, idle_s: float = 0.5) -> list:
     """All messages on `subject` from the start of its stream, decoded (bad ones skipped)."""
     out = []
-    sub = await js.subscribe(subject, ordered_consumer=True)
+    sub = await bus.follow(js, subject)
     try:
         while True:
             try:
@@ -44,6 +46,12 @@ async def read_subject(js: JetStreamContext, subject: str, kind: type, idle_s: f
     finally:
         await sub.unsubscribe()
     return out
+
+
+async def read_chunks(js: JetStreamContext, step: int, request_id: str | None = None) -> list[wire.TokenChunk]:
+    """The token chunks of a step (of one request, if given), out of the step's token flushes."""
+    return [c for f in await read_subject(js, wire.token_steps_subject(step), wire.TokenFlush)
+            for c in f.token_chunks() if request_id is None or c.request_id == request_id]
 
 
 @dataclass
@@ -93,8 +101,7 @@ def migrations(events: list[wire.LeaseEvent]) -> list[tuple[wire.LeaseEvent, wir
 async def life_of(js: JetStreamContext, step: int, request_id: str) -> Life:
     life = Life(request_id)
     life.events = sorted(await read_subject(js, wire.event_subject(step, request_id), wire.LeaseEvent), key=lambda e: e.ts)
-    life.chunks = sorted(await read_subject(js, wire.token_subject(step, request_id), wire.TokenChunk),
-                         key=lambda c: c.ts)
+    life.chunks = sorted(await read_chunks(js, step, request_id), key=lambda c: c.ts)
     results = [r for r in await read_subject(js, wire.result_subject(step), wire.RolloutResult)
                if r.request_id == request_id]
     life.result = results[0] if results else None
@@ -105,7 +112,7 @@ async def step_lives(js: JetStreamContext, step: int) -> dict[str, Life]:
     lives: dict[str, Life] = {}
     for e in await read_subject(js, f"rb.evt.{step}.>", wire.LeaseEvent):
         lives.setdefault(e.request_id, Life(e.request_id)).events.append(e)
-    for c in await read_subject(js, f"rb.tok.{step}.>", wire.TokenChunk):
+    for c in await read_chunks(js, step):
         lives.setdefault(c.request_id, Life(c.request_id)).chunks.append(c)
     for r in await read_subject(js, wire.result_subject(step), wire.RolloutResult):
         lives.setdefault(r.request_id, Life(r.request_id)).result = r
@@ -136,8 +143,8 @@ def print_timeline(life: Life) -> None:
     print(f"  tokens by worker: {life.tokens_by_worker()}; hand-offs: {life.handoffs()}")
 
 
-async def run(nats_url: str, a: argparse.Namespace) -> int:
-    nc = await bus.connect(nats_url, name="rlboost-replay")
+async def run(nats_url: str, a: argparse.Namespace, services: ServicesSettings | None = None) -> int:
+    nc = await bus.connect(nats_url, name="rlboost-replay", services=services)
     try:
         js = nc.jetstream()
         if a.request:
@@ -177,4 +184,4 @@ def main(argv: list[str], s: Settings) -> int:
     if not a.request and a.step is None:
         p.error("give a request id or --step")
     nats_url, _ = resolve_urls(s.services)
-    return asyncio.run(run(nats_url, a))
+    return asyncio.run(run(nats_url, a, s.services))

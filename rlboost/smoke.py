@@ -65,10 +65,10 @@ async def consume(js: JetStreamContext, store: CheckpointStore, n: int, slots: i
             result = wire.RolloutResult(
                 request_id=req.request_id, step=req.step, group=req.group, prompt_ids=req.prompt_ids,
                 token_ids=tokens, logprobs=[-1.0] * len(tokens), segments=await store.segments(req.request_id),
-                finish_reason="length", worker_id=worker, ts=time.time())
+                finish_reason="length", worker_id=worker, ts=time.time(), epoch=claim.epoch)
             data = wire.encode(result)
             for _ in range(2):  # the retry a crash between publish and ack would cause
-                await js.publish(wire.result_subject(req.step), data, headers={wire.HDR_MSG_ID: req.request_id})
+                await js.publish(wire.result_subject(req.step), data, headers={wire.HDR_MSG_ID: wire.result_msg_id(result)})
             await store.finish(req.request_id, claim.epoch, len(tokens))
             await msg.ack()
             done += 1
@@ -78,7 +78,7 @@ async def consume(js: JetStreamContext, store: CheckpointStore, n: int, slots: i
 async def collect(js: JetStreamContext, step: int, expect: int, timeout: float = 30.0) -> dict[str, int]:
     """Count results per request id from the results stream, from its start."""
     seen: dict[str, int] = {}
-    sub = await js.subscribe(wire.result_subject(step), ordered_consumer=True)
+    sub = await bus.follow(js, wire.result_subject(step))
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:

@@ -12,8 +12,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlboost.errors import RlboostError
 
-class TraceError(ValueError):
+
+class TraceError(RlboostError, ValueError):
     """A trace line that is not `ms,add|remove,node`: the message names file and line."""
 
 

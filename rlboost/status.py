@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from rlboost import bus, wire
-from rlboost.config import Settings
+from rlboost.config import ServicesSettings, Settings
 from rlboost.services import EmbeddedServices, ServiceError, resolve_urls
 
 if TYPE_CHECKING:
     from rich.table import Table
 
 
-async def gather_status(nats_url: str) -> dict:
-    nc = await bus.connect(nats_url, name="rlboost-status")
+async def gather_status(nats_url: str, services: ServicesSettings | None = None) -> dict:
+    nc = await bus.connect(nats_url, name="rlboost-status", services=services)
     try:
         js = nc.jetstream()
         streams = {}
@@ -39,8 +39,10 @@ async def gather_status(nats_url: str) -> dict:
         try:
             kv = await js.key_value(wire.BUCKET_WORKERS)
             for key in await bus.worker_keys(js):
-                entry = await kv.get(key)
-                hb = wire.decode(wire.WorkerHeartbeat, entry.value)
+                try:  # one bad heartbeat (a worker credential can write any) hides only itself
+                    hb = wire.decode(wire.WorkerHeartbeat, (await kv.get(key)).value)
+                except Exception:
+                    continue
                 workers.append({**msgspec.to_builtins(hb), "age_s": round(time.time() - hb.ts, 1)})
         except Exception:
             pass  # no keys yet, or bucket missing
@@ -64,14 +66,14 @@ def fleet_table(status: dict) -> Table:
     return t
 
 
-def watch_status(nats_url: str, interval_s: float = 1.0) -> int:
+def watch_status(nats_url: str, interval_s: float = 1.0, services: ServicesSettings | None = None) -> int:
     """`rlboost status --watch`: the fleet, live, until Ctrl-C."""
     from rich.live import Live
 
     with Live(refresh_per_second=4) as live:
         try:
             while True:
-                live.update(fleet_table(asyncio.run(gather_status(nats_url))))
+                live.update(fleet_table(asyncio.run(gather_status(nats_url, services))))
                 time.sleep(interval_s)
         except KeyboardInterrupt:
             return 0
@@ -91,8 +93,8 @@ def show_status(s: Settings, as_json: bool = False, watch: bool = False) -> int:
         print(json.dumps(out) if as_json else f"no servers running ({e})")
         return 1
     if watch:
-        return watch_status(nats_url)
-    out.update(asyncio.run(gather_status(nats_url)))
+        return watch_status(nats_url, services=s.services)
+    out.update(asyncio.run(gather_status(nats_url, s.services)))
     if as_json:
         print(json.dumps(out))
         return 0

@@ -8,13 +8,24 @@ another version is refused with a clear reason instead of being misread.
 
 from __future__ import annotations
 
+import hashlib
+import math
 import re
+import time
 import uuid
 from typing import Literal, TypeVar
 
 import msgspec
+import numpy as np
 
-SCHEMA_VERSION = 1
+from rlboost.errors import RlboostError
+
+# 2: a request carries every stop id (`stop_ids`); a result can say `error` (a request the
+# engine cannot serve) with the reason.
+# 3: token chunks travel as one `TokenFlush` per worker flush (and step) on
+# `rb.tok.<step>.<worker>`, their tokens packed as in the checkpoint (`RECORD`); a `TokenChunk`
+# is the per-request view of one (`TokenFlush.token_chunks`), no longer a message of its own.
+SCHEMA_VERSION = 3
 
 # ---------------------------------------------------------------- streams and subjects
 
@@ -33,8 +44,15 @@ def request_subject(pool: str) -> str:
     return f"rb.req.{pool}"
 
 
-def token_subject(step: int, request_id: str) -> str:
-    return f"rb.tok.{step}.{request_id}"
+def token_subject(step: int, worker_id: str) -> str:
+    """A worker's token flushes of one step. Readers filter by step (`rb.tok.<step>.>`) and find
+    a request's chunks inside the flushes (`TokenFlush.token_chunks`)."""
+    return f"rb.tok.{step}.{worker_id}"
+
+
+def token_steps_subject(step: int) -> str:
+    """Every token flush of a step: what live collection and replay read."""
+    return f"rb.tok.{step}.>"
 
 
 def result_subject(step: int) -> str:
@@ -75,14 +93,36 @@ HDR_DLQ_REASON = "Rb-Dlq-Reason"
 HDR_DLQ_SUBJECT = "Rb-Dlq-Subject"
 HDR_DLQ_SEQ = "Rb-Dlq-Seq"
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 def check_name(kind: str, value: str) -> str:
-    """Ids become subject tokens and Redis keys: refuse dots, wildcards, spaces."""
-    if not _NAME.match(value):
+    """Ids become subject tokens and Redis keys: refuse dots, wildcards, spaces, newlines.
+    `fullmatch`, not `match` with `$`: `$` also matches before a final newline."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise WireError(f"invalid {kind} {value!r}: use 1-128 of [A-Za-z0-9_-]")
     return value
+
+
+_WEIGHTS_ID = re.compile(r"^[A-Za-z0-9_.:-]{0,80}$")
+
+
+def check_weights_id(value: str) -> str:
+    """A weights id is stored space-separated in the checkpoint history: no spaces."""
+    if not _WEIGHTS_ID.match(value):
+        raise WireError(f"invalid weights id {value!r}: use 0-80 of [A-Za-z0-9_.:-]")
+    return value
+
+
+def flush_msg_id(first: "FlushChunk") -> str:
+    """A flush's de-duplication id, named by its first chunk: a chunk (request, lease epoch,
+    offset) is accepted by the fenced store once, so no other flush starts with it, and a
+    publish retried after a lost ack carries the same id and is stored once."""
+    return f"{first.request_id}-c{first.epoch}-{first.offset}-f"
+
+
+def event_msg_id(request_id: str, kind: str, epoch: int, offset: int) -> str:
+    return f"{request_id}-{kind}{epoch}-{offset}"
 
 
 def request_id(step: int, prompt: int, sample: int, run: str = "") -> str:
@@ -96,8 +136,8 @@ def new_run_id() -> str:
     return "r" + uuid.uuid4().hex[:8]
 
 
-# ---------------------------------------------------------------- weights (rlboost/weights.py)
-# Policy weights: content-addressed safetensors shards + one manifest per version in a blob
+# ---------------------------------------------------------------- weights (rlboost/weights/)
+# Policy weights: content-addressed safetensors shards or delta blobs + one manifest per version in a blob
 # store (JetStream Object Store bucket by default, or a directory); the latest published
 # version is an ASCII integer under WEIGHTS_POINTER_KEY in BUCKET_POLICY, which workers watch.
 
@@ -108,6 +148,11 @@ WEIGHTS_POINTER_KEY = "weights-latest"  # key in BUCKET_POLICY: latest published
 def weights_shard_key(sha256_hex: str) -> str:
     """A shard is named by the SHA-256 of its bytes: equal content, equal name, stored once."""
     return f"shards/{sha256_hex}.safetensors"
+
+
+def weights_delta_key(sha256_hex: str) -> str:
+    """A delta blob (zstd-compressed changes of many tensors), named by the SHA-256 of its bytes."""
+    return f"deltas/{sha256_hex}.zst"
 
 
 def weights_manifest_key(version: int) -> str:
@@ -135,6 +180,14 @@ STREAMS: tuple[StreamSpec, ...] = (
 )
 
 
+def stream_of(subject: str) -> str:
+    """The stream that holds `subject` (known statically, so readers need not ask the server)."""
+    for spec in STREAMS:
+        if any(subject.startswith(pat[:-1]) for pat in spec.subjects):
+            return spec.name
+    raise ValueError(f"no rlboost stream holds subject {subject!r}")
+
+
 class ConsumerSpec(msgspec.Struct, frozen=True):
     """The pool's work-queue consumer. `ack_wait` is how long a silent (killed) worker keeps a
     request; live workers extend it with `in_progress()` heartbeats. After `max_deliver` the
@@ -147,7 +200,12 @@ class ConsumerSpec(msgspec.Struct, frozen=True):
 
 # ---------------------------------------------------------------- Redis key layout
 # Keys of one request share the hash tag {rid} so a Redis Cluster keeps them on one slot
-# and the Lua scripts stay atomic.
+# and the Lua scripts stay atomic. (A worker's flush spans many requests, hence many slots: on
+# a cluster rlboost/checkpoint.py groups it by slot; see CheckpointStore._groups.)
+
+# One token of a checkpoint and of a token flush: (int32 token id, float32 behaviour logprob),
+# little-endian, 8 bytes. The checkpoint is these records appended in order.
+RECORD = np.dtype([("token", "<i4"), ("logprob", "<f4")])
 
 
 def ckpt_tokens_key(rid: str) -> str:
@@ -165,6 +223,13 @@ def ckpt_lease_key(rid: str) -> str:
     return f"rb:{{{rid}}}:lease"
 
 
+def ckpt_append_keys(rid: str) -> tuple[bytes, bytes, bytes]:
+    """(meta, lease, tokens) keys of a request, encoded: what a flush's fenced append names,
+    per request (bytes, built once: the hot path of a worker)."""
+    t = rid.encode()
+    return b"rb:{%b}:meta" % t, b"rb:{%b}:lease" % t, b"rb:{%b}:tok" % t
+
+
 def ckpt_history_key(rid: str) -> str:
     """List of segments `owner epoch offset policy_version`: who generated which tokens."""
     return f"rb:{{{rid}}}:hist"
@@ -173,7 +238,7 @@ def ckpt_history_key(rid: str) -> str:
 # ---------------------------------------------------------------- messages
 
 
-class WireError(ValueError):
+class WireError(RlboostError, ValueError):
     """Bytes that are not a valid message of the expected type."""
 
 
@@ -200,11 +265,16 @@ class RolloutRequest(msgspec.Struct, frozen=True, kw_only=True):
     seed: int
     sampling: SamplingParams = SamplingParams()
     eos_id: int = -1  # -1 = no stop token
+    stop_ids: list[int] = []  # every EOS id of the model (generation_config + tokenizer), with eos_id
     group: int = 0  # prompt index within the step: GRPO groups by it
+
+    def stops(self) -> frozenset[int]:
+        return frozenset(self.stop_ids) | ({self.eos_id} if self.eos_id >= 0 else frozenset())
 
 
 class TokenChunk(msgspec.Struct, frozen=True, kw_only=True):
-    """Tokens [offset, offset+len) of a response, published after they are checkpointed."""
+    """Tokens [offset, offset+len) of a response, as checkpointed: the per-request view of a
+    `TokenFlush` (since schema 3 it does not travel on its own)."""
 
     v: int = SCHEMA_VERSION
     request_id: str
@@ -218,13 +288,65 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True):
     ts: float
 
 
+class FlushChunk(msgspec.Struct, frozen=True, array_like=True):
+    """One request's new tokens in a flush: `records` are packed `RECORD`s, the very bytes
+    appended to its checkpoint under lease `epoch` at `offset`."""
+
+    request_id: str
+    epoch: int
+    offset: int
+    policy_version: int
+    records: bytes
+
+
+FLUSH_MESSAGE_BYTES = 256 << 10  # records per token message, well under NATS' 1 MiB max_payload
+
+
+def split_flush(chunks: list[FlushChunk], budget: int = FLUSH_MESSAGE_BYTES) -> list[list[FlushChunk]]:
+    """A flush's chunks in as few messages as fit `budget` bytes of records each (a large batch
+    with a long K would overflow one NATS message; one chunk alone is never split)."""
+    parts: list[list[FlushChunk]] = [[]]
+    size = 0
+    for c in chunks:
+        if parts[-1] and size + len(c.records) > budget:
+            parts.append([])
+            size = 0
+        parts[-1].append(c)
+        size += len(c.records)
+    return parts if parts[-1] else []
+
+
+class TokenFlush(msgspec.Struct, frozen=True, kw_only=True):
+    """Every token chunk of one worker flush (one step), published after they are checkpointed:
+    one message per flush instead of one per request. `ts`: when the fenced append was sent."""
+
+    v: int = SCHEMA_VERSION
+    step: int
+    worker_id: str
+    ts: float
+    chunks: list[FlushChunk]
+
+    def token_chunks(self) -> list[TokenChunk]:
+        out = []
+        for c in self.chunks:
+            rec = np.frombuffer(c.records, dtype=RECORD)
+            out.append(TokenChunk(request_id=c.request_id, step=self.step, worker_id=self.worker_id, epoch=c.epoch,
+                                  offset=c.offset, token_ids=rec["token"].tolist(), logprobs=rec["logprob"].tolist(),
+                                  policy_version=c.policy_version, ts=self.ts))
+        return out
+
+
 class Segment(msgspec.Struct, frozen=True, array_like=True):
-    """Tokens from `offset` on were generated by `worker_id` (lease `epoch`) with `policy_version`."""
+    """Tokens from `offset` on were generated by `worker_id` (lease `epoch`) with `policy_version`,
+    with exactly the weights named by `weights`: the SHA-256 of the version's manifest
+    (`rlboost.weights.manifest_digest`), `emulated-v<N>` for the emulated engine, "" if unknown
+    (an older worker). The trainer checks it against the manifest it published."""
 
     offset: int
     worker_id: str
     epoch: int
     policy_version: int
+    weights: str = ""
 
 
 class RolloutResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -236,9 +358,34 @@ class RolloutResult(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: list[int]
     logprobs: list[float]
     segments: list[Segment]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "error"]  # error: the engine cannot serve the request
     worker_id: str
     ts: float
+    error: str = ""  # why, when finish_reason is "error"
+    epoch: int = 0  # the lease epoch it was finished under: the trainer checks it against Redis
+
+
+def result_msg_id(r: RolloutResult) -> str:
+    """The result's de-duplication id: the request, the lease epoch and a digest of the tokens.
+    A republished result (same checkpoint) gets the same id; a forged one published first
+    under the request id alone can no longer make the stream drop the genuine one."""
+    digest = hashlib.sha256(_encoder.encode((r.token_ids, r.logprobs))).hexdigest()[:16]
+    return f"{r.request_id}-e{r.epoch}-{digest}"
+
+
+def token_versions(segments: list[Segment], n_tokens: int) -> list[int]:
+    """The policy version that generated each of a response's `n_tokens` tokens, from its
+    segments (a segment covers its offset up to the next segment's): what off-policy
+    correction and staleness bounds read per token. -1 where the segments do not say (no
+    segment, tokens before the first offset, a negative version). Segments come off the wire,
+    so their order is not trusted: sorted by offset, and of two at one offset the later claim
+    in the list wins, as in the checkpoint's history."""
+    out = [-1] * n_tokens
+    for seg in sorted(segments, key=lambda s: s.offset):  # stable: a later claim at an offset wins
+        start = max(0, seg.offset)
+        if start < n_tokens:
+            out[start:] = [seg.policy_version if seg.policy_version >= 0 else -1] * (n_tokens - start)
+    return out
 
 
 class WorkerHeartbeat(msgspec.Struct, frozen=True, kw_only=True):
@@ -257,12 +404,42 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Control(msgspec.Struct, frozen=True, kw_only=True):
-    """Put in the control bucket under the worker id (or `all`)."""
+    """Put in the control bucket under the worker id (or `all`). Bounded: an entry acts only on
+    the worker it names (`target`, equal to its key) and only until `deadline` (unix time); an
+    entry without one has expired. Make them with `control()`."""
 
     v: int = SCHEMA_VERSION
     command: Literal["drain", "abort"]
     reason: str = ""
     ts: float = 0.0
+    target: str = ""  # the worker id, or CONTROL_ALL
+    deadline: float = 0.0
+
+
+CONTROL_ALL = "all"
+
+
+def control(command: Literal["drain", "abort"], target: str, reason: str = "", ttl_s: float = 60.0) -> Control:
+    """A control entry for `target` (a worker id or CONTROL_ALL), valid for `ttl_s` from now.
+    A fleet-wide entry also acts only on workers started before it (`ts`)."""
+    now = time.time()
+    return Control(command=command, reason=reason, ts=now, target=check_name("control target", target),
+                   deadline=now + ttl_s)
+
+
+class VersionFloor(msgspec.Struct, frozen=True, kw_only=True):
+    """The oldest policy version a pool's workers may generate with (rollout modes partial and
+    async, `rlboost.orchestrator`): a worker holding an older request hands it back, and a request
+    older than this is resumed from its checkpoint under `version`. Put by the trainer only."""
+
+    v: int = SCHEMA_VERSION
+    version: int
+    ts: float = 0.0
+
+
+def version_floor_key(pool: str) -> str:
+    """Its key in the control bucket (next to the per-worker entries)."""
+    return f"floor-{check_name('pool', pool)}"
 
 
 class LeaseEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -280,7 +457,7 @@ class LeaseEvent(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
 
 
-Message = RolloutRequest | TokenChunk | RolloutResult | WorkerHeartbeat | Control | LeaseEvent
+Message = RolloutRequest | TokenFlush | TokenChunk | RolloutResult | WorkerHeartbeat | Control | LeaseEvent
 
 
 class _Header(msgspec.Struct):
@@ -299,12 +476,24 @@ def encode(msg: Message) -> bytes:
 T = TypeVar("T")
 
 
+MAX_MESSAGE_BYTES = 16 << 20  # larger than any genuine message (NATS' own default cap is 1 MiB)
+MAX_TOKEN_ID = 2**31 - 1  # engines index int32 vocabularies; the model's own bound is the engine's check
+MAX_NEW_TOKENS = 1 << 20
+
+
 def decode(kind: type[T], data: bytes) -> T:
-    """Decode and validate, or raise WireError / SchemaVersionError with a readable reason."""
+    """The one door for wire bytes: decode and validate, or raise WireError / SchemaVersionError
+    with a readable reason. Sizes are bounded before decoding; nesting deeper than the decoder's
+    recursion limit is refused here as WireError (msgspec raises RecursionError), so no consumer
+    ever sees anything but a valid message or a WireError."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"malformed {kind.__name__}: not bytes")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"malformed {kind.__name__}: {len(data)} bytes, over the {MAX_MESSAGE_BYTES} byte bound")
     try:
         header = _header_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise WireError(f"malformed {kind.__name__}: {e}") from None
+    except _UNDECODABLE as e:
+        raise WireError(f"malformed {kind.__name__}: {_reason(e)}") from None
     if header.v != SCHEMA_VERSION:
         raise SchemaVersionError(
             f"{kind.__name__} has schema version {header.v}; this build speaks {SCHEMA_VERSION}"
@@ -314,10 +503,63 @@ def decode(kind: type[T], data: bytes) -> T:
         decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
     try:
         msg = decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise WireError(f"malformed {kind.__name__}: {e}") from None
+    except _UNDECODABLE as e:
+        raise WireError(f"malformed {kind.__name__}: {_reason(e)}") from None
+    _validate(msg)
+    return msg
+
+
+# msgspec raises DecodeError/ValidationError, but also UnicodeDecodeError for a str field that
+# is not UTF-8, and RecursionError past its nesting limit: all mean "not a valid message".
+_UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
+
+
+def _reason(e: Exception) -> str:
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
+
+
+def _validate(msg: object) -> None:
+    """Field values the types cannot express: names, ranges, matching lengths."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise WireError(f"{type(msg).__name__} {getattr(msg, 'request_id', '')}: {what}".replace("  ", " "))
+
     if isinstance(msg, RolloutRequest):
         check_name("request id", msg.request_id)
         if not msg.prompt_ids or msg.max_new_tokens < 1:
             raise WireError(f"request {msg.request_id}: empty prompt or max_new_tokens < 1")
-    return msg
+        need(all(0 <= t <= MAX_TOKEN_ID for t in msg.prompt_ids), f"prompt ids outside [0, {MAX_TOKEN_ID}]")
+        need(msg.max_new_tokens <= MAX_NEW_TOKENS, f"max_new_tokens over {MAX_NEW_TOKENS}")
+        need(min(msg.step, msg.policy_version, msg.group) >= 0, "negative step, policy version or group")
+        need(-1 <= msg.eos_id <= MAX_TOKEN_ID, "eos id outside [-1, 2**31)")
+        p = msg.sampling
+        need(math.isfinite(p.temperature) and p.temperature >= 0 and math.isfinite(p.top_p) and 0 < p.top_p <= 1
+             and p.top_k >= 0, "sampling parameters out of range")
+    elif isinstance(msg, (TokenChunk, RolloutResult)):
+        check_name("request id", msg.request_id)
+        check_name("worker id", msg.worker_id)
+        need(len(msg.token_ids) == len(msg.logprobs), "token and logprob counts differ")
+        need(msg.step >= 0 and msg.epoch >= 0, "negative step or epoch")
+        need(all(0 <= t <= MAX_TOKEN_ID for t in msg.token_ids), "token ids out of range")
+        if isinstance(msg, RolloutResult):
+            for seg in msg.segments:
+                check_name("segment worker id", seg.worker_id)
+    elif isinstance(msg, TokenFlush):
+        check_name("worker id", msg.worker_id)
+        need(msg.step >= 0, "negative step")
+        for c in msg.chunks:
+            check_name("request id", c.request_id)
+            need(min(c.epoch, c.offset, c.policy_version) >= 0, f"{c.request_id}: negative epoch, offset or version")
+            need(len(c.records) % RECORD.itemsize == 0, f"{c.request_id}: records not a multiple of {RECORD.itemsize} bytes")
+            tokens = np.frombuffer(c.records, dtype=RECORD)["token"]
+            need(not len(tokens) or int(tokens.min()) >= 0, f"{c.request_id}: negative token id")
+    elif isinstance(msg, WorkerHeartbeat):
+        check_name("worker id", msg.worker_id)
+        check_name("pool", msg.pool)
+    elif isinstance(msg, Control):
+        if msg.target:
+            check_name("control target", msg.target)
+        need(len(msg.reason) <= 1000, "reason over 1000 characters")
+    elif isinstance(msg, LeaseEvent):
+        check_name("request id", msg.request_id)
+        check_name("worker id", msg.worker_id)

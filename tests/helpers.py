@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlboost import wire
+from rlboost import bus, wire
 from trainer.model import build_model, build_tokenizer, save
 from trainer.tasks import Addition
 from workers.engines.base import EngineError, Sequence
@@ -34,7 +34,7 @@ def fresh(s: Sequence, tokens: list[int] | None = None) -> Sequence:
 async def step_results(js, step: int, n: int, timeout: float = 20.0) -> dict[str, wire.RolloutResult]:
     """The results of `step` published so far, by request id, once `n` arrived (or on timeout)."""
     got: dict[str, wire.RolloutResult] = {}
-    sub = await js.subscribe(wire.result_subject(step), ordered_consumer=True)
+    sub = await bus.follow(js, wire.result_subject(step))
     deadline = time.monotonic() + timeout
     while len(got) < n and time.monotonic() < deadline:
         try:
@@ -56,3 +56,54 @@ async def assert_wrong_shape_refused_untouched(engine, seqs: list[Sequence], one
         await engine.load_weights(where, version=1)
     assert engine.policy_version == 0
     assert [g.token_ids for g in await one_go(engine, seqs)] == [g.token_ids for g in before]
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+
+
+def build_hf_model(out: Path, arch: str = "llama", *, tied: bool = False, dtype: str = "float32",
+                   shard: str | None = None, seed: int = 0) -> Path:
+    """A tiny Hugging Face model folder as a user would bring it: a byte-level BPE tokenizer
+    trained with `tokenizers`, a chat template, two EOS ids in generation_config.json (the
+    chat turn end and the text end), saved with save_pretrained (`shard`: max_shard_size)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["What is 12 plus 30? The answer is 42.", "Name a colour: blue, red, green.",
+              "user assistant system hello world", "0 1 2 3 4 5 6 7 8 9 + = ?"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=HF_SPECIALS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<pad>",
+                                        chat_template=CHAT_TEMPLATE)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in HF_SPECIALS}
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=tied, eos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<pad>"],
+                  bos_token_id=None)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = ids["<pad>"]
+    model = model.to(getattr(torch, dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def tree_sha256(root: Path) -> dict[str, str]:
+    """SHA-256 of every file under `root`, by relative path."""
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}

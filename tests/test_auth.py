@@ -7,7 +7,9 @@ infra/ files carry)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import stat
+import uuid
 from pathlib import Path
 from urllib.parse import quote
 
@@ -117,10 +119,32 @@ async def test_worker_does_its_job(trainer, worker):
     assert not [e for e in errors.seen if "permission" in e], errors.seen
 
 
-@pytest.mark.parametrize("case", ["fresh-lane", "delete-stream", "purge-stream", "policy-put", "other-pool"])
+FORBIDDEN = ["fresh-lane", "delete-stream", "purge-stream", "policy-put", "other-pool", "delete-by-sequence",
+             "consumer-update", "consumer-durable-update", "consumer-delete", "other-pool-resume", "control-put",
+             "weights-put"]
+
+
+@pytest.mark.parametrize("case", FORBIDDEN)
 async def test_worker_is_refused(trainer, worker, case):
     nc, js, errors = worker
-    if case == "fresh-lane":
+    rq, durable = wire.STREAM_REQUESTS, wire.consumer_name(POOL)
+    raw = {  # forbidden JetStream API calls, sent raw: the server's answer is a permissions violation
+        "delete-by-sequence": (f"$JS.API.STREAM.MSG.DELETE.{rq}", b'{"seq": 1}'),
+        "consumer-update": (f"$JS.API.CONSUMER.CREATE.{rq}.{durable}",
+                            b'{"stream_name": "RB_REQUESTS", "config": {"durable_name": "rb-workers-spot", '
+                            b'"ack_policy": "explicit", "max_deliver": 1, "filter_subject": "rb.req.spot"}}'),
+        "consumer-durable-update": (f"$JS.API.CONSUMER.DURABLE.CREATE.{rq}.{durable}",
+                                    b'{"stream_name": "RB_REQUESTS", "config": {"durable_name": "rb-workers-spot", '
+                                    b'"ack_policy": "explicit", "max_deliver": 1}}'),
+        "consumer-delete": (f"$JS.API.CONSUMER.DELETE.{rq}.{durable}", b""),
+        "other-pool-resume": (wire.resume_subject("reserved"), b"injected hand-off"),
+        "control-put": (f"$KV.{wire.BUCKET_CONTROL}.{wire.CONTROL_ALL}", b"drain"),
+        "weights-put": (f"$O.{wire.BUCKET_WEIGHTS}.M.x", b"{}"),
+    }
+    if case in raw:
+        subject, payload = raw[case]
+        await nc.publish(subject, payload)
+    elif case == "fresh-lane":
         subject = wire.request_subject(POOL)
         with pytest.raises(Exception):
             await js.publish(subject, b"injected prompt", timeout=1)
@@ -147,6 +171,8 @@ async def test_worker_is_refused(trainer, worker, case):
     if case == "policy-put":
         entry = await (await trainer.key_value(wire.BUCKET_POLICY)).get(wire.WEIGHTS_POINTER_KEY)
         assert entry is None or entry.value != b"999"
+    info = await trainer.consumer_info(rq, durable)  # the pool consumer is there, unchanged
+    assert info.config.max_deliver == wire.ConsumerSpec().max_deliver
 
 
 async def test_wrong_password_is_a_clear_error(secured):
@@ -160,12 +186,16 @@ async def test_wrong_password_is_a_clear_error(secured):
 
 async def test_redis_acl(secured):
     _, st = secured
+    trainer_store = CheckpointStore(redis_url(st, "trainer", TRAINER_PW))
+    assert await trainer_store.load_scripts()  # the trainer loads the scripts, workers EVALSHA them
+    await trainer_store.close()
     store = CheckpointStore(redis_url(st, "worker", WORKER_PW))
     try:
+        assert not await store.load_scripts()
         await store.ping()
         rid = "acl-test-1"
         c = await store.claim(rid, "w1", policy_version=0, ttl_s=10.0)
-        assert c.epoch == 1
+        assert c.epoch > 0
         assert await store.append(rid, "w1", c.epoch, 0, [5, 6], [-0.1, -0.2], 10.0) == 2
         with pytest.raises(redis.exceptions.NoPermissionError):
             await store.redis.set("not-a-checkpoint", "1")
@@ -173,6 +203,15 @@ async def test_redis_acl(secured):
             await store.redis.flushall()
         with pytest.raises(redis.exceptions.NoPermissionError):
             await store.redis.config_get("*")
+        # a Redis restart empties the script cache: the worker's calls fail (a RedisError, which
+        # the worker answers by handing the request back) until the trainer loads them again
+        admin = CheckpointStore(redis_url(st, "trainer", TRAINER_PW))
+        await admin.redis.script_flush()
+        with pytest.raises(redis.exceptions.RedisError):
+            await store.claim("acl-test-2", "w1", policy_version=0, ttl_s=10.0)
+        assert await admin.load_scripts()
+        await admin.close()
+        assert (await store.claim("acl-test-2", "w1", policy_version=0, ttl_s=10.0)).epoch > 0
     finally:
         await store.close()
     admin = aioredis.from_url(redis_url(st, "trainer", TRAINER_PW))
@@ -187,6 +226,35 @@ async def test_redis_acl(secured):
                 await anon.ping()
         finally:
             await anon.aclose()
+
+
+@pytest.mark.parametrize("command", [
+    ("SCRIPT", "FLUSH"), ("SCRIPT", "LOAD", "return 1"), ("EVAL", "return redis.call('DEL', KEYS[1])", 1, "rb:x"),
+    ("SCAN", 0), ("RANDOMKEY",), ("KEYS", "*"), ("DEL", "{tok}"), ("UNLINK", "{tok}"), ("RENAME", "{tok}", "rb:y"),
+    ("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "SET", "proto-max-bulk-len", "1gb"), ("DEBUG", "SLEEP", 0),
+    ("SET", "rb:{x}:tok", "64MiB"), ("SET", "not-a-checkpoint", "1"), ("OBJECT", "ENCODING", "{tok}"),
+])
+async def test_redis_refuses_the_worker(secured, command):
+    """What a stolen worker credential may not do in Redis; the checkpoint it aimed at survives."""
+    _, st = secured
+    trainer_store = CheckpointStore(redis_url(st, "trainer", TRAINER_PW))
+    await trainer_store.load_scripts()
+    rid = f"probe-{uuid.uuid4().hex[:8]}"
+    c = await trainer_store.claim(rid, "w1", policy_version=0, ttl_s=10.0)
+    await trainer_store.append(rid, "w1", c.epoch, 0, [5, 6], [-0.1, -0.2], 10.0)
+    worker = aioredis.from_url(redis_url(st, "worker", WORKER_PW))
+    args = [wire.ckpt_tokens_key(rid) if a == "{tok}" else b"x" * (64 << 20) if a == "64MiB" else a for a in command]
+    try:
+        with pytest.raises((redis.exceptions.NoPermissionError, redis.exceptions.ConnectionError,
+                            redis.exceptions.ResponseError)) as e:
+            await worker.execute_command(*args)
+        assert "permission" in str(e.value).lower() or "bulk" in str(e.value).lower() or isinstance(
+            e.value, redis.exceptions.ConnectionError), e.value
+        assert (await trainer_store.read(rid))[0] == [5, 6]
+        assert await trainer_store.redis.script_exists(trainer_store._append_many.sha) == [True]
+    finally:
+        await worker.aclose()
+        await trainer_store.close()
 
 
 def test_worker_permissions_shape():
@@ -215,3 +283,114 @@ async def test_credentials_from_settings_join_plain_urls(secured, trainer):
         await store.ping()
     finally:
         await store.close()
+
+
+# ---------------------------------------------------------------- default settings, over mutual TLS
+
+
+def _cert(name: str, issuer=None, issuer_key=None, ca: bool = False):
+    """A PEM (cert, key) for `name`, signed by `issuer` (self-signed when None)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer.subject if issuer else subject)
+         .public_key(key.public_key()).serial_number(x509.random_serial_number())
+         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                            critical=False)
+    cert = b.sign(issuer_key or key, hashes.SHA256())
+    return cert, key, (cert.public_bytes(serialization.Encoding.PEM),
+                       key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                         serialization.NoEncryption()))
+
+
+@pytest.fixture(scope="module")
+def tls_default(tmp_path_factory):
+    """Servers with the shipped defaults (worker_pools = "*") and mutual TLS from a test CA."""
+    d = tmp_path_factory.mktemp("rlboost-tls")
+    ca, ca_key, (ca_pem, _) = _cert("rlboost test CA", ca=True)
+    files = {"ca.pem": ca_pem}
+    for who in ("server", "client"):
+        _, _, (pem, key) = _cert(who, ca, ca_key)
+        files[f"{who}.pem"], files[f"{who}-key.pem"] = pem, key
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    import nkeys
+
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)  # the worker logs in with an nkey
+    (d / "worker.nk").write_bytes(seed)
+    public = nkeys.from_seed(seed).public_key.decode()
+    s = ServicesSettings(data_dir=str(d / "data"), auth=AuthSettings(
+        trainer_password=TRAINER_PW, worker_password=WORKER_PW, worker_nkey=public, tls_cert=str(d / "server.pem"),
+        tls_key=str(d / "server-key.pem"), tls_ca=str(d / "ca.pem")))
+    assert auth.AuthSettings().worker_pools == s.auth.worker_pools == "*"
+    svc = EmbeddedServices(s)
+    st, started = svc.up()
+    assert started
+    client_tls = {"nats_tls_ca": str(d / "ca.pem"), "nats_tls_cert": str(d / "client.pem"),
+                  "nats_tls_key": str(d / "client-key.pem"), "worker_seed": str(d / "worker.nk")}
+    yield st, client_tls
+    svc.stop_recorded()
+
+
+async def test_a_default_worker_serves_over_mutual_tls(tls_default, tmp_path):
+    """A real `rlboost worker` process with the worker identity (an nkey), the default pools
+    setting and the client TLS settings serves a step the trainer identity publishes and
+    collects (main: the worker identity could not use `rb-workers-*`, and the client TLS and
+    nkey settings were never applied)."""
+    import subprocess
+    import sys
+
+    from rlboost.clients import open_clients
+    from rlboost.config import Settings
+    from rlboost.manager import RolloutManager
+
+    st, tls = tls_default
+    tls = dict(tls)
+    seed = tls.pop("worker_seed")
+    plain = f"nats://127.0.0.1:{st.nats_port}"
+    with pytest.raises(ConnectionError, match="TLS handshake failed"):  # no CA, no client certificate
+        await asyncio.wait_for(bus.connect(nats_url(st, "trainer", TRAINER_PW)), timeout=20)
+    errors = Errors()  # the nkey identity is the worker role: refused what a worker may not do
+    nc = await bus.connect(plain, services=ServicesSettings(nats_nkey_seed=seed, **tls), error_cb=errors)
+    await nc.publish(f"$KV.{wire.BUCKET_POLICY}.{wire.WEIGHTS_POINTER_KEY}", b"999")
+    await nc.flush()
+    await errors.wait_for(f"$KV.{wire.BUCKET_POLICY}.{wire.WEIGHTS_POINTER_KEY}")
+    await nc.close()
+    env = {**os.environ, "RLBOOST_NATS_URL": plain, "RLBOOST_REDIS_URL": f"redis://127.0.0.1:{st.redis_port}/0",
+           "RLBOOST_SERVICES__NATS_NKEY_SEED": seed,
+           "RLBOOST_SERVICES__REDIS_USER": "worker", "RLBOOST_SERVICES__REDIS_PASSWORD": WORKER_PW,
+           **{f"RLBOOST_SERVICES__{k.upper()}": v for k, v in tls.items()}, "OMP_NUM_THREADS": "1"}
+    settings = Settings()
+    settings.services = ServicesSettings(**tls)
+    log = open(tmp_path / "worker.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "worker", "--pool", "anypool", "--speed", "0",
+                             "--worker-id", "anypool-tls-1"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        async with open_clients(nats_url(st, "trainer", TRAINER_PW), redis_url(st, "trainer", TRAINER_PW),
+                                "test-trainer-tls", settings=settings, pools=("anypool",)) as c:
+            reqs = [wire.RolloutRequest(request_id=wire.request_id(7, i, 0), step=7, policy_version=0,
+                                        prompt_ids=[3, 4], max_new_tokens=8, seed=i, group=i) for i in range(4)]
+            manager = RolloutManager(c, "anypool")
+            await manager.publish_step(reqs)
+            got = [r async for r in manager.results(7, reqs, timeout_s=60)]
+        assert sorted(r.request_id for r in got) == sorted(q.request_id for q in reqs)
+        assert {r.worker_id for r in got} == {"anypool-tls-1"}
+        assert proc.poll() is None, "the worker exited"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+    text = (tmp_path / "worker.log").read_text()
+    assert "ermission" not in text, text[-3000:]

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
@@ -64,3 +65,34 @@ def test_init_model_command_runs_and_saves(tmp_path):
     assert M.read_meta(out)["task"] == "addition"
     model = M.load_model(out)
     assert M.accuracy(model, M.load_tokenizer(out), Addition(), Addition().eval_set[:8]) >= 0.0
+    again = subprocess.run([sys.executable, "-m", "rlboost.cli", "--data-dir", str(tmp_path), "init-model",
+                            "--if-missing"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1])["skipped"] is True
+
+
+def test_init_model_never_writes_into_a_folder_it_did_not_make(tmp_path, capsys):
+    """A user's folder (here: any file init-model did not write) is refused, untouched."""
+    from rlboost.config import Settings
+    from trainer.bootstrap import main
+
+    user = tmp_path / "my-model"
+    user.mkdir()
+    (user / "config.json").write_text('{"model_type": "llama"}')
+    assert main(["--out", str(user), "--max-seconds", "1"], Settings()) == 2
+    assert "did not make" in capsys.readouterr().err
+    assert [p.name for p in user.iterdir()] == ["config.json"]
+    assert (user / "config.json").read_text() == '{"model_type": "llama"}'
+
+
+def test_run_init_model_builds_only_into_a_folder_of_its_own(tmp_path):
+    from rlboost.config import Settings
+    from rlboost.modeldir import ModelDirError
+    from trainer.run import RunConfig, resolve_model
+
+    user = tmp_path / "user-model"
+    user.mkdir()
+    (user / "weights.safetensors").write_bytes(b"mine")
+    with pytest.raises(ModelDirError, match="did not make"):
+        resolve_model(RunConfig(model_dir=str(user), init_model=True), Settings())
+    assert [p.name for p in user.iterdir()] == ["weights.safetensors"]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlboost.checkpoint import AlreadyFinished, LeaseHeld, LeaseLost, OffsetMismatch
+from rlboost.checkpoint import AlreadyFinished, CheckpointError, LeaseHeld, LeaseLost, OffsetMismatch
 
 chunkings = st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=40), min_size=0, max_size=12)
 
@@ -18,7 +18,7 @@ chunkings = st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=40
 async def test_append_read_round_trip_over_any_chunking(store, chunks):
     rid = f"prop-{abs(hash(str(chunks))) % 10**12}-{id(chunks)}"
     claim = await store.claim(rid, "w1", policy_version=3, ttl_s=5)
-    assert claim.token_ids == [] and claim.epoch == 1
+    assert claim.token_ids == [] and claim.epoch > 0
     tokens: list[int] = []
     logprobs: list[float] = []
     for chunk in chunks:
@@ -37,7 +37,7 @@ async def test_resume_returns_tokens_so_far(store, rid):
     await store.append(rid, "w1", c1.epoch, 0, [5, 6, 7], [-0.5, -0.25, -1.0], ttl_s=5)
     await store.release(rid, c1.epoch)
     c2 = await store.claim(rid, "w2", 0, ttl_s=5)
-    assert c2.epoch == c1.epoch + 1
+    assert c2.epoch > c1.epoch
     assert (c2.token_ids, c2.logprobs) == ([5, 6, 7], [-0.5, -0.25, -1.0])
     segs = await store.segments(rid)
     assert [(s.worker_id, s.offset) for s in segs] == [("w1", 0), ("w2", 3)]
@@ -59,13 +59,13 @@ async def test_stale_epoch_writer_is_refused_after_takeover(store, rid):
 
 
 async def test_live_lease_blocks_another_claimant_until_it_expires(store, rid):
-    await store.claim(rid, "w1", 0, ttl_s=0.3)
+    first = await store.claim(rid, "w1", 0, ttl_s=0.3)
     with pytest.raises(LeaseHeld) as e:
         await store.claim(rid, "w2", 0, ttl_s=5)
     assert 0 < e.value.retry_after_s <= 0.3
     await asyncio.sleep(0.4)
     c = await store.claim(rid, "w2", 0, ttl_s=5)
-    assert c.epoch == 2
+    assert c.epoch > first.epoch
 
 
 async def test_renew_keeps_the_lease_alive(store, rid):
@@ -102,3 +102,58 @@ async def test_one_lost_lease_does_not_fail_the_other_appends_of_a_batch(store, 
     await store.claim(rid, "w2", 0, ttl_s=5, steal=True)
     out = await store.append_many([(rid, "w1", a.epoch, 0, [1], [0.0]), (other, "w1", b.epoch, 0, [2], [0.0])], ttl_s=5)
     assert isinstance(out[0], LeaseLost) and out[1] == 1
+
+
+async def _evalsha_calls(store) -> int:
+    return int((await store.redis.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+async def test_a_flush_is_one_fenced_script_call_with_an_outcome_per_request(store, rid):
+    """A worker's whole flush is one EVALSHA; each request keeps the checks and the answer of a
+    single append: stale epoch, offset mismatch, finished, a key of the wrong type."""
+    rids = [f"{rid}-{i}" for i in range(6)]
+    claims = [await store.claim(r, "w1", 0, ttl_s=5) for r in rids]
+    await store.claim(rids[1], "w2", 0, ttl_s=5, steal=True)  # w1 is stale on 1
+    await store.finish(rids[3], claims[3].epoch, 0)  # 3 is finished
+    await store.redis.hset(f"rb:{{{rids[4]}}}:tok", "x", "1")  # 4 holds junk of the wrong type
+    before = await _evalsha_calls(store)
+    out = await store.append_many([(r, "w1", c.epoch, 1 if i == 2 else 0, [i, 7], [-0.5, -1.0])
+                                   for i, (r, c) in enumerate(zip(rids, claims))], ttl_s=5)
+    assert await _evalsha_calls(store) - before == 1
+    assert out[0] == 2 and out[5] == 2
+    assert isinstance(out[1], LeaseLost) and isinstance(out[2], OffsetMismatch)
+    assert isinstance(out[3], AlreadyFinished)
+    assert isinstance(out[4], CheckpointError) and "WRONGTYPE" in str(out[4])
+    assert await store.read(rids[5]) == ([5, 7], [-0.5, -1.0])
+    assert (await store.read(rids[1]))[0] == [] and (await store.read(rids[2]))[0] == []
+    # The appends renewed the leases of the requests they landed on, and only those.
+    assert 4000 < await store.redis.pttl(f"rb:{{{rids[5]}}}:lease") <= 5000
+
+
+@pytest.mark.slow
+async def test_on_a_redis_cluster_a_flush_is_grouped_by_slot_and_stays_fenced(tmp_path):
+    """A script may only touch keys of one hash slot: on a cluster the flush is one call per
+    slot (requests keep their own `{rid}` slot), sent to each master in one batch."""
+    from redis.crc import key_slot
+
+    from rlboost.checkpoint import CheckpointStore
+    from rlboost.config import ServicesSettings
+    from rlboost.services import EmbeddedServices
+
+    svc = EmbeddedServices(ServicesSettings(data_dir=str(tmp_path / "data"), redis_cluster=3))
+    st, _ = svc.up()
+    store = CheckpointStore(svc.redis_url(st))
+    try:
+        rids = [f"cl-{i}" for i in range(30)]
+        old = [await store.claim(r, "old", 0, ttl_s=5) for r in rids]
+        new = [await store.claim(r, "new", 0, ttl_s=5, steal=True) for r in rids[::2]]
+        groups = store._groups([(r, "new", 0, 0, b"") for r in rids])
+        assert len(groups) == len({key_slot(f"rb:{{{r}}}:meta".encode()) for r in rids})
+        stale = await store.append_many([(r, "old", c.epoch, 0, [1], [0.0]) for r, c in zip(rids, old)], 5)
+        assert [isinstance(x, LeaseLost) for x in stale] == [i % 2 == 0 for i in range(30)]
+        fresh = await store.append_many([(r, "new", c.epoch, 0, [2], [0.0]) for r, c in zip(rids[::2], new)], 5)
+        assert fresh == [1] * 15
+        assert [(await store.read(r))[0] for r in rids] == [[2] if i % 2 == 0 else [1] for i in range(30)]
+    finally:
+        await store.close()
+        svc.stop_recorded()

@@ -391,3 +391,293 @@ def test_settings_roundtrip_of_auth_section():
     s = load_settings(environ={"RLBOOST_SERVICES__AUTH__WORKER_POOLS": "spot,gpu", **PASSWORDS})
     assert auth.roles_configured(s.services.auth) and auth.worker_pools(s.services.auth) == ["spot", "gpu"]
     assert msgspec.to_builtins(Settings())["services"]["auth"]["worker_password"] == ""
+
+
+# ---------------------------------------------------------------- the clustered variants
+
+K8S_CLUSTER = INFRA / "k8s-cluster"
+SENTINEL_URL = re.compile(r"redis\+sentinel://([^/@]+)/(\w+)/0$")
+
+
+def _merge(base, patch):
+    """A strategic merge patch, the part kustomize applies here: maps merge, lists of named
+    items (containers, env, ports) merge by name, other lists are replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        return {**base, **{k: _merge(base[k], v) if k in base else v for k, v in patch.items()}}
+    if isinstance(base, list) and isinstance(patch, list) and all(isinstance(x, dict) and "name" in x for x in base + patch):
+        out = {x["name"]: x for x in base}
+        for x in patch:
+            out[x["name"]] = _merge(out[x["name"]], x) if x["name"] in out else x
+        return list(out.values())
+    return patch
+
+
+def k8s_cluster_docs() -> list[dict]:
+    """infra/k8s-cluster rendered offline: the base's documents, its own, then its patches."""
+    kust = yaml.safe_load((K8S_CLUSTER / "kustomization.yaml").read_text())
+    assert kust["kind"] == "Kustomization" and kust["namespace"] == "rlboost" and "../k8s" in kust["resources"]
+    docs = k8s_docs()
+    for r in kust["resources"]:
+        if r != "../k8s":
+            docs += [{**d, "_file": r} for d in yaml.safe_load_all((K8S_CLUSTER / r).read_text()) if d]
+    for p in kust["patches"]:
+        for patch in yaml.safe_load_all((K8S_CLUSTER / p["path"]).read_text()):
+            (i,) = [i for i, d in enumerate(docs) if (d["kind"], d["metadata"]["name"]) == (patch["kind"], patch["metadata"]["name"])]
+            docs[i] = _merge(docs[i], patch)
+    return docs
+
+
+def _cluster(kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in k8s_cluster_docs() if d["kind"] == kind}
+
+
+def _nats_args(args: list[str]) -> dict[str, str]:
+    return {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--")}
+
+
+def test_k8s_cluster_schema_and_references():
+    docs = k8s_cluster_docs()
+    for d in docs:
+        assert d.get("apiVersion") == API_VERSIONS.get(d["kind"]), d["_file"]
+        for field in REQUIRED_SPEC.get(d["kind"], ()):
+            assert field in d["spec"], f"{d['_file']}: spec.{field}"
+    services = _cluster("Service")
+    for name, sts in _cluster("StatefulSet").items():  # pod DNS names need a headless governing Service
+        assert services[sts["spec"]["serviceName"]]["spec"].get("clusterIP") == "None", name
+        assert sts["spec"]["selector"]["matchLabels"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+        named = {p["name"] for c in containers(sts) for p in c.get("ports", [])}
+        for c in containers(sts):
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                assert not ref or (ref["name"] == "rlboost-auth" and ref["key"] in PASSWORDS), (name, e)
+        for svc in services.values():
+            if svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items():
+                assert {p["targetPort"] for p in svc["spec"]["ports"]} <= named, (name, svc["metadata"]["name"])
+
+
+def test_k8s_cluster_nats_three_routed_nodes():
+    nats = _cluster("StatefulSet")["nats"]
+    n, headless = nats["spec"]["replicas"], nats["spec"]["serviceName"]
+    assert n == 3
+    (c,) = nats["spec"]["template"]["spec"]["containers"]
+    a = _nats_args(c["args"])
+    assert c["args"][:2] == ["-c", "/etc/nats/nats.conf"]  # the generated config, users and store
+    assert a["--server_name"] == "$(POD_NAME)" and _env(c)["POD_NAME"] == "from-secret"  # a fieldRef
+    assert next(e for e in c["env"] if e["name"] == "POD_NAME")["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    port = int(a["--cluster"].rsplit(":", 1)[1])
+    assert port in {p["containerPort"] for p in c["ports"]}
+    assert sorted(a["--routes"].split(",")) == [f"nats://nats-{i}.{headless}:{port}" for i in range(n)]
+    assert nats["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"  # JetStream on a PVC each
+
+
+def test_k8s_cluster_sentinel_watches_the_primary():
+    sts = _cluster("StatefulSet")
+    redis, sentinel = sts["redis"], sts["redis-sentinel"]
+    assert redis["spec"]["replicas"] == 2 and sentinel["spec"]["replicas"] == 3
+    script = "\n".join(redis["spec"]["template"]["spec"]["containers"][0]["command"])
+    assert f"--replicaof redis-0.{redis['spec']['serviceName']} 6379" in script and "/scripts/start-redis.sh" in script
+    conf = "\n".join(sentinel["spec"]["template"]["spec"]["containers"][0]["command"])
+    assert f"sentinel monitor rb redis-0.{redis['spec']['serviceName']} 6379 2" in conf  # quorum 2 of 3
+    assert "sentinel auth-user rb trainer" in conf and "auth-pass rb $RLBOOST_SERVICES__AUTH__TRAINER_PASSWORD" in conf
+
+
+def test_k8s_cluster_clients_know_every_node():
+    sts = _cluster("StatefulSet")
+    nats, sentinel = sts["nats"], sts["redis-sentinel"]
+    for name in ("rlboost-trainer", "rlboost-worker"):
+        (c,) = _cluster("Deployment")[name]["spec"]["template"]["spec"]["containers"]
+        s = settings_from(_env(c))
+        assert s.services.nats_replicas == nats["spec"]["replicas"]
+        assert sorted(s.services.nats_url.split(",")) == [
+            f"nats://nats-{i}.{nats['spec']['serviceName']}:4222" for i in range(nats["spec"]["replicas"])]
+        hosts, master = SENTINEL_URL.match(s.services.redis_url).groups()
+        assert master == "rb" and sorted(hosts.split(",")) == [
+            f"redis-sentinel-{i}.{sentinel['spec']['serviceName']}:26379" for i in range(sentinel["spec"]["replicas"])]
+
+
+def test_k8s_cluster_matches_kustomize_when_available():
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        pytest.skip("kubectl not installed (rendered offline above)")
+    r = subprocess.run([kubectl, "kustomize", str(K8S_CLUSTER)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    built = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(r.stdout) if d}
+    ours = {(d["kind"], d["metadata"]["name"]): d for d in k8s_cluster_docs()}
+    assert set(built) == set(ours)
+    for key in (("StatefulSet", "nats"), ("StatefulSet", "redis"), ("Deployment", "rlboost-worker")):
+        assert built[key]["spec"]["replicas"] == ours[key]["spec"]["replicas"]
+        bc, oc = built[key]["spec"]["template"]["spec"]["containers"][0], ours[key]["spec"]["template"]["spec"]["containers"][0]
+        assert (bc.get("args"), bc["command"] if "command" in bc else None, _env(bc)) == (
+            oc.get("args"), oc["command"] if "command" in oc else None, _env(oc))
+
+
+def test_compose_cluster_override():
+    env = env_example()
+    base, over = compose()["services"], yaml.safe_load((INFRA / "compose.cluster.yaml").read_text())
+    svc = {k: {**base.get(k, {}), **v} for k, v in over["services"].items()}
+    nodes = sorted(k for k in svc if k.startswith("nats"))
+    assert len(nodes) == 3
+    for k in nodes:
+        a = _nats_args(svc[k]["command"])
+        assert svc[k]["command"][:2] == ["-c", "/etc/nats/nats.conf"] and "healthcheck" in svc[k]
+        assert sorted(a["--routes"].split(",")) == sorted(f"nats://{n}:6222" for n in nodes)
+    assert len({_nats_args(svc[k]["command"])["--server_name"] for k in nodes}) == 3
+    assert "--replicaof redis 6379" in " ".join(svc["redis-replica"]["entrypoint"])
+    assert "sentinel monitor rb redis 6379 1" in " ".join(svc["redis-sentinel"]["entrypoint"])
+    for k in ("redis-replica", "redis-sentinel", "nats-2", "nats-3"):
+        assert "healthcheck" in svc[k] and svc[k]["restart"] == "unless-stopped", k
+    for name in ("trainer", "worker"):
+        e = {**base[name]["environment"], **over["services"][name]["environment"]}
+        s = settings_from({k: interpolate(str(v), env) for k, v in e.items()})
+        assert sorted(s.services.nats_url.split(",")) == sorted(f"nats://{n}:4222" for n in nodes)
+        assert SENTINEL_URL.match(s.services.redis_url).groups() == ("redis-sentinel:26379", "rb")
+        assert s.services.nats_replicas == 3
+        assert set(over["services"][name]["depends_on"]) >= {"nats-2", "nats-3", "redis-sentinel"}
+    text = (INFRA / "compose.cluster.yaml").read_text()
+    for m in _VAR.finditer(text):
+        assert ":-" in m.group(0) or m.group(1) in env, m.group(0)
+
+
+@pytest.mark.slow
+async def test_committed_nats_cluster_args_run(tmp_path):
+    """The overlay's NATS flags on the committed nats.conf, 3 servers on loopback (the routes
+    rewritten to their ports): they form one JetStream cluster and take the streams at R3."""
+    from rlboost import bus
+    from rlboost.services import provision_cluster
+
+    (c,) = _cluster("StatefulSet")["nats"]["spec"]["template"]["spec"]["containers"]
+    ports = [(free_port(), free_port(), free_port()) for _ in range(3)]  # client, route, monitor
+    hosts = {f"nats-{i}.nats-headless:6222": f"127.0.0.1:{r}" for i, (_, r, _) in enumerate(ports)}
+    procs = []
+    try:
+        for i, (port, route, mport) in enumerate(ports):
+            conf = (INFRA / "nats" / "nats.conf").read_text().replace('"/data/jetstream"', f'"{tmp_path / f"js{i}"}"')
+            (tmp_path / f"n{i}.conf").write_text(conf)
+            args = [a.replace("$(POD_NAME)", f"nats-{i}").replace("0.0.0.0:6222", f"127.0.0.1:{route}") for a in c["args"]]
+            for h, loop in hosts.items():
+                args = [a.replace(h, loop) for a in args]
+            args[1] = str(tmp_path / f"n{i}.conf")
+            procs.append(subprocess.Popen([find_binary("nats-server"), *args, "-a", "127.0.0.1", "-p", str(port),
+                                           "-m", str(mport)], env={**os.environ, **PASSWORDS},
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for (port, _, _), p in zip(ports, procs):
+            _wait_port(port, p, time.monotonic() + 15)
+        url = ",".join(f"nats://trainer:t-infra-pw@127.0.0.1:{p}" for p, _, _ in ports)
+        assert await provision_cluster(url, 3) == 3
+        nc = await bus.connect(url)
+        try:
+            info = await nc.jetstream().stream_info(wire.STREAM_REQUESTS)
+            assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2  # a leader + 2 replicas
+        finally:
+            await nc.close()
+    finally:
+        for p in procs:
+            _stop(p)
+
+
+@pytest.mark.slow
+async def test_committed_redis_sentinel_scripts_run(tmp_path):
+    """The overlay's replica and Sentinel scripts on real servers (pod names rewritten to loopback
+    ports)."""
+    pytest.importorskip("redis")
+    sts = _cluster("StatefulSet")
+    (rc,) = sts["redis"]["spec"]["template"]["spec"]["containers"]
+    (sc,) = sts["redis-sentinel"]["spec"]["template"]["spec"]["containers"]
+    primary, replica, sport = free_port(), free_port(), free_port()
+    bindir = Path(find_binary("redis-server")).parent
+    env = {**os.environ, **PASSWORDS, "PATH": f"{bindir}:{os.environ.get('PATH', '')}"}
+
+    def loopback(text: str) -> str:
+        return (text.replace("redis-0.redis-headless 6379", f"127.0.0.1 {primary}").replace("/scripts/", f"{INFRA}/redis/")
+                .replace('"$HOSTNAME.redis-headless"', "127.0.0.1").replace("$HOSTNAME.redis-sentinel", "127.0.0.1")
+                .replace("/data/", f"{tmp_path}/").replace("port 26379", f"port {sport}"))
+
+    def redis_node(i: int, port: int) -> subprocess.Popen:
+        d = tmp_path / f"r{i}"
+        d.mkdir()
+        *sh, script, name = rc["command"]
+        args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)]
+        return subprocess.Popen([*sh, loopback(script), name, *args],
+                                env={**env, "HOSTNAME": f"redis-{i}", "REDIS_ACL_FILE": str(d / "users.acl")},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    procs = [redis_node(0, primary), redis_node(1, replica)]
+    try:
+        for port, p in zip((primary, replica), procs):
+            _wait_port(port, p, time.monotonic() + 15)
+        procs.append(subprocess.Popen([*sc["command"][:2], loopback(sc["command"][2])], env={**env, "HOSTNAME": "redis-sentinel-0"},
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        await _sentinel_serves(tmp_path, primary, replica, sport, procs[-1])
+    finally:
+        for p in procs:
+            _stop(p)
+
+
+async def _sentinel_serves(tmp_path: Path, primary: int, replica: int, sport: int, sentinel: subprocess.Popen) -> None:
+    """The replica is in sync as the trainer's ACL user, the Sentinel (its config 0600) names the
+    primary, and a client of the redis+sentinel URL writes through it to both nodes."""
+    import redis
+
+    from rlboost.checkpoint import _connect
+
+    _wait_port(sport, sentinel, time.monotonic() + 15)
+    assert (tmp_path / "sentinel.conf").stat().st_mode & 0o077 == 0  # it holds the trainer's password
+    r = redis.Redis(port=replica, username="trainer", password="t-infra-pw")
+    s = redis.Redis(port=sport)
+    try:
+        for _ in range(200):
+            if r.info("replication").get("master_link_status") == "up":
+                break
+            time.sleep(0.05)
+        assert r.info("replication")["master_link_status"] == "up"
+        assert s.sentinel_get_master_addr_by_name("rb") == (b"127.0.0.1", primary)
+        client = _connect(f"redis+sentinel://trainer:t-infra-pw@127.0.0.1:{sport}/rb/0", 2, 5.0)
+        await client.set("rb:{x}:probe", b"1")
+        await client.aclose()
+        for _ in range(100):
+            if r.get("rb:{x}:probe") == b"1":
+                break
+            time.sleep(0.05)
+        assert r.get("rb:{x}:probe") == b"1"  # written to the primary, replicated
+    finally:
+        r.close()
+        s.close()
+
+
+@pytest.mark.slow
+async def test_committed_compose_sentinel_scripts_run(tmp_path):
+    """compose.cluster.yaml's replica and Sentinel entrypoints on real servers (service names
+    rewritten to loopback ports, compose's `$$` to `$`)."""
+    pytest.importorskip("redis")
+    svc = yaml.safe_load((INFRA / "compose.cluster.yaml").read_text())["services"]
+    primary, replica, sport = free_port(), free_port(), free_port()
+    bindir = Path(find_binary("redis-server")).parent
+    env = {**os.environ, **PASSWORDS, "PATH": f"{bindir}:{os.environ.get('PATH', '')}"}
+
+    def loopback(text: str, d: Path) -> str:
+        return (text.replace("$$", "$").replace("redis 6379", f"127.0.0.1 {primary}")
+                .replace("/usr/local/bin/start-redis.sh", str(INFRA / "redis" / "start-redis.sh"))
+                .replace("--appendonly yes --dir /data", f"--appendonly no --save '' --dir {d} --bind 127.0.0.1 --port {replica}")
+                .replace("--replica-announce-ip redis-replica", "--replica-announce-ip 127.0.0.1")
+                .replace("/data/", f"{tmp_path}/").replace("port 26379", f"port {sport}"))
+
+    for d in ("r0", "r1"):
+        (tmp_path / d).mkdir()
+    procs = [subprocess.Popen(["/bin/sh", str(INFRA / "redis" / "start-redis.sh"), "--port", str(primary), "--bind", "127.0.0.1",
+                               "--save", "", "--appendonly", "no", "--dir", str(tmp_path / "r0")],
+                              env={**env, "REDIS_ACL_FILE": str(tmp_path / "r0" / "users.acl")},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        _wait_port(primary, procs[0], time.monotonic() + 15)
+        *sh, script = svc["redis-replica"]["entrypoint"]
+        procs.append(subprocess.Popen([*sh, loopback(script, tmp_path / "r1")],
+                                      env={**env, "REDIS_ACL_FILE": str(tmp_path / "r1" / "users.acl")},
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        _wait_port(replica, procs[1], time.monotonic() + 15)
+        *sh, script = svc["redis-sentinel"]["entrypoint"]
+        procs.append(subprocess.Popen([*sh, loopback(script, tmp_path)], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        await _sentinel_serves(tmp_path, primary, replica, sport, procs[2])
+    finally:
+        for p in procs:
+            _stop(p)

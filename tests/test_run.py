@@ -46,5 +46,24 @@ def test_hybrid_hands_off_at_the_end_of_the_seeding_window(services, tmp_path, m
 
 
 def test_with_no_preemptible_worker_the_run_completes_colocated(services, tmp_path, model_dir):
-    out, rows = _run(services, tmp_path, model_dir, "--policy", "hybrid", "--steps", "1", "--workers", "0")
+    out, rows = _run(services, tmp_path, model_dir, "--policy", "hybrid", "--steps", "1", "--workers", "0",
+                     "--algorithm.off_policy", "tis")
     assert out["steps"] == 1 and rows[0]["live_workers"] == 0 and rows[0]["t_seed"] is None
+    # sync rollout: every token sampled by the trained version; the engine's mu is the trainer's pi_old
+    # up to kernel rounding (a ratio off by a position or a temperature would be far from 1)
+    assert rows[0]["off_policy"] == "tis" and rows[0]["staleness_mean"] == 0 and rows[0]["staleness_max"] == 0
+    assert abs(rows[0]["is_ratio_mean"] - 1) < 0.01 and rows[0]["is_capped"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["partial", "async"])
+def test_rollout_modes_train_with_the_real_trainer(services, tmp_path, model_dir, mode):
+    """`rlboost run --mode partial|async`: steps complete with a real trainer and torch workers,
+    every result's segments name versions this run published, within the bound in async."""
+    out, rows = _run(services, tmp_path, model_dir, "--policy", "hybrid", "--steps", "3", "--workers", "1",
+                     "--mode", mode, "--max-staleness", "1", "--prompts", "4", "--samples", "4",
+                     "--algorithm.off_policy", "tis")
+    assert out["steps"] == 3 and len(rows) == 3
+    assert all(r["mode"] == mode and r["prompts"] == 4 and r["off_policy"] == "tis" for r in rows)
+    if mode == "async":  # per trained token (the trainer's count): steps published ahead, one version behind
+        assert max(r["staleness_max"] for r in rows) == 1

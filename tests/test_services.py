@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -9,7 +10,9 @@ import subprocess
 import sys
 
 import pytest
+import redis
 
+from rlboost.checkpoint import CheckpointStore
 from rlboost.config import ServicesSettings
 from rlboost.services import EmbeddedServices, ServiceError, find_binary, resolve_urls
 
@@ -46,6 +49,39 @@ def test_up_status_down_leaves_no_server_running(tmp_path):
     assert not any(_pid_alive(p) for p in pids)
     assert not (tmp_path / "services.json").exists()
     assert _cli(tmp_path, "status").returncode == 1
+
+
+def test_up_redis_cluster_serves_keys_on_every_master_and_down_stops_them_all(tmp_path):
+    up = _cli(tmp_path, "up", "--redis-cluster", "3")
+    assert up.returncode == 0, up.stderr
+    state = json.loads((tmp_path / "services.json").read_text())
+    masters = [state["redis_port"], *(port for port, _ in state["redis_masters"])]
+    pids = [state["nats_pid"], state["redis_pid"], *(pid for _, pid in state["redis_masters"])]
+    assert len(set(masters)) == 3 and all(_pid_alive(p) for p in pids)
+    url = f"redis+cluster://{','.join(f'127.0.0.1:{p}' for p in masters)}/0"
+    assert url in up.stdout
+
+    async def every_master_holds_checkpoints():
+        store = CheckpointStore(url)
+        try:
+            for i in range(12):
+                c = await store.claim(f"up-cluster-s1-p{i}", "w", 0, ttl_s=5)
+                await store.append(f"up-cluster-s1-p{i}", "w", c.epoch, 0, [i], [0.0], ttl_s=5)
+        finally:
+            await store.close()
+
+    asyncio.run(every_master_holds_checkpoints())
+    sizes = [redis.Redis(port=p).dbsize() for p in masters]
+    assert sum(sizes) == 12 * 4 and all(sizes)  # (meta, lease, history, tokens) per request, on 3 masters
+    down = _cli(tmp_path, "down")
+    assert down.returncode == 0 and "stopped 4" in down.stdout
+    assert not any(_pid_alive(p) for p in pids)
+
+
+def test_the_embedded_redis_cluster_refuses_to_start_with_passwords(tmp_path):
+    svc = EmbeddedServices(ServicesSettings(data_dir=str(tmp_path), redis_cluster=3, redis_password="x"))
+    with pytest.raises(ServiceError, match="without Redis passwords"):
+        svc.up()
 
 
 def test_up_works_when_the_standard_ports_are_taken(tmp_path):

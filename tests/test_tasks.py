@@ -75,3 +75,25 @@ def test_plugins_register_by_name():
     assert len(task.eval_set) == 3 and len(task.prompts(5, seed=0)) == 5
     with pytest.raises(ValueError, match="unknown task"):
         get_task("no-such-task")
+
+
+def test_a_task_with_fewer_problems_than_the_eval_size_gets_them_all():
+    class Tiny(Task):
+        name = "tiny-test"
+        alphabet = "ab"
+        eval_size = 256  # only 4 distinct problems exist
+
+        def sample(self, rng):
+            s = rng.choice(["a", "b", "aa", "bb"])
+            return Problem(prompt=s, answer=s, solution=s)
+
+        def reward(self, problem, response):
+            return float(response == problem.answer)
+
+        @property
+        def max_response_chars(self):
+            return 2
+
+    assert sorted(p.prompt for p in Tiny().eval_set) == ["a", "aa", "b", "bb"]
+    with pytest.raises(ValueError, match="held-out"):
+        Tiny().prompts(1, seed=0)

@@ -165,3 +165,28 @@ def test_gumbel_noise_is_keyed_and_gumbel_distributed():
     assert not torch.equal(a[0], gumbel_noise([1], [1], 4096)[0])
     assert a.mean().item() == pytest.approx(0.5772, abs=0.05)  # Euler-Mascheroni
     assert a.std().item() == pytest.approx(torch.pi / 6**0.5, abs=0.05)
+
+
+async def test_reload_from_a_folder_rebuilt_from_a_delta(model_dir, tmp_path):
+    """A version the weight cache rebuilt from the previous one plus a bf16 delta loads as is."""
+    from rlboost.weights import FileBlobStore, WeightCache, WeightPublisher, load_tensors
+
+    engine = TorchEngine(str(model_dir))
+    tied = {"lm_head.weight"} if engine.model.config.tie_word_embeddings else set()
+    start = {k: v.to(torch.bfloat16) for k, v in engine.model.state_dict().items() if k not in tied}
+    store = FileBlobStore(tmp_path / "store", create=True)
+    pub = WeightPublisher(store)
+    await pub.publish(start, 0)
+    moved = {k: (v.float() + 0.01 * (v.float().abs() > 0.05)).to(v.dtype) if v.is_floating_point() else v
+             for k, v in start.items()}
+    rep = await pub.publish(moved, 1)
+    assert rep.kind == "delta"
+    cache = WeightCache(tmp_path / "cache", store)
+    await cache.ensure(0)
+    vv = await cache.ensure(1)
+    assert cache.stats.reconstructed == 1
+    await engine.load_weights(vv.path, 1)
+    got = engine.model.state_dict()
+    for k, v in moved.items():
+        assert torch.equal(got[k].to(torch.bfloat16), v), k
+    assert load_tensors(vv.path, expect_version=1).keys() == moved.keys()

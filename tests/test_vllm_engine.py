@@ -33,14 +33,15 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from rlboost import wire  # noqa: E402
 from rlboost.clients import open_clients  # noqa: E402
 from rlboost.config import WorkerSettings  # noqa: E402
-from rlboost.objstore import JetStreamBlobStore  # noqa: E402
-from rlboost.weight_cache import WeightCache  # noqa: E402
+from rlboost.weights import JetStreamBlobStore  # noqa: E402
+from rlboost.weights import WeightCache  # noqa: E402
+from rlboost.weights.source import StoreWeights  # noqa: E402
 from rlboost.weights import VersionPointer, WeightPublisher  # noqa: E402
 from trainer.model import build_model, build_tokenizer, init_model_dir, save  # noqa: E402
 from trainer.tasks import Addition  # noqa: E402
 from workers.counters import Counters  # noqa: E402
 from workers.engines import make_engine  # noqa: E402
-from workers.engines.base import Sequence  # noqa: E402
+from workers.engines.base import RequestError, Sequence  # noqa: E402
 from workers.engines.torch_engine import TorchEngine  # noqa: E402
 from workers.engines.vllm_engine import VLLMEngine, call_seed  # noqa: E402
 from workers.worker import RolloutWorker  # noqa: E402
@@ -196,6 +197,24 @@ async def test_stop_event_returns_tokens_so_far_and_the_callback_counts(engine):
     assert not engine.engine.has_unfinished_requests()
 
 
+async def test_requests_it_cannot_serve_are_refused_one_by_one(engine):
+    """Over the context or outside the vocabulary: refused before admission (check) and, if
+    they reach generate anyway, a RequestError naming that request; the engine serves on."""
+    s = _requests(1, random.Random(9))[0]
+    assert engine.check(fresh(s)) is None
+    too_long = fresh(s)
+    too_long.max_new_tokens = engine.max_model_len
+    assert "max_model_len" in engine.check(too_long)
+    bad = fresh(s)
+    bad.request_id, bad.prompt_ids = "s00001-p00099-g000", [engine.vocab_size + 3]
+    assert "outside the vocabulary" in engine.check(bad)
+    with pytest.raises(RequestError) as e:
+        await engine.generate([fresh(s), bad], 4)
+    assert e.value.request_id == bad.request_id
+    assert not engine.engine.has_unfinished_requests()
+    assert (await engine.generate([fresh(s)], 4))[0].token_ids
+
+
 async def test_reload_in_place_changes_outputs_and_back(engine, model_dir, other_weights, tmp_path):
     v1_dir, _ = other_weights
     seqs = _requests(4, random.Random(6), temperature=1.0)
@@ -256,8 +275,7 @@ async def test_worker_completes_resumes_a_handed_off_request_and_follows_new_wei
     pointer = await VersionPointer.open(js, key=f"weights-test-{uuid.uuid4().hex[:10]}")
     cache = WeightCache(tmp_path / "cache", store)
 
-    async def pull(version: int) -> Path:  # what `rlboost worker` feeds the engine from
-        return (await cache.ensure(version, wait_s=10.0)).path
+    pull = StoreWeights(cache, wait_s=10.0)  # what `rlboost worker` feeds the engine from
 
     async with open_clients(nats_url, redis_url, "test-vllm-worker") as c:
         # 1. Another worker (the torch engine, same model) starts the requests and is drained.

@@ -7,15 +7,16 @@ import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 import pytest_asyncio
 import torch
 
 from rlboost import wire
-from rlboost.objstore import BlobStore, FileBlobStore, JetStreamBlobStore
-from rlboost.weight_cache import WeightCache, load_tensors
+from rlboost.weights import BlobStore, FileBlobStore, JetStreamBlobStore
+from rlboost.weights import WeightCache, load_tensors, read_safetensors
+from rlboost.weights.safetensors_io import whole_tensor_dir
+from rlboost.weights.source import StoreWeights
 from rlboost.weights import (
     Manifest,
     ShardCorrupt,
@@ -141,7 +142,13 @@ async def test_oversized_tensor_is_split_into_bounded_shards(store, tmp_path):
     assert len(m.tensors[0].parts) == 4 and rep.shards >= 4
     assert all(s.size <= 8 * KB + 512 for s in m.shards)  # bounded (+ the safetensors header)
     cache = WeightCache(tmp_path / "cache", store)
-    assert_same((await cache.ensure(1)).load_tensors(), sd)
+    vv = await cache.ensure(1)
+    assert_same(vv.load_tensors(), sd)
+    with whole_tensor_dir(vv.path) as whole:  # what an engine reading the files itself (vLLM) gets
+        assert whole != vv.path
+        files = {k: v for f in whole.glob("*.safetensors") for k, v in read_safetensors(f).items()}
+        assert_same({k: files[k] for k in sd}, sd)
+    assert not whole.exists()
 
 
 # ---------------------------------------------------------------- acceptance
@@ -160,7 +167,7 @@ async def test_late_joining_worker_reaches_current_version(jstore, pointer, tmp_
 
 
 async def test_new_version_moves_only_changed_shards(store, tmp_path):
-    pub = publisher(store)
+    pub = publisher(store, deltas=False)  # snapshots only: content addressing alone
     v1 = model(1)
     rep1 = await pub.publish(v1, 1)
     cache = WeightCache(tmp_path / "cache", store)
@@ -311,30 +318,27 @@ async def test_closed_nats_connection_is_store_unavailable(nats_url, js, tmp_pat
     await js.delete_object_store(bucket)
 
 
-async def test_worker_follows_the_version_pointer(jstore, pointer, tmp_path):
+async def test_a_worker_prefetches_what_the_version_pointer_announces(jstore, pointer, tmp_path):
     pub = publisher(jstore, pointer)
     await pub.publish(model(1), 1)
-    cache = WeightCache(tmp_path / "cache", jstore)
-    loaded: list[tuple[int, dict]] = []
-
-    async def reload(path: Path, version: int) -> None:
-        loaded.append((version, load_tensors(path, expect_version=version)))
-
+    source = StoreWeights(WeightCache(tmp_path / "cache", jstore))
     stop = asyncio.Event()
-    follower = asyncio.create_task(cache.follow(pointer, reload, stop))
+    follower = asyncio.create_task(source.follow(pointer, stop))
     for _ in range(100):
-        if loaded:
+        if source.cache.cached_versions() == [1]:
             break
         await asyncio.sleep(0.05)
     await pub.publish(model(2), 2)
     for _ in range(100):
-        if loaded and loaded[-1][0] == 2:
+        if source.cache.cached_versions() == [1, 2]:
             break
         await asyncio.sleep(0.05)
     stop.set()
     await asyncio.wait_for(follower, 5)
-    assert [v for v, _ in loaded] == [1, 2]
-    assert_same(loaded[-1][1], model(2))
+    assert source.cache.cached_versions() == [1, 2]
+    path = await source.path(2)  # already there: nothing moves
+    assert_same(load_tensors(path, expect_version=2), model(2))
+    assert source.weights_id(path, 2) == Manifest.decode(await jstore.read_all(wire.weights_manifest_key(2))).digest()
 
 
 async def test_republish_rules(jstore, pointer):

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 from helpers import step_results
 
+from rlboost.weights.source import WeightSource
 from rlboost import bus, wire
 from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
@@ -70,6 +71,30 @@ async def test_results_match_the_uninterrupted_reference(clients):
         assert got[r.request_id].finish_reason == ("length" if n == r.max_new_tokens else "stop")
 
 
+async def test_a_flush_is_one_token_message_and_each_request_is_rebuilt_from_them(clients):
+    """Schema 3: the chunks of every request of a flush travel as one TokenFlush; replay and
+    collection rebuild each request's tokens from them exactly."""
+    from rlboost.replay import read_chunks, read_subject
+
+    js, step = clients.js, 108
+    w = _worker(clients, "flush", lengths=LengthModel(median=1e9))
+    task = asyncio.create_task(w.run())
+    reqs = [_req(step, i, max_new=400) for i in range(8)]
+    await RolloutManager(clients, "flush").publish_step(reqs)
+    got = await step_results(js, step, len(reqs))
+    w.request_drain("test over")
+    await task
+    flushes = await read_subject(js, wire.token_steps_subject(step), wire.TokenFlush)
+    chunks = await read_chunks(js, step)
+    assert len(chunks) == sum(len(f.chunks) for f in flushes) >= 8 * 400 // w.cfg.checkpoint_tokens
+    assert 2 * len(flushes) <= len(chunks)  # before: one message per chunk
+    for r in reqs:
+        mine = sorted((c for c in chunks if c.request_id == r.request_id), key=lambda c: c.offset)
+        assert [t for c in mine for t in c.token_ids] == got[r.request_id].token_ids
+        assert [p for c in mine for p in c.logprobs] == got[r.request_id].logprobs
+        assert [c.offset for c in mine] == [sum(len(c.token_ids) for c in mine[:i]) for i in range(len(mine))]
+
+
 async def test_drain_hands_every_request_back_with_nothing_to_regenerate(clients):
     js, step = clients.js, 103
     slow = _worker(clients, "drain", speed=2.0, name="slow", lengths=LengthModel(median=1e9))
@@ -81,7 +106,7 @@ async def test_drain_hands_every_request_back_with_nothing_to_regenerate(clients
             break
         await asyncio.sleep(0.05)
     kv = await js.key_value(wire.BUCKET_CONTROL)
-    await kv.put(slow.worker_id, wire.encode(wire.Control(command="drain", reason="spot notice", ts=time.time())))
+    await kv.put(slow.worker_id, wire.encode(wire.control("drain", slow.worker_id, "spot notice")))
     await asyncio.wait_for(task, timeout=5.0)
     c = slow.counters.snapshot()
     assert c["handed_off"] == 6 and c["results"] == 0
@@ -101,8 +126,14 @@ async def test_a_request_is_never_generated_with_another_policy_version(clients)
     """A worker that cannot load the version a request needs hands the request back."""
     js, step = clients.js, 104
 
-    async def no_weights(version: int):
-        raise ConnectionError("weight store unreachable")
+    class Unreachable(WeightSource):
+        async def path(self, version: int):
+            raise ConnectionError("weight store unreachable")
+
+        def weights_id(self, path, version: int) -> str:
+            raise AssertionError("never loaded")
+
+    no_weights = Unreachable()
 
     settings = WorkerSettings(pool="ver", slots=4, ack_wait_s=3.0, lease_ttl_s=2.0)
     engine = EmulatedEngine(speed=0)

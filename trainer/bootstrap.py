@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def warm_start(task: Task, out_dir: Path, target_acc: float, max_seconds: float,
 
 def main(argv: list[str], settings: Settings) -> int:
     p = argparse.ArgumentParser(prog="rlboost init-model", description=__doc__.splitlines()[0])
-    p.add_argument("--out", help="model directory (default: <data_dir>/model)")
+    p.add_argument("--out", help="model directory (default: <data_dir>/model): new, or one init-model made")
     p.add_argument("--task", default="addition")
     p.add_argument("--target-acc", type=float, default=0.35)
     p.add_argument("--max-seconds", type=float, default=600.0)
@@ -93,9 +94,19 @@ def main(argv: list[str], settings: Settings) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (the cores are shared)")
+    p.add_argument("--if-missing", action="store_true", help="do nothing if --out already holds a trained model")
     args = p.parse_args(argv)
+    out = Path(args.out) if args.out else Path(settings.services.data_dir).expanduser() / "model"
+    if out.exists() and any(out.iterdir()) and not (out / M.META_FILE).exists():
+        # A folder with files we did not make may be a user's model: never write into it.
+        print(f"rlboost init-model: error: {out} holds files that rlboost init-model did not make; "
+              "choose another --out", file=sys.stderr)
+        return 2
+    if args.if_missing and M.read_meta(out).get("trained"):
+        print(f"{out} already holds a trained model")
+        print_result({"out": str(out), "skipped": True, **M.read_meta(out)})
+        return 0
     torch.set_num_threads(args.threads)
-    out = Path(args.out) if args.out else Path(settings.services.data_dir) / "model"
     result = warm_start(get_task(args.task), out, args.target_acc, args.max_seconds, seed=args.seed,
                         batch=args.batch, lr=args.lr)
     print(f"saved {result['out']}: held-out greedy accuracy {result['eval_acc']:.3f} "

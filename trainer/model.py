@@ -1,9 +1,11 @@
-"""The small local policy: a character tokenizer and a Qwen2-shaped causal LM, no hub.
+"""The policy: any Hugging Face causal LM folder, and the demo's small local one.
 
-Everything is built from the task's alphabet and saved in Hugging Face layout (config.json,
-model.safetensors, tokenizer.json, tokenizer_config.json), so the same directory loads in
-`transformers`, in the torch engine and in vLLM. Weights are only ever read with
-`safetensors` (never unpickled).
+`load_model` / `load_tokenizer` read a user's folder through `rlboost.modeldir` (any
+AutoModelForCausalLM architecture, safetensors only, local files only, never written).
+
+The demo's policy is a character tokenizer and a Qwen2-shaped causal LM, no hub: built from
+the task's alphabet and saved in Hugging Face layout (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json) by `rlboost init-model` into a folder of rlboost's own.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
+from rlboost import modeldir
 from trainer.tasks import Task
 
 PAD, EOS = "<pad>", "<eos>"
@@ -67,35 +69,13 @@ def init_model_dir(out_dir: str | Path, task: Task, seed: int = 0, **arch: int) 
     return save(model, tokenizer, out_dir, meta={"task": task.name, "trained": False})
 
 
-def load_state(model: torch.nn.Module, weights_dir: str | Path) -> None:
-    """Load every *.safetensors file of `weights_dir` into `model`, in place, keeping its dtype.
-
-    Strict except for a tied output head, which save_pretrained leaves out of the file."""
-    files = sorted(Path(weights_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {weights_dir}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"weights in {weights_dir} do not fit the model: missing {sorted(set(missing) - tied)}, "
-                         f"unexpected {sorted(unexpected)}")
-    if tied:
-        model.tie_weights()
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The one loader: any causal-LM folder (rlboost.modeldir), in `dtype` whatever is on disk."""
+    return modeldir.load_causal_lm(model_dir, dtype=dtype)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
-    """config.json + safetensors from a local directory; never the hub, never pickle."""
-    config = Qwen2Config.from_json_file(str(Path(model_dir) / "config.json"))
-    model = Qwen2ForCausalLM(config).to(dtype)
-    load_state(model, model_dir)
-    return model.eval()
-
-
-def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+def load_tokenizer(model_dir: str | Path):
+    return modeldir.load_tokenizer(model_dir)
 
 
 def read_meta(model_dir: str | Path) -> dict:
@@ -107,36 +87,51 @@ def encode(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def decode_response(tokenizer: PreTrainedTokenizerFast, token_ids: list[int]) -> str:
-    """The text a reward sees: the response up to (not including) its first EOS."""
-    eos = tokenizer.eos_token_id
-    if eos in token_ids:
-        token_ids = token_ids[: token_ids.index(eos)]
-    return tokenizer.decode(token_ids, skip_special_tokens=True)
+def decode_response(tokenizer, token_ids: list[int], stops: list[int] | None = None) -> str:
+    """The text a reward sees: the response up to (not including) its first stop id (default:
+    the tokenizer's EOS), special tokens dropped."""
+    stops = [tokenizer.eos_token_id] if stops is None else stops
+    cut = next((i for i, t in enumerate(token_ids) if t in stops), len(token_ids))
+    return tokenizer.decode(token_ids[:cut], skip_special_tokens=True)
 
 
 @torch.no_grad()
-def greedy_responses(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: list[str],
-                     max_new_tokens: int, batch_size: int = 256) -> list[str]:
-    """Batched greedy decoding (left-padded) for held-out evaluation."""
-    out: list[str] = []
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+def greedy_ids(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stops: list[int],
+               pad_id: int, batch_size: int = 256) -> list[list[int]]:
+    """Batched greedy decoding (left-padded) of token-id prompts: the response ids of each."""
+    out: list[list[int]] = []
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     for i in range(0, len(prompts), batch_size):
-        ids = [encode(tokenizer, p) for p in prompts[i: i + batch_size]]
+        ids = prompts[i: i + batch_size]
         width = max(map(len, ids))
-        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        input_ids = torch.tensor([[pad_id] * (width - len(x)) + x for x in ids], device=device)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
         gen = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad, eos_token_id=eos)
-        out += [decode_response(tokenizer, row[width:].tolist()) for row in gen]
+                             do_sample=False, pad_token_id=pad_id, eos_token_id=stops)
+        out += [row[width:].tolist() for row in gen]
     model.train(was_training)
     return out
 
 
-def accuracy(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, task: Task,
-             problems=None) -> float:
+def pad_id(tokenizer, stops: list[int]) -> int:
+    """What a left-padded batch pads with: the tokenizer's pad token, else an EOS (masked anyway)."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return stops[0] if stops else 0
+
+
+def greedy_responses(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_tokens: int,
+                     batch_size: int = 256) -> list[str]:
+    """Greedy responses to text prompts (the warm start's evaluation)."""
+    stops = [tokenizer.eos_token_id]
+    rows = greedy_ids(model, [encode(tokenizer, p) for p in prompts], max_new_tokens, stops,
+                      pad_id(tokenizer, stops), batch_size)
+    return [decode_response(tokenizer, r, stops) for r in rows]
+
+
+def accuracy(model: torch.nn.Module, tokenizer, task: Task, problems=None) -> float:
     """Mean reward of greedy responses on `problems` (default: the task's held-out set)."""
     problems = task.eval_set if problems is None else problems
     texts = greedy_responses(model, tokenizer, [p.prompt for p in problems], task.max_response_chars + 1)

@@ -11,7 +11,8 @@ from rich.live import Live
 from rich.table import Table
 
 COLUMNS = [("step", "step"), ("reward", "reward"), ("eval_acc", "eval"), ("tokens_per_s", "tok/s"),
-           ("live_workers", "workers"), ("t_seed", "T_seed"), ("handoffs", "hand-offs"), ("step_s", "secs")]
+           ("live_workers", "workers"), ("t_seed", "T_seed"), ("handoffs", "hand-offs"), ("step_s", "secs"),
+           ("is_ratio_mean", "IS"), ("is_capped", "IS>cap"), ("staleness_mean", "stale")]  # off-policy, per token
 
 
 class RunReport:
@@ -26,9 +27,10 @@ class RunReport:
         if self.live:
             self.live.start()
 
-    def start(self, eval_first: float) -> None:
+    def start(self, eval_first: float | None) -> None:
         self.eval_first = eval_first
-        self._say(f"held-out greedy accuracy before RL: {eval_first:.3f}")
+        self._say("no held-out set" if eval_first is None else
+                  f"held-out greedy accuracy (mean reward) before RL: {eval_first:.3f}")
 
     def progress(self, step: int, arrived: int, total: int) -> None:
         self._status = f"step {step}: {arrived}/{total} responses"

@@ -47,9 +47,12 @@ class Task(abc.ABC):
 
     @cached_property
     def eval_set(self) -> list[Problem]:
-        """Fixed, distinct problems from their own seed; `prompts` never yields them."""
+        """Fixed, distinct problems from their own seed; `prompts` never yields them. A task
+        with fewer distinct problems than `eval_size` gets what it has (never an endless search)."""
         rng, seen, out = random.Random(self.eval_seed), set(), []
-        while len(out) < self.eval_size:
+        for _ in range(50 * self.eval_size):
+            if len(out) >= self.eval_size:
+                break
             p = self.sample(rng)
             if p.prompt not in seen:
                 seen.add(p.prompt)
@@ -60,11 +63,13 @@ class Task(abc.ABC):
         """`n` training problems, a pure function of `seed`, none from the held-out set."""
         held_out = {p.prompt for p in self.eval_set}
         rng, out = random.Random(seed), []
-        while len(out) < n:
+        for _ in range(1000 * n + 1000):
+            if len(out) >= n:
+                return out
             p = self.sample(rng)
             if p.prompt not in held_out:
                 out.append(p)
-        return out
+        raise ValueError(f"task {self.name}: nearly every problem it samples is in its held-out set")
 
 
 class Addition(Task):

@@ -14,7 +14,11 @@ import struct
 from pathlib import Path
 
 FIELDS = ("generated", "checkpointed", "fenced", "handed_off", "results", "claims", "dead_lettered",
-          "handoff_rounds")  # a seeding engine's completed hand-offs (SIGUSR2)
+          "handoff_rounds",  # a seeding engine's completed hand-offs (SIGUSR2)
+          "request_errors",  # requests the engine could not serve: answered with an error result
+          "stalls",  # heartbeats skipped for lack of progress (rlboost bench faults: stalled workers)
+          "wrong_weights",  # requests refused because the engine held other weights (must stay 0)
+          "publishes_given_up")  # token chunks / lease events not stored after their retries
 _FMT = "<" + "q" * len(FIELDS)
 _SIZE = struct.calcsize(_FMT)
 

@@ -18,6 +18,16 @@ from pathlib import Path
 from workers.counters import FIELDS, read_counters
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: PR_SET_PDEATHSIG = SIGKILL (a no-op where prctl is missing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 @dataclass
 class WorkerProc:
     worker_id: str
@@ -43,6 +53,7 @@ class WorkerFleet:
     worker_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     workers: dict[str, WorkerProc] = field(default_factory=dict)
+    die_with_parent: bool = False  # Linux: the kernel SIGKILLs the workers when this process dies
     _n: int = 0
 
     def start(self, prefix: str = "w", extra_args: tuple[str, ...] = ()) -> WorkerProc:
@@ -56,7 +67,8 @@ class WorkerFleet:
                "OMP_NUM_THREADS": "1", "RLBOOST_LOG_JSON": "1", **self.env}
         cmd = [sys.executable, "-m", "rlboost.cli", "worker", "--pool", self.pool, "--worker-id", wid,
                "--counters", str(counters), *self.worker_args, *extra_args]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                preexec_fn=_die_with_parent if self.die_with_parent else None)
         log.close()
         w = WorkerProc(worker_id=wid, proc=proc, counters_path=counters, started=time.time())
         self.workers[wid] = w

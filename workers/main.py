@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import time
 from pathlib import Path
 
 from rlboost import metrics
@@ -13,11 +12,11 @@ from rlboost.clients import open_clients
 from rlboost.config import Settings
 from rlboost.logs import get_logger
 from rlboost.services import resolve_urls
-from rlboost.weight_cache import WeightCache
-from rlboost.weights import VersionPointer, open_store
+from rlboost.weights import VersionPointer, WeightCache, open_store
+from rlboost.weights.source import StoreWeights, WeightSource
 from workers.counters import Counters
 from workers.engines import EngineError, make_engine
-from workers.worker import RolloutWorker, WeightSource, make_worker_id
+from workers.worker import RolloutWorker, make_worker_id
 
 
 def parse_args(argv: list[str], s: Settings) -> argparse.Namespace:
@@ -30,6 +29,14 @@ def parse_args(argv: list[str], s: Settings) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=w.slots, help="concurrent requests in the running batch")
     p.add_argument("--checkpoint-tokens", type=int, default=w.checkpoint_tokens, help="K: checkpoint every K tokens")
     p.add_argument("--model-dir", default=w.model_dir, help="torch/vllm: local Hugging Face model directory")
+    p.add_argument("--device", default=w.device, help="torch: cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", default=w.dtype, help="torch: float64 (default) | float32 | bfloat16 | float16; "
+                   "vllm: auto | bfloat16 | float16 | float32")
+    p.add_argument("--max-model-len", type=int, default=w.max_model_len, help="context limit (0 = the model's)")
+    p.add_argument("--tensor-parallel-size", type=int, default=w.tensor_parallel_size, help="vllm: GPUs per model")
+    p.add_argument("--gpu-memory-utilization", type=float, default=w.gpu_memory_utilization, help="vllm")
+    p.add_argument("--enforce-eager", default=w.enforce_eager, type=lambda v: {"true": True, "false": False}[v.lower()],
+                   metavar="true|false", help="vllm: no CUDA graphs (default: graphs on a GPU, eager on CPU)")
     p.add_argument("--speed", type=float, default=w.speed, help="emulated: x times the modelled GPU; 0 = unlimited")
     p.add_argument("--gpus", type=int, default=w.gpus, help="emulated: GPUs behind this worker")
     p.add_argument("--token-scale", type=int, default=w.token_scale,
@@ -46,6 +53,8 @@ def parse_args(argv: list[str], s: Settings) -> argparse.Namespace:
         a.pool, a.engine, a.slots, a.checkpoint_tokens, a.model_dir, a.speed)
     w.ack_wait_s, w.lease_ttl_s, w.drain_grace_s, w.gpus = a.ack_wait, a.lease_ttl, a.drain_grace, a.gpus
     w.token_scale, w.handoff_pool = a.token_scale, a.handoff_pool
+    w.device, w.dtype, w.max_model_len, w.tensor_parallel_size = a.device, a.dtype, a.max_model_len, a.tensor_parallel_size
+    w.gpu_memory_utilization, w.enforce_eager = a.gpu_memory_utilization, a.enforce_eager
     return a
 
 
@@ -60,39 +69,22 @@ def build_engine(s: Settings):
             w.token_scale), lengths=LengthModel().per_emulated_token(w.token_scale))
     if not w.model_dir:
         raise SystemExit(f"rlboost worker: --model-dir is required for the {w.engine} engine")
-    return make_engine(w.engine, model_dir=w.model_dir)
+    if w.engine == "torch":
+        return make_engine("torch", model_dir=w.model_dir, device=w.device, dtype=w.dtype or "float64",
+                           max_model_len=w.max_model_len)
+    return make_engine(w.engine, model_dir=w.model_dir, dtype=w.dtype or None, max_model_len=w.max_model_len,
+                       tensor_parallel_size=w.tensor_parallel_size, gpu_memory_utilization=w.gpu_memory_utilization,
+                       enforce_eager=w.enforce_eager)
 
 
 async def weight_source(s: Settings, js, worker_id: str) -> WeightSource | None:
-    """Real engines pull each policy version from the weight store into a verified local
-    cache; the emulated engine's weights are virtual."""
-    if s.worker.engine == "emulated":
+    """Real engines (and the emulated one with `emulated_pulls`) pull each policy version from
+    the weight store into a verified local cache; otherwise the engine's own source (virtual)."""
+    if s.worker.engine == "emulated" and not s.worker.emulated_pulls:
         return None
     store = await open_store(js=js)
     root = Path(s.worker.cache_dir or Path(s.services.data_dir).expanduser() / "weight-cache") / worker_id
-    cache = WeightCache(root, store)
-
-    async def pull(version: int) -> Path:
-        t0, fetched = time.monotonic(), cache.stats.bytes_fetched
-        path = (await cache.ensure(version, wait_s=30.0)).path
-        moved = cache.stats.bytes_fetched - fetched
-        metrics.WEIGHT_PULLS.labels("miss" if moved else "hit").inc()
-        metrics.WEIGHT_PULL_BYTES.inc(moved)
-        metrics.WEIGHT_PULL_SECONDS.observe(time.monotonic() - t0)
-        return path
-
-    async def prefetch(stop: asyncio.Event) -> None:
-        """Watch the version pointer and pull each new version ahead of the requests that
-        will need it. Download only: the engine switches when a request asks (never mid-batch)."""
-        pointer = await VersionPointer.open(js)
-        async for version in pointer.watch(stop):
-            try:
-                await cache.ensure(version)
-            except Exception as e:  # the request path retries and reports
-                get_logger(worker_id=worker_id).warning("prefetch failed", policy_version=version, error=str(e))
-
-    pull.prefetch = prefetch  # type: ignore[attr-defined]
-    return pull
+    return StoreWeights(WeightCache(root, store), wait_s=5.0)
 
 
 async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
@@ -106,7 +98,9 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
             port = metrics.start_metrics_server(s.metrics.port, s.metrics.bind)
             get_logger(worker_id=worker_id).info("metrics served", url=f"http://{s.metrics.bind}:{port}/metrics")
         stop_prefetch = asyncio.Event()
-        prefetcher = asyncio.create_task(weights.prefetch(stop_prefetch)) if weights else None
+        # pull each new version ahead of the requests that will need it
+        prefetcher = asyncio.create_task(weights.follow(await VersionPointer.open(c.js), stop_prefetch)) \
+            if weights else None
         try:
             while True:
                 worker = RolloutWorker(s.worker, engine, c, worker_id=worker_id, counters=counters, weights=weights)
@@ -122,6 +116,8 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
             stop_prefetch.set()
             if prefetcher:
                 await asyncio.gather(prefetcher, return_exceptions=True)
+            if weights:
+                weights.close()
             await engine.close()
 
 

@@ -16,12 +16,20 @@ Preemption:
   at most K tokens per request are regenerated;
 - paused (SIGSTOP ... SIGCONT): the first append after waking is refused by fencing if someone
   took over; the worker drops those requests without acking (the message is someone else's now).
+
+A request the engine cannot serve (`Engine.check` right after the claim, or a `RequestError`
+from a batch: its context overflows, a token id is outside the vocabulary) is finished in its
+checkpoint under its lease and answered with an `error` result that says why (verified by the
+trainer like any result), counted (`request_errors`), and acked: one bad request never drains a
+worker. Only an engine-wide failure (any other exception) drains it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import itertools
 import math
 import os
 import re
@@ -35,23 +43,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import msgspec
 import numpy as np
 import redis.exceptions
 from nats.aio.msg import Msg
 
 from rlboost import bus, metrics, wire
-from rlboost.checkpoint import AlreadyFinished, CheckpointError, LeaseHeld, LeaseLost
+from rlboost.checkpoint import AlreadyFinished, CheckpointError, CorruptCheckpoint, LeaseHeld, LeaseLost
 from rlboost.clients import Clients
 from rlboost.config import WorkerSettings
 from rlboost.logs import get_logger
+from rlboost.weights.source import WeightSource
 from workers.counters import Counters
-from workers.engines.base import Engine, Sequence
+from workers.engines.base import Engine, RequestError, Sequence
 
 T = TypeVar("T")
 JOIN_COALESCE_S = 0.05  # hand-offs arriving together interrupt the engine once per this
 
-# Returns the directory of verified weights for a policy version (pulled if needed).
-WeightSource = Callable[[int], Awaitable[Path]]
+STARTUP_WEIGHTS = "startup"  # the weights id of an engine's start-up weights, no manifest behind them
 
 
 def make_worker_id(pool: str) -> str:
@@ -72,17 +81,46 @@ class Active:
     pending_tokens: list[int] = field(default_factory=list)
     pending_logprobs: list[float] = field(default_factory=list)
     done: bool = False
+    finishing: bool = False  # its finish (fenced finish, result, ack) is under way in the background
     last_write: float = field(default_factory=time.monotonic)
+    weights: str = ""  # the engine weights this request's tokens are generated with (its segment's)
+    stops: frozenset[int] = frozenset()  # req.stops(), computed once: checked after every engine call
+
+
+def pack_flush(dirty: list[Active]) -> tuple[list[bytes], list[list[float]]]:
+    """Every request's pending tokens as packed checkpoint records, with one numpy pass for the
+    whole flush (per request it cost more than the Redis call). Also each request's logprobs as
+    float32 values: what the checkpoint keeps."""
+    counts = [len(a.pending_tokens) for a in dirty]
+    total = sum(counts)
+    rec = np.empty(total, dtype=wire.RECORD)
+    rec["token"] = np.fromiter(itertools.chain.from_iterable(a.pending_tokens for a in dirty), np.int32, total)
+    rec["logprob"] = np.fromiter(itertools.chain.from_iterable(a.pending_logprobs for a in dirty), np.float32, total)
+    blob, lps = rec.tobytes(), rec["logprob"].tolist()
+    size = wire.RECORD.itemsize
+    records, logprobs, at = [], [], 0
+    for n in counts:
+        records.append(blob[at * size:(at + n) * size])
+        logprobs.append(lps[at:at + n])
+        at += n
+    return records, logprobs
 
 
 def finish_reason(req: wire.RolloutRequest, tokens: list[int]) -> str:
-    if req.eos_id >= 0 and tokens and tokens[-1] == req.eos_id:
+    if tokens and tokens[-1] in req.stops():
         return "stop"
     return "length" if len(tokens) >= req.max_new_tokens else "stop"
 
 
 def is_complete(req: wire.RolloutRequest, tokens: list[int]) -> bool:
-    return len(tokens) >= req.max_new_tokens or (req.eos_id >= 0 and bool(tokens) and tokens[-1] == req.eos_id)
+    return len(tokens) >= req.max_new_tokens or (bool(tokens) and tokens[-1] in req.stops())
+
+
+def make_sequence(req: wire.RolloutRequest, token_ids: list[int]) -> Sequence:
+    p = req.sampling
+    return Sequence(request_id=req.request_id, prompt_ids=list(req.prompt_ids), seed=req.seed,
+                    max_new_tokens=req.max_new_tokens, eos_id=req.eos_id, stop_ids=list(req.stop_ids),
+                    temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, token_ids=list(token_ids))
 
 
 class RolloutWorker:
@@ -95,9 +133,11 @@ class RolloutWorker:
         self.handoff_pool = wire.check_name("hand-off pool", settings.handoff_pool or settings.pool)
         self.worker_id = wire.check_name("worker id", worker_id or make_worker_id(self.pool))
         self.counters = counters or Counters()
-        self._engine_counts = engine.set_token_callback(lambda n: self.counters.add("generated", n))
+        self._engine_counts = engine.set_token_callback(self._tokens_made)
         self._metrics = metrics.CounterSync(self.pool, engine.name)
-        self.weights = weights
+        # where policy versions come from: the owner's source, else the engine's own (virtual
+        # weights for the emulated engine, none for a real engine: its start-up weights only)
+        self.weights = weights if weights is not None else engine.weight_source()
         self.log = get_logger(worker_id=self.worker_id, pool=self.pool, engine=engine.name)
         self.active: dict[str, Active] = {}
         self.admitting = 0
@@ -108,11 +148,30 @@ class RolloutWorker:
         self._wake = asyncio.Event()  # work arrived (or drain): the generate loop looks again
         self._slot_events: list[asyncio.Event] = []  # one per feeder: a request left, fetch again
         self._version_lock = asyncio.Lock()
-        self._token_acks: list[asyncio.Future] = []
+        # Requests admitted per policy version (claiming or in flight): the engine switches
+        # version only when no request of another version is admitted, not just when none is
+        # active yet, or a request still claiming would be generated with the new weights.
+        self._version_users: collections.Counter[int] = collections.Counter()
+        self._outbox: list[bus.Outgoing] = []  # token chunks and lease events to publish at the next flush
+        self._publishing: asyncio.Task | None = None  # the outbox publish in flight (_publish_outbox_soon)
+        self._progress_at = time.monotonic()  # the generate loop's (or the engine's) last sign of life
         self._admissions: set[asyncio.Task] = set()
+        self._finishing: set[asyncio.Task] = set()
         self._started_at = time.time()
         self._join_pending = False
         self._last_join = 0.0
+        self._floor = 0  # the pool's version floor (wire.VersionFloor): partial / async rollout
+
+    def _tokens_made(self, n: int) -> None:
+        """(engine thread) tokens made: a sign of life as good as a finished flush."""
+        self.counters.add("generated", n)
+        self._progress_at = time.monotonic()
+
+    def stalled(self) -> bool:
+        """No engine step and no flush for `stall_s`: something this worker waits on does not
+        answer. It then stops extending its requests (no in_progress, no lease renewal, no
+        heartbeat), so they are redelivered to a worker that can make progress."""
+        return time.monotonic() - self._progress_at > self.cfg.stall_s
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -153,8 +212,9 @@ class RolloutWorker:
         stop_aux = asyncio.Event()
         feeder = asyncio.gather(self._feed(fresh, self.cfg.slots, self.cfg.fetch_batch or self.cfg.slots, 0.25),
                                 self._feed(resume, self.cfg.slots + reserve, 1, 0.5))
-        aux = [asyncio.create_task(self._heartbeat_loop(stop_aux)),
-               asyncio.create_task(bus.dead_letter_max_deliveries(js, self.c.nc, stop_aux))]
+        # (poison messages past max_deliver are moved to the DLQ by the trainer's manager: the
+        # worker identity may not delete stream messages, rlboost/auth.py)
+        aux = [asyncio.create_task(self._heartbeat_loop(stop_aux))]
         try:
             await self._generate_loop()
             # Stop pulling before handing back, or our own parked pull requests would be
@@ -163,7 +223,7 @@ class RolloutWorker:
             for sub in (fresh, resume):
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-            await asyncio.gather(*self._admissions, return_exceptions=True)
+            await asyncio.gather(*self._admissions, *self._finishing, return_exceptions=True)
             await self._hand_back_all()
             if self.handoff_pool != self.pool:
                 await self._forward_own_queue()
@@ -175,6 +235,9 @@ class RolloutWorker:
                 await feeder
             stop_aux.set()
             await asyncio.gather(*aux, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self._outbox_sent()
+                await self._publish_outbox()
             with contextlib.suppress(Exception):
                 await self.registry.delete(self.worker_id)
             self.log.info("worker stopped", reason=self.drain_reason, **self.counters.snapshot())
@@ -191,7 +254,7 @@ class RolloutWorker:
         self._slot_events.append(slot_freed)
         while not self.draining.is_set():
             free = capacity - len(self.active) - self.admitting
-            if free <= 0:
+            if free <= 0 or self.stalled():  # a worker making no progress takes no more work
                 slot_freed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(slot_freed.wait(), timeout=0.5)
@@ -214,6 +277,7 @@ class RolloutWorker:
                 task.add_done_callback(self._admissions.discard)
 
     async def _admit(self, msg: Msg) -> None:
+        reserved: int | None = None
         try:
             try:
                 req = wire.decode(wire.RolloutRequest, msg.data)
@@ -221,12 +285,16 @@ class RolloutWorker:
                 await bus.dead_letter(self.c.js, msg, str(e), wire.STREAM_REQUESTS)
                 self.counters.add("dead_lettered")
                 return
+            if req.policy_version < self._floor:  # continued from its checkpoint under the floor's version
+                req = msgspec.structs.replace(req, policy_version=self._floor)
             log = self.log.bind(request_id=req.request_id, step=req.step, policy_version=req.policy_version)
             if not await self._ensure_version(req.policy_version):
                 await msg.nak(delay=0.5)  # never generate with another version: hand it back
                 return
+            reserved = req.policy_version  # released below unless the request becomes active
             try:
-                claim = await self.c.store.claim(req.request_id, self.worker_id, req.policy_version, self.cfg.lease_ttl_s)
+                claim = await self.c.store.claim(req.request_id, self.worker_id, req.policy_version,
+                                                 self.cfg.lease_ttl_s, weights=self.engine.weights_id)
             except AlreadyFinished:
                 await self._republish_finished(req)
                 await msg.ack()
@@ -234,23 +302,38 @@ class RolloutWorker:
             except LeaseHeld as e:
                 await msg.nak(delay=max(0.05, e.retry_after_s))
                 return
+            except CorruptCheckpoint as e:  # no retry can fix it: dead-letter now, with the reason
+                await bus.dead_letter(self.c.js, msg, f"corrupt checkpoint: {e}", wire.STREAM_REQUESTS)
+                self.counters.add("dead_lettered")
+                return
             self.counters.add("claims")
             await self._event(req, claim.epoch, "claim", len(claim.token_ids))
             log.info("claimed", epoch=claim.epoch, resume_at=len(claim.token_ids))
-            p = req.sampling
-            seq = Sequence(request_id=req.request_id, prompt_ids=list(req.prompt_ids), seed=req.seed,
-                           max_new_tokens=req.max_new_tokens, eos_id=req.eos_id, temperature=p.temperature,
-                           top_p=p.top_p, top_k=p.top_k, token_ids=list(claim.token_ids))
+            seq = make_sequence(req, claim.token_ids)
+            reason = self.engine.check(seq)
+            if reason is not None:  # answered now, under this lease: it never reaches a batch
+                await self._refuse(msg, req, claim.epoch, claim.token_ids, claim.logprobs, reason)
+                return
+            if (stale := self.active.get(req.request_id)) is not None:
+                self._forget(stale)  # redelivered to us while we held it: the new claim replaces it
             self.active[req.request_id] = Active(msg=msg, req=req, seq=seq, epoch=claim.epoch,
                                                  durable=len(claim.token_ids), logprobs=list(claim.logprobs),
-                                                 done=is_complete(req, claim.token_ids))
+                                                 done=is_complete(req, claim.token_ids),
+                                                 weights=self.engine.weights_id, stops=req.stops())
+            reserved = None  # the request holds its version until it leaves `active`
             if claim.token_ids:
                 self._join_soon()
-        except (redis.exceptions.RedisError, CheckpointError, OSError) as e:
+        except CorruptCheckpoint as e:  # a finished request whose tokens do not parse
+            with contextlib.suppress(Exception):
+                await bus.dead_letter(self.c.js, msg, f"corrupt checkpoint: {e}", wire.STREAM_REQUESTS)
+                self.counters.add("dead_lettered")
+        except (redis.exceptions.RedisError, CheckpointError, OSError, TimeoutError, bus.PublishFailed) as e:
             self.log.warning("admission failed, handing back", error=str(e))
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
         finally:
+            if reserved is not None:
+                self._version_users[reserved] -= 1
             self.admitting -= 1
             self._wake.set()
             self._notify_slots()
@@ -274,29 +357,54 @@ class RolloutWorker:
         else:
             asyncio.get_running_loop().call_later(delay, join)
 
+    def _loaded(self, version: int) -> bool:
+        """The engine holds `version`'s weights, and knows which ones (a real engine's start-up
+        weights from the model dir are unnamed: the version is pulled once to name them)."""
+        return version == self.engine.policy_version and (
+            self.weights is None or self.weights.virtual or bool(self.engine.weights_id))
+
     async def _ensure_version(self, version: int) -> bool:
-        """Serve one policy version at a time; switch only when no request of another is in flight."""
-        if version == self.engine.policy_version:
-            return True
-        async with self._version_lock:
-            if version == self.engine.policy_version:
-                return True
-            if any(a.req.policy_version != version for a in self.active.values()):
-                return False
+        """Serve one policy version at a time. On True the caller holds a reservation of
+        `version` (`_version_users`): the engine cannot switch away until it is released.
+
+        The switch waits until no request of another version is admitted, active or still
+        claiming. The download happens before the lock (a version that is not published yet
+        keeps only its own request waiting, never the lock: the cache waits boundedly)."""
+        path: Path | None = None
+        if not self._loaded(version):
             if self.weights is None:
-                if self.engine.name != "emulated":
-                    self.log.error("request needs a policy version this worker cannot load", version=version,
-                                   loaded=self.engine.policy_version)
-                    return False
-                self.engine.policy_version = version  # emulated weights are virtual
-                return True
-            try:
-                path = await self.weights(version)
-                await self.engine.load_weights(path, version)
-            except Exception as e:
-                self.log.warning("weight pull failed", version=version, error=str(e))
+                self.log.error("request needs a policy version this worker cannot load", version=version,
+                               loaded=self.engine.policy_version)
                 return False
-            self.log.info("policy version loaded", policy_version=version)
+            if self.weights.virtual:
+                pass  # nothing to pull: the switch below only relabels the engine
+            elif version == self.engine.policy_version and not await self.weights.published(version):
+                # Start-up weights (the model dir) of a version the store does not hold: serve
+                # them, labelled as such: a trainer that published the version refuses them.
+                self.engine.weights_id = STARTUP_WEIGHTS
+            else:
+                try:
+                    path = await self.weights.path(version)
+                except Exception as e:
+                    self.log.warning("weight pull failed", version=version, error=str(e))
+                    return False
+        async with self._version_lock:
+            if not self._loaded(version):
+                if any(n > 0 for v, n in self._version_users.items() if v != version):
+                    return False
+                if path is None and not self.weights.virtual:
+                    return False  # another version was loaded meanwhile: pull again next delivery
+                try:
+                    if path is None:
+                        self.engine.policy_version = version  # virtual weights: only a label
+                    else:
+                        await self.engine.load_weights(path, version)
+                    self.engine.weights_id = self.weights.weights_id(path, version)
+                except Exception as e:
+                    self.log.warning("weight load failed", version=version, error=str(e))
+                    return False
+                self.log.info("policy version loaded", policy_version=version, weights=self.engine.weights_id)
+            self._version_users[version] += 1
             return True
 
     # ------------------------------------------------------------------ generation
@@ -304,44 +412,83 @@ class RolloutWorker:
     async def _generate_loop(self) -> None:
         k = self.cfg.checkpoint_tokens
         while True:
+            self._wake.clear()  # before looking: whatever arrives from here on wakes the wait below
             if not self.active:
+                self._progress_at = time.monotonic()
                 if self.draining.is_set() and self.admitting == 0:
                     return
-                self._wake.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=0.5)
                 continue
             batch = [a for a in self.active.values() if not a.done]
+            if not batch and not self.draining.is_set() and not any(a.pending_tokens for a in self.active.values()):
+                # Only requests being finished: wait for one to leave or for new work. No sign of
+                # life here: a finish that cannot complete (the store gone) must let this worker
+                # look stalled, as when finishing held up the loop itself.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+                continue
+            self._progress_at = time.monotonic()
+            for a in [a for a in batch if a.weights != self.engine.weights_id]:
+                # Cannot happen while the version reservation holds; if it ever did, the tokens
+                # would carry the wrong label: refuse to generate them, hand the request back.
+                self.log.error("request is not on the loaded weights; handing back", request_id=a.req.request_id,
+                               request_weights=a.weights, loaded=self.engine.weights_id)
+                self.counters.add("wrong_weights")
+                batch.remove(a)
+                self._forget(a)
+                with contextlib.suppress(Exception):
+                    await self.c.store.release(a.req.request_id, a.epoch)
+                    await a.msg.nak()
             if not self.draining.is_set():
                 self.stop_engine.clear()
             if batch and not self.draining.is_set():
                 try:
                     outs = await self.engine.generate([a.seq for a in batch], k, stop=self.stop_engine)
+                except RequestError as e:  # one request's fault: answer it, serve the rest on
+                    bad = self.active.get(e.request_id)
+                    if bad is None:  # not one of ours: the engine is confused, not the request
+                        self.log.error("engine failed", error=repr(e))
+                        self.request_drain(f"engine failure: {e!r}")
+                    else:
+                        await self._fail_active(bad, e.reason)
+                    outs = []
                 except Exception as e:  # an engine failure must not take the process down silently
                     self.log.error("engine failed", error=repr(e))
                     self.request_drain(f"engine failure: {e!r}")
                     outs = []
                 for a, g in zip(batch, outs, strict=False):
-                    a.seq.token_ids.extend(g.token_ids)
+                    toks = a.seq.token_ids
+                    toks.extend(g.token_ids)
                     a.pending_tokens.extend(g.token_ids)
                     a.pending_logprobs.extend(g.logprobs)
-                    a.done = g.finished or is_complete(a.req, a.seq.token_ids)
+                    a.done = g.finished or len(toks) >= a.req.max_new_tokens or (bool(toks) and toks[-1] in a.stops)
                 if not self._engine_counts:
                     self.counters.add("generated", sum(len(g.token_ids) for g in outs))
             await self._flush()
             if self.draining.is_set():
                 return
+            await self._hand_back_below_floor()
 
     async def _flush(self) -> None:
-        """Checkpoint every pending token (one pipeline), publish the chunks, finish what is done."""
+        """Checkpoint every pending token (one fenced script call), publish them as one token
+        message per step, finish what is done."""
         dirty = [a for a in self.active.values() if a.pending_tokens]
         if dirty:
-            outcomes = await self._retrying(lambda: self.c.store.append_many(
-                [(a.req.request_id, self.worker_id, a.epoch, a.durable, a.pending_tokens, a.pending_logprobs)
-                 for a in dirty], self.cfg.lease_ttl_s))
-            now = time.time()
-            for a, out in zip(dirty, outcomes, strict=True):
-                if isinstance(out, (LeaseLost, AlreadyFinished)):
+            # Stamped before the append is sent: a write accepted under a lease can only have been
+            # sent before its supersession, so a pause (SIGSTOP) between the store's answer and
+            # here cannot make an accepted write look like one sent after a takeover.
+            now, mono = time.time(), time.monotonic()
+            records, logprobs32 = pack_flush(dirty)
+            outcomes = await self._retrying(lambda: self.c.store.append_packed(
+                [(a.req.request_id, self.worker_id, a.epoch, a.durable, rec) for a, rec in zip(dirty, records)],
+                self.cfg.lease_ttl_s))
+            by_step: dict[int, list[wire.FlushChunk]] = {}
+            checkpointed = 0
+            for a, out, rec, lps in zip(dirty, outcomes, records, logprobs32, strict=True):
+                if type(out) is int:
+                    pass
+                elif isinstance(out, (LeaseLost, AlreadyFinished)):
                     await self._drop_fenced(a, out)
                     continue
                 if isinstance(out, Exception):
@@ -350,61 +497,181 @@ class RolloutWorker:
                     with contextlib.suppress(Exception):
                         await a.msg.nak(delay=1.0)
                     continue
-                chunk = wire.TokenChunk(request_id=a.req.request_id, step=a.req.step, worker_id=self.worker_id,
-                                        epoch=a.epoch, offset=a.durable, token_ids=a.pending_tokens,
-                                        logprobs=a.pending_logprobs, policy_version=a.req.policy_version, ts=now)
-                self._token_acks.append(await self.c.js.publish_async(
-                    wire.token_subject(a.req.step, a.req.request_id), wire.encode(chunk)))
-                self.counters.add("checkpointed", len(a.pending_tokens))
+                by_step.setdefault(a.req.step, []).append(wire.FlushChunk(
+                    a.req.request_id, a.epoch, a.durable, a.req.policy_version, rec))
+                checkpointed += len(lps)
                 a.durable = out
                 # What is durable is float32: keep exactly that, so a result does not depend on
                 # whether its tokens came from memory or from the checkpoint after a hand-off.
-                a.logprobs.extend(np.asarray(a.pending_logprobs, dtype=np.float32).tolist())
+                a.logprobs.extend(lps)
                 a.pending_tokens, a.pending_logprobs = [], []
-                a.last_write = time.monotonic()
-            acks, self._token_acks = self._token_acks, []
-            await asyncio.gather(*acks, return_exceptions=True)
-        done = [a for a in self.active.values() if a.done and not a.pending_tokens]
-        if done:  # concurrently: each finish is a few round trips, a flush may finish hundreds
-            await asyncio.gather(*(self._finish(a) for a in done))
+                a.last_write = mono
+            self.counters.add("checkpointed", checkpointed)
+            for step, chunks in by_step.items():
+                for part in wire.split_flush(chunks):
+                    msg = wire.TokenFlush(step=step, worker_id=self.worker_id, ts=now, chunks=part)
+                    self._outbox.append((wire.token_subject(step, self.worker_id), wire.encode(msg),
+                                         {wire.HDR_MSG_ID: wire.flush_msg_id(part[0])}))
+        # Finished requests are finished in the background: each finish is a few round trips
+        # (fenced finish, provenance, result publish, ack) that the next engine call need not
+        # wait for. A finishing request keeps its slot until it leaves `active`; a drain waits
+        # for these before handing the rest back (run).
+        done = [a for a in self.active.values() if a.done and not a.pending_tokens and not a.finishing]
+        if done:
+            for a in done:
+                a.finishing = True
+            task = asyncio.create_task(self._finish_batch_safely(done))
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
+        await self._publish_outbox_soon()
 
-    async def _finish(self, a: Active) -> None:
-        rid = a.req.request_id
-        try:
-            await self._retrying(lambda: self.c.store.finish(rid, a.epoch, a.durable))
-        except (LeaseLost, AlreadyFinished) as e:
-            await self._drop_fenced(a, e)
+    async def _publish_outbox_soon(self) -> None:
+        """Publish the outbox while the engine makes the next tokens: token messages and events
+        are not on the durability path (the checkpoint is), so the next engine call need not
+        wait for their acks. One publish in flight at a time: a flush first waits for the
+        previous one (bounded, and the outbox cannot grow without limit)."""
+        await self._outbox_sent()
+        if self._outbox:
+            self._publishing = asyncio.create_task(self._publish_outbox())
+
+    async def _outbox_sent(self) -> None:
+        """Wait for the publish `_publish_outbox_soon` left in flight (its failures are counted there)."""
+        task, self._publishing = self._publishing, None
+        if task is not None:
+            with contextlib.suppress(Exception):
+                await task
+
+    async def _publish_outbox(self) -> None:
+        """Token chunks and lease events: for live collection and replay, not for correctness
+        (the checkpoint is the truth). Bounded: retried with their ids, then given up."""
+        msgs, self._outbox = self._outbox, []
+        if not msgs:
             return
-        tokens = a.seq.token_ids[: a.durable]
+        outcomes = await bus.publish_batch(self.c.js, msgs, ack_timeout_s=self.cfg.publish_timeout_s,
+                                           deadline_s=self.cfg.publish_timeout_s * 2)
+        lost = sum(1 for o in outcomes if not o.ok)
+        if lost:
+            self.counters.add("publishes_given_up", lost)
+            self.log.warning("token chunks / events not stored", count=lost, error=str(outcomes[0].error or ""))
+
+    async def _finish_batch_safely(self, batch: list[Active]) -> None:
+        """`_finish_batch` in the background: whatever escapes it, no request stays `finishing`
+        in a slot forever (it is handed back, and its redelivery finds the checkpoint's state)."""
         try:
-            await self._publish_result(a.req, tokens, a.logprobs, self.worker_id)
-            await a.msg.ack()
-        except Exception as e:  # the checkpoint says finished: redelivery republishes it, never redoes it
-            self.log.warning("result publish failed; it is republished when the request comes back",
-                             request_id=rid, error=repr(e))
+            await self._finish_batch(batch)
+        except Exception as e:
+            self.log.error("finishing failed", requests=len(batch), error=repr(e))
+            for a in batch:
+                if self.active.get(a.req.request_id) is a:
+                    self._forget(a)
+                    with contextlib.suppress(Exception):
+                        await a.msg.nak(delay=1.0)
+
+    async def _finish_batch(self, batch: list[Active]) -> None:
+        """Finish the requests a flush completed, together: one Redis round trip for every fenced
+        finish and its provenance, the results published with their acks in flight together,
+        then the messages acked. Per request, as before: a lost lease drops it; a result that
+        could not be stored leaves the message un-acked (its redelivery republishes it from the
+        finished checkpoint, never redoes it)."""
+        sent = time.time()  # the finish events' time: when the fenced finish was sent (see _flush)
+        try:
+            outs: list = await self._retrying(lambda: self.c.store.finish_many(
+                [(a.req.request_id, a.epoch, a.durable) for a in batch]))
+        except Exception as e:  # not a connection problem (those are retried): fail each, do not vanish
+            outs = [CheckpointError(repr(e))] * len(batch)
+        ready: list[tuple[Active, wire.RolloutResult]] = []
+        for a, out in zip(batch, outs, strict=True):
+            if isinstance(out, (LeaseLost, AlreadyFinished)):
+                await self._drop_fenced(a, out)
+            elif isinstance(out, Exception):
+                self.log.error("checkpoint finish failed", request_id=a.req.request_id, error=str(out))
+                self._forget(a)
+                with contextlib.suppress(Exception):
+                    await a.msg.nak(delay=1.0)
+            else:
+                ready.append((a, self._result(a.req, a.seq.token_ids[: a.durable], a.logprobs, self.worker_id,
+                                              a.epoch, out)))
+        if not ready:
+            return
+        published = await bus.publish_batch(
+            self.c.js, [(wire.result_subject(r.step), wire.encode(r), {wire.HDR_MSG_ID: wire.result_msg_id(r)})
+                        for _, r in ready],
+            ack_timeout_s=self.cfg.publish_timeout_s, deadline_s=self.cfg.publish_timeout_s * 3)
+        for (a, _), pub in zip(ready, published, strict=True):
+            rid = a.req.request_id
+            try:
+                if not pub.ok:
+                    raise bus.PublishFailed("results", [rid], str(pub.error))
+                await a.msg.ack()
+            except Exception as e:  # the checkpoint says finished: redelivery republishes it, never redoes it
+                self.log.warning("result publish failed; it is republished when the request comes back",
+                                 request_id=rid, error=repr(e))
+                self._forget(a)
+                continue
+            await self._event(a.req, a.epoch, "finish", a.durable, ts=sent)
+            self.counters.add("results")
             self._forget(a)
-            return
-        await self._event(a.req, a.epoch, "finish", a.durable)
-        self.counters.add("results")
-        self._forget(a)
-        self.log.info("finished", request_id=rid, step=a.req.step, tokens=a.durable)
+            self.log.info("finished", request_id=rid, step=a.req.step, tokens=a.durable)
+
+    def _result(self, req: wire.RolloutRequest, tokens: list[int], logprobs: list[float], worker_id: str, epoch: int,
+                segments: list[wire.Segment], error: str = "") -> wire.RolloutResult:
+        """The result names the lease it was finished under (worker id, epoch): the trainer
+        takes it only if Redis agrees (rlboost/manager.py). `error`: the engine could not serve it."""
+        return wire.RolloutResult(
+            request_id=req.request_id, step=req.step, group=req.group, prompt_ids=list(req.prompt_ids),
+            token_ids=tokens, logprobs=logprobs, segments=segments,
+            finish_reason="error" if error else finish_reason(req, tokens),  # type: ignore[arg-type]
+            worker_id=worker_id, ts=time.time(), epoch=epoch, error=error)
 
     async def _publish_result(self, req: wire.RolloutRequest, tokens: list[int], logprobs: list[float],
-                              worker_id: str) -> None:
-        result = wire.RolloutResult(
-            request_id=req.request_id, step=req.step, group=req.group, prompt_ids=list(req.prompt_ids),
-            token_ids=tokens, logprobs=logprobs, segments=await self.c.store.segments(req.request_id),
-            finish_reason=finish_reason(req, tokens), worker_id=worker_id, ts=time.time())  # type: ignore[arg-type]
-        await self.c.js.publish(wire.result_subject(req.step), wire.encode(result),
-                                headers={wire.HDR_MSG_ID: req.request_id})
+                              worker_id: str, epoch: int, error: str = "") -> None:
+        """One result (see `_result`), its provenance read from the checkpoint."""
+        result = self._result(req, tokens, logprobs, worker_id, epoch, await self.c.store.segments(req.request_id),
+                              error)
+        # Bounded, retried with the same id: stored once however often sent.
+        (out,) = await bus.publish_batch(self.c.js, [(wire.result_subject(req.step), wire.encode(result),
+                                                      {wire.HDR_MSG_ID: wire.result_msg_id(result)})],
+                                         ack_timeout_s=self.cfg.publish_timeout_s,
+                                         deadline_s=self.cfg.publish_timeout_s * 3)
+        if not out.ok:
+            raise bus.PublishFailed("results", [req.request_id], str(out.error))
+
+    async def _refuse(self, msg: Msg, req: wire.RolloutRequest, epoch: int, tokens: list[int], logprobs: list[float],
+                      reason: str) -> None:
+        """A request this engine cannot serve: finished in the checkpoint under our lease with
+        the tokens it has (none, mostly), then an `error` result naming that lease (the trainer
+        verifies it like any result), then the ack. A redelivery finds it finished and
+        republishes the same error result (`_republish_finished`)."""
+        rid = req.request_id
+        self.counters.add("request_errors")
+        self.log.warning("request refused", request_id=rid, step=req.step, reason=reason)
+        try:
+            await self._retrying(lambda: self.c.store.finish(rid, epoch, len(tokens)))
+        except (LeaseLost, AlreadyFinished) as e:  # someone else's now: their answer stands
+            self.log.warning("refused request lost its lease", request_id=rid, reason=str(e))
+            return
+        try:
+            await self._publish_result(req, tokens, logprobs, self.worker_id, epoch, error=reason)
+            await msg.ack()
+        except Exception as e:  # finished in the checkpoint: redelivery republishes it
+            self.log.warning("error result publish failed", request_id=rid, error=repr(e))
+            return
+        await self._event(req, epoch, "finish", len(tokens), detail=f"error: {reason}")
+
+    async def _fail_active(self, a: Active, reason: str) -> None:
+        """An admitted request the engine failed on mid-batch: answered with an error, with the
+        tokens already in its checkpoint."""
+        self._forget(a)
+        await self._refuse(a.msg, a.req, a.epoch, a.seq.token_ids[: a.durable], list(a.logprobs), reason)
 
     async def _republish_finished(self, req: wire.RolloutRequest) -> None:
         """The checkpoint says finished but the message came back: the finisher died between
         finishing and acking. Publish the result from the checkpoint (the stream drops it if
         it is a duplicate) so it is never lost."""
         tokens, logprobs = await self.c.store.read(req.request_id)
-        segs = await self.c.store.segments(req.request_id)
-        await self._publish_result(req, tokens, logprobs, segs[-1].worker_id if segs else self.worker_id)
+        owner, epoch, _ = await self.c.store.owner(req.request_id)
+        error = self.engine.check(make_sequence(req, tokens)) or ""  # deterministic: the same refusal
+        await self._publish_result(req, tokens, logprobs, owner, epoch, error=error)
         self.log.info("republished finished result", request_id=req.request_id, tokens=len(tokens))
 
     async def _drop_fenced(self, a: Active, why: Exception) -> None:
@@ -415,8 +682,11 @@ class RolloutWorker:
         self._forget(a)
 
     def _forget(self, a: Active) -> None:
-        self.active.pop(a.req.request_id, None)
+        if self.active.get(a.req.request_id) is a:  # not a newer claim of the same request
+            del self.active[a.req.request_id]
+            self._version_users[a.req.policy_version] -= 1
         self._notify_slots()
+        self._wake.set()
 
     def _notify_slots(self) -> None:
         for event in self._slot_events:
@@ -438,23 +708,23 @@ class RolloutWorker:
             released = [False] * len(leftover)
         mine = [a for a, ok in zip(leftover, released, strict=True) if ok]  # the rest: fenced out, not ours
         subject = wire.resume_subject(self.handoff_pool)
-        pubs = []
-        for a in mine:
-            pubs.append(await self.c.js.publish_async(
-                subject, a.msg.data, headers={wire.HDR_MSG_ID: wire.handoff_msg_id(a.req.request_id, a.epoch)}))
-        outcomes = await asyncio.gather(*pubs, return_exceptions=True)
+        outcomes = await bus.publish_batch(
+            self.c.js, [(subject, a.msg.data, {wire.HDR_MSG_ID: wire.handoff_msg_id(a.req.request_id, a.epoch)})
+                        for a in mine], ack_timeout_s=self.cfg.publish_timeout_s,
+            deadline_s=min(self.cfg.publish_timeout_s * 2, self.cfg.drain_grace_s / 2))
         for a, out in zip(mine, outcomes, strict=True):
-            if isinstance(out, Exception):  # not acked: it comes back after ack_wait, like after a kill
-                self.log.warning("hand-off failed", request_id=a.req.request_id, error=str(out))
+            if not out.ok:  # not acked: it comes back after ack_wait, like after a kill
+                self.log.warning("hand-off failed", request_id=a.req.request_id, error=str(out.error))
                 continue
             with contextlib.suppress(Exception):
                 await a.msg.ack()
             self.counters.add("handed_off")
             await self._event(a.req, a.epoch, "release", a.durable, detail=self.drain_reason)
             self.log.info("handed off", request_id=a.req.request_id, at=a.durable)
-        acks, self._token_acks = self._token_acks, []
-        await asyncio.gather(*acks, return_exceptions=True)
+        await self._outbox_sent()
+        await self._publish_outbox()
         self.active.clear()
+        self._version_users.clear()
 
     async def _forward_own_queue(self) -> None:
         """A seeding engine (its own queue, another hand-off pool) hands off its whole share:
@@ -471,13 +741,13 @@ class RolloutWorker:
                 if not msgs and not (await sub.consumer_info()).num_pending:
                     return
                 rids = [(m.headers or {}).get(wire.HDR_MSG_ID) or f"forwarded-{uuid.uuid4().hex}" for m in msgs]
-                pubs = [await js.publish_async(wire.resume_subject(self.handoff_pool), m.data,
-                                               headers={wire.HDR_MSG_ID: wire.handoff_msg_id(rid, 0)})
-                        for m, rid in zip(msgs, rids, strict=True)]
-                outcomes = await asyncio.gather(*pubs, return_exceptions=True)
+                outcomes = await bus.publish_batch(
+                    js, [(wire.resume_subject(self.handoff_pool), m.data, {wire.HDR_MSG_ID: wire.handoff_msg_id(rid, 0)})
+                         for m, rid in zip(msgs, rids, strict=True)], ack_timeout_s=self.cfg.publish_timeout_s,
+                    deadline_s=self.cfg.publish_timeout_s * 2)
                 for msg, rid, out in zip(msgs, rids, outcomes, strict=True):
-                    if isinstance(out, Exception):  # not acked: it returns to our queue after ack_wait
-                        self.log.warning("forward failed", request_id=rid, error=str(out))
+                    if not out.ok:  # not acked: it returns to our queue after ack_wait
+                        self.log.warning("forward failed", request_id=rid, error=str(out.error))
                         continue
                     with contextlib.suppress(Exception):
                         await msg.ack()
@@ -495,13 +765,22 @@ class RolloutWorker:
                 await asyncio.wait_for(stop.wait(), timeout=self.cfg.heartbeat_s)
             if stop.is_set():
                 return
+            if self.stalled():
+                # Keeping our requests alive while making no progress would hold them forever.
+                self.counters.add("stalls")
+                self.log.warning("no progress; not extending requests", inflight=len(self.active),
+                                 stalled_s=round(time.monotonic() - self._progress_at, 1))
+                continue
             try:
-                await asyncio.gather(*(a.msg.in_progress() for a in list(self.active.values())))
-                await self._renew_quiet_leases()
-                await self._heartbeat("draining" if self.draining.is_set() else "running")
-                await self._check_control()
+                await asyncio.wait_for(self._beat(), timeout=max(self.cfg.heartbeat_s, self.cfg.publish_timeout_s))
             except Exception as e:
                 self.log.warning("heartbeat failed", error=str(e))
+
+    async def _beat(self) -> None:
+        await asyncio.gather(*(a.msg.in_progress() for a in list(self.active.values())))
+        await self._renew_quiet_leases()
+        await self._heartbeat("draining" if self.draining.is_set() else "running")
+        await self._check_control()
 
     async def _renew_quiet_leases(self) -> None:
         """Appends renew leases; a request that has not written for a while renews here."""
@@ -524,8 +803,50 @@ class RolloutWorker:
         metrics.observe_worker(self.pool, inflight=len(self.active), slots=self.cfg.slots,
                                policy_version=self.engine.policy_version, draining=state == "draining")
 
+    async def _check_floor(self) -> None:
+        """Read the pool's version floor; a request generated with an older version is to move
+        on to the floor's version at the next engine call's end (interrupted for it)."""
+        try:
+            entry = await self.control.get(wire.version_floor_key(self.pool))
+            floor = wire.decode(wire.VersionFloor, entry.value).version if entry is not None and entry.value else 0
+        except Exception:  # no floor set (sync rollout), or unreadable: keep the last one
+            return
+        if floor > self._floor:
+            self._floor = floor
+            if any(a.req.policy_version < floor for a in self.active.values()):
+                self.stop_engine.set()
+
+    async def _hand_back_below_floor(self) -> None:
+        """After a flush: release the requests older than the floor and put them on the pool's
+        resume lane (checkpointed, nothing to regenerate); their next claim continues them
+        under the floor's version (`_admit`), a new segment of the result."""
+        old = [a for a in self.active.values() if a.req.policy_version < self._floor and not a.done]
+        if not old:
+            return
+        try:
+            released = await self.c.store.release_many([(a.req.request_id, a.epoch) for a in old])
+        except (redis.exceptions.RedisError, OSError) as e:  # keep generating them; try again next flush
+            self.log.warning("version floor: could not release", requests=len(old), error=str(e))
+            return
+        mine = [a for a, ok in zip(old, released, strict=True) if ok]
+        outcomes = await bus.publish_batch(
+            self.c.js, [(wire.resume_subject(self.pool), a.msg.data,
+                         {wire.HDR_MSG_ID: wire.handoff_msg_id(a.req.request_id, a.epoch)}) for a in mine],
+            ack_timeout_s=self.cfg.publish_timeout_s, deadline_s=self.cfg.publish_timeout_s * 2)
+        for a, out in zip(mine, outcomes, strict=True):
+            self._forget(a)
+            if out.ok:  # else: it comes back after ack_wait, like after a kill
+                with contextlib.suppress(Exception):
+                    await a.msg.ack()
+                self.counters.add("handed_off")
+                await self._event(a.req, a.epoch, "release", a.durable, detail=f"version floor {self._floor}")
+        for a in old:
+            if a not in mine:
+                self._forget(a)  # fenced out: not ours any more
+
     async def _check_control(self) -> None:
-        for key in (self.worker_id, "all"):
+        await self._check_floor()
+        for key in (self.worker_id, wire.CONTROL_ALL):
             try:
                 entry = await self.control.get(key)
             except Exception:
@@ -537,17 +858,22 @@ class RolloutWorker:
             except wire.WireError as e:
                 self.log.warning("ignoring malformed control message", key=key, error=str(e))
                 continue
-            if key == "all" and ctl.ts and ctl.ts < self._started_at:
+            if ctl.target != key or ctl.deadline <= time.time():
+                continue  # bounded control: it names this key and has not expired (wire.control)
+            if key == wire.CONTROL_ALL and ctl.ts < self._started_at:
                 continue  # a fleet-wide drain from before this worker started
             if ctl.command in ("drain", "abort"):
                 self.request_drain(f"control {ctl.command}: {ctl.reason}")
 
-    async def _event(self, req: wire.RolloutRequest, epoch: int, kind: str, offset: int, detail: str = "") -> None:
+    async def _event(self, req: wire.RolloutRequest, epoch: int, kind: str, offset: int, detail: str = "",
+                     ts: float | None = None) -> None:
         ev = wire.LeaseEvent(request_id=req.request_id, step=req.step, worker_id=self.worker_id, epoch=epoch,
-                             kind=kind, offset=offset, ts=time.time(), detail=detail)  # type: ignore[arg-type]
-        with contextlib.suppress(Exception):
-            self._token_acks.append(await self.c.js.publish_async(wire.event_subject(req.step, req.request_id),
-                                                                  wire.encode(ev)))
+                             kind=kind, offset=offset, ts=time.time() if ts is None else ts,
+                             detail=detail)  # type: ignore[arg-type]
+        self._outbox.append((wire.event_subject(req.step, req.request_id), wire.encode(ev),
+                             {wire.HDR_MSG_ID: wire.event_msg_id(req.request_id, kind, epoch, offset)}))
+        if len(self._outbox) >= 256:
+            await self._publish_outbox()
 
     async def _retrying(self, op: Callable[[], Awaitable[T]]) -> T:
         """Redis unreachable for a moment: back off and retry instead of crashing. Nothing is

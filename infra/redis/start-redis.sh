@@ -9,6 +9,6 @@ ACL="${REDIS_ACL_FILE:-/tmp/users.acl}"
 cat > "$ACL" <<EOF
 user default off
 user trainer on >${RLBOOST_SERVICES__AUTH__TRAINER_PASSWORD} ~* &* +@all
-user worker on >${RLBOOST_SERVICES__AUTH__WORKER_PASSWORD} resetkeys ~rb:* resetchannels -@all +@read +@write +@scripting +@connection +@transaction -@dangerous
+user worker on >${RLBOOST_SERVICES__AUTH__WORKER_PASSWORD} resetkeys ~rb:* resetchannels -@all +ping +hello +auth +echo +select +get +hget +hmget +lrange +exists +evalsha +hincrby +hset +set +rpush +expire +pexpire +pttl +strlen +append +time +ttl
 EOF
-exec redis-server --aclfile "$ACL" "$@"
+exec redis-server --aclfile "$ACL" --proto-max-bulk-len 8mb "$@"

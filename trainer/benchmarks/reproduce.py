@@ -7,7 +7,8 @@ held-out accuracies, and the SHA-256 of the final weights.
 
 Why they can be identical: sampling is keyed by (seed, position), the torch engine computes in
 float64 so batch composition does not move a sample, checkpoints keep logprobs in float32 on
-both paths, and the trainer sums per-group gradients in group order whatever the arrival order.
+both paths, and the trainer, in its deterministic mode (`--precision fp64`, the default here),
+back-propagates groups in group order whatever the arrival order.
 """
 
 from __future__ import annotations
@@ -51,21 +52,23 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--chaos", default="1:term,3:kill")
     p.add_argument("--model-dir", default="")
+    p.add_argument("--precision", default="fp64", help="the trainer's (fp64: the deterministic mode)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     out_dir = Path(a.out or tempfile.mkdtemp(prefix="rlboost-reproduce-"))
     common = ["--steps", str(a.steps), "--prompts", str(a.prompts), "--samples", str(a.samples), "--seed",
-              str(a.seed), "--workers", "2", "--eval-every", "2", "--save-rollouts", "--model-dir", a.model_dir]
+              str(a.seed), "--workers", "2", "--eval-every", "2", "--save-rollouts", "--model-dir", a.model_dir,
+              "--precision", a.precision]
     finals = {}
     for name, extra in (("undisturbed", []), ("preempted", ["--chaos", a.chaos])):
-        cfg = run.parse([*common, "--run-dir", str(out_dir / name), *extra])
+        cfg = run.parse([*common, "--run-dir", str(out_dir / name), *extra], s=s)
         finals[name] = run.execute(cfg, s)
         print(f"{name}: rewards {[m['reward'] for m in _metrics(out_dir / name)]}", flush=True)
     cmp = compare(out_dir / "undisturbed", out_dir / "preempted")
     result = {**cmp, "weights_identical": finals["undisturbed"]["final_weights_sha256"]
               == finals["preempted"]["final_weights_sha256"],
               "final_weights_sha256": {k: v["final_weights_sha256"] for k, v in finals.items()},
-              "handoffs": {k: v["handoffs"] for k, v in finals.items()}, "out": str(out_dir)}
+              "handoffs": {k: v["handoffs"] for k, v in finals.items()}, "precision": a.precision, "out": str(out_dir)}
     print(f"{cmp['identical_token_sequences']}/{cmp['responses']} responses token-identical "
           f"({cmp['migrated_responses']} of them migrated between workers in the preempted run); "
           f"max |logprob diff| {cmp['max_logprob_abs_diff']:.3g}; final weights identical: {result['weights_identical']}")

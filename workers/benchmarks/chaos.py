@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from rlboost import wire
+from rlboost import bus, wire
 from rlboost.cli import print_result
 from rlboost.clients import open_clients
 from rlboost.config import Settings
-from rlboost.replay import read_subject
+from rlboost.replay import read_chunks, read_subject
 from rlboost.services import running_services
 from workers.benchmarks import percentile
 from workers.engines.emulated import LengthModel, reference_tokens
@@ -53,7 +53,7 @@ def make_requests(n: int, step: int, rng: random.Random, min_new: int, max_new: 
 def emulated_reference(q: wire.RolloutRequest) -> tuple[list[int], list[float]]:
     """What one uninterrupted emulated worker produces for the request."""
     n = min(q.max_new_tokens, LengthModel().length(q.seed, q.request_id))
-    return reference_tokens(q.seed, q.request_id, 0, n)
+    return reference_tokens(q.seed, q.request_id, 0, n, policy_version=q.policy_version)
 
 
 async def chaos(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Path,
@@ -73,7 +73,7 @@ async def chaos(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: P
         for _ in range(a.workers):
             fleet.start()
         seen: set[str] = set()
-        sub = await c.js.subscribe(wire.result_subject(step), ordered_consumer=True)
+        sub = await bus.follow(c.js, wire.result_subject(step))
         t0 = time.time()
         next_action = t0 + rng.uniform(1.0, 2.0) * a.every
         plan: list[str] = []
@@ -115,7 +115,7 @@ async def chaos(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: P
         fleet.stop_all()
         results = await read_subject(c.js, wire.result_subject(step), wire.RolloutResult)
         events = await read_subject(c.js, f"rb.evt.{step}.>", wire.LeaseEvent)
-        chunks = await read_subject(c.js, f"rb.tok.{step}.>", wire.TokenChunk)
+        chunks = await read_chunks(c.js, step)
     return analyse(a, requests, results, events, chunks, actions, fleet, elapsed, reference)
 
 

@@ -2,7 +2,9 @@
 
 With `--workers N`: aggregate tokens/s through N real worker processes (emulated engine at
 unlimited speed) serving 1000 concurrent requests, i.e. the whole per-token path: fenced
-appends, token-chunk publishes, results.
+appends, token-flush publishes, results; with the µs of CPU per chunk spent in the workers,
+nats-server and redis-server (/proc/<pid>/stat), and raw Redis APPEND / JetStream publish
+rates measured on the same servers in the same run (workers/benchmarks/throughput.py).
 
 1000 concurrent requests x 512 tokens, appended 16 at a time, by G groups of requests that
 each flush their requests' chunks in one pipeline per round (as a worker flushes its batch).

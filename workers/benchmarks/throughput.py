@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 from rlboost import wire
 from rlboost.cli import print_result
 from rlboost.clients import open_clients
@@ -34,6 +35,41 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def raw_rates(nats_url: str, redis_url: str, a: argparse.Namespace, seconds: float = 2.0) -> dict:
+    """The servers' own ceilings, on the same servers in the same run (after the fleet stopped):
+    pipelined `APPEND` of the same packed K-token records (no fencing), from as many
+    concurrent pipelines as there were workers; and JetStream `publish_async` of one
+    K-token chunk per message (the old wire: one message per request per flush)."""
+    import redis.asyncio as aioredis
+
+    from workers.benchmarks.dataflow import raw_rounds
+
+    raw = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(redis_url,
+                                                                                max_connections=a.workers + 2))
+    try:
+        rids = [f"raw-{i}" for i in range(a.requests)]
+        per_round = max(1, round(seconds * 60_000 / a.requests))  # ~`seconds` at ~60K APPEND/s
+        raw_s = await raw_rounds(raw, rids, per_round * a.chunk, a.chunk, a.workers)
+        redis_appends = a.requests * per_round / raw_s
+    finally:
+        await raw.aclose()
+    chunk = wire.TokenChunk(request_id=wire.request_id(1, 0, 0), step=1, worker_id="raw-bench", epoch=2**50,
+                            offset=0, token_ids=list(range(1000, 1000 + a.chunk)), logprobs=[-1.5] * a.chunk,
+                            policy_version=0, ts=time.time())
+    payload = wire.encode(chunk)
+    async with open_clients(nats_url, redis_url, "rlboost-bench-raw", pools=(POOL,)) as c:
+        n = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            await asyncio.gather(*[await c.js.publish_async(wire.token_subject(0, "raw-bench"), payload)
+                                   for _ in range(1000)])
+            n += 1000
+        nats_msgs = n / (time.perf_counter() - t0)
+    return {"raw_redis_append_per_s": round(redis_appends), "raw_redis_tokens_per_s": round(redis_appends * a.chunk),
+            "raw_nats_publish_per_s": round(nats_msgs), "raw_nats_tokens_per_s": round(nats_msgs * a.chunk),
+            "raw_chunk_message_bytes": len(payload)}
+
+
 async def measure(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Path,
                   server_pids: dict[str, int]) -> dict:
     slots = max(1, a.requests // a.workers)
@@ -41,7 +77,9 @@ async def measure(a: argparse.Namespace, nats_url: str, redis_url: str, workdir:
         "--engine", "emulated", "--speed", "0", "--slots", str(slots), "--checkpoint-tokens", str(a.chunk)],
         env={"RLBOOST_LOG_LEVEL": "warning"})
     async with open_clients(nats_url, redis_url, "rlboost-bench-throughput", pools=(POOL,)) as c:
-        total = a.requests * 4  # a backlog, so finished requests are replaced and 1000 stay in flight
+        # A backlog, so finished requests are replaced and `requests` stay in flight for the whole
+        # run: enough for 1M tokens/s through warm-up and window (responses average ~1,600 tokens).
+        total = max(a.requests * 4, int((a.warmup + a.seconds) * 1_000_000 / 1_000))
         acks = [await c.js.publish_async(wire.request_subject(POOL), wire.encode(wire.RolloutRequest(
             request_id=wire.request_id(1, i, 0), step=1, policy_version=0, prompt_ids=[1] * 64,
             max_new_tokens=a.tokens, seed=i, group=i))) for i in range(total)]
@@ -52,6 +90,9 @@ async def measure(a: argparse.Namespace, nats_url: str, redis_url: str, workdir:
         def checkpointed() -> int:
             return sum(w.counters()["checkpointed"] for w in fleet.workers.values())
 
+        async def token_messages() -> int:
+            return (await c.js.stream_info(wire.STREAM_TOKENS)).state.messages
+
         await asyncio.sleep(a.warmup)
 
         def cpu() -> dict[str, float]:
@@ -60,15 +101,21 @@ async def measure(a: argparse.Namespace, nats_url: str, redis_url: str, workdir:
             out["bench"] = cpu_seconds(os.getpid())
             return out
 
-        n0, t0, c0 = checkpointed(), time.perf_counter(), cpu()
+        n0, m0, t0, c0 = checkpointed(), await token_messages(), time.perf_counter(), cpu()
         await asyncio.sleep(a.seconds)
         n1, t1, c1 = checkpointed(), time.perf_counter(), cpu()
+        m1 = await token_messages()
         results = sum(w.counters()["results"] for w in fleet.workers.values())
         fleet.stop_all()
     window = t1 - t0
-    return {"tokens_per_s": round((n1 - n0) / window), "workers": a.workers, "concurrent_requests": a.requests,
-            "cpu_cores_used": {k: round((c1[k] - c0[k]) / window, 2) for k in c1},
-            "slots_per_worker": slots, "chunk": a.chunk, "window_s": a.seconds, "results": results}
+    chunks = max(1, (n1 - n0) / a.chunk)
+    out = {"tokens_per_s": round((n1 - n0) / window), "workers": a.workers, "concurrent_requests": a.requests,
+           "cpu_cores_used": {k: round((c1[k] - c0[k]) / window, 2) for k in c1},
+           "cpu_us_per_chunk": {k: round((c1[k] - c0[k]) / chunks * 1e6, 1) for k in c1 if k != "bench"},
+           "chunks_per_token_message": round(chunks / max(1, m1 - m0), 1),
+           "slots_per_worker": slots, "chunk": a.chunk, "window_s": a.seconds, "results": results}
+    out.update(await raw_rates(nats_url, redis_url, a))
+    return out
 
 
 def run_fleet(a: argparse.Namespace, s: Settings) -> int:
@@ -83,8 +130,14 @@ def run_fleet(a: argparse.Namespace, s: Settings) -> int:
         pids = {"nats-server": st.nats_pid, "redis-server": st.redis_pid} if st else {}
         out = asyncio.run(measure(a, nats_url, redis_url, workdir, pids))
     print(f"{out['workers']} workers x {out['slots_per_worker']} slots, emulated engine at unlimited speed: "
-          f"{out['tokens_per_s']:,} checkpointed tokens/s (K={out['chunk']})")
-    print("where the time goes (cores busy during the window): "
-          + ", ".join(f"{k} {v}" for k, v in out["cpu_cores_used"].items()))
+          f"{out['tokens_per_s']:,} checkpointed tokens/s (K={out['chunk']}, "
+          f"{out['chunks_per_token_message']} chunks per token message)")
+    print(f"CPU per {out['chunk']}-token chunk: "
+          + ", ".join(f"{k} {v} us" for k, v in out["cpu_us_per_chunk"].items())
+          + "  (cores busy: " + ", ".join(f"{k} {v}" for k, v in out["cpu_cores_used"].items()) + ")")
+    print(f"same servers, same run: raw pipelined Redis APPEND {out['raw_redis_tokens_per_s']:,} tokens/s "
+          f"({out['raw_redis_append_per_s']:,} appends/s); raw JetStream publish {out['raw_nats_publish_per_s']:,} "
+          f"msgs/s (= {out['raw_nats_tokens_per_s']:,} tokens/s at one {out['raw_chunk_message_bytes']}-byte "
+          f"message per chunk)")
     print_result(out)
     return 0

@@ -35,7 +35,11 @@ Default: 2 h at S=20 = ~8 minutes in all.
 
 Timing constants, their sources and the calibration: `workers/benchmarks/trace_model.py`.
 
-Policies (one command runs them all):
+Policies (one command runs them all). The step is the product's own, `rlboost/orchestrator.py`,
+the code `rlboost run` drives: this bench only plugs emulated parts into it (the seeding engines
+as `workers.seeding.ProcessSeeding` over emulated worker processes, `EmulatedTrainer` as the
+trainer clock) and replays the trace. `--mode sync,partial,async` adds the hybrid in those
+rollout modes to the same table, JSON and plot (`hybrid-partial`, `hybrid-async`).
 - colocated (veRL-style): the 8 GPUs generate the whole step, then train on it;
 - disaggregated (balanced): k GPUs generate while 8-k train on groups as they complete, k
   chosen by the timing model to minimise the step (`balanced_split`: 3 generate, as a 2-GPU and
@@ -68,15 +72,10 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
-import signal
 import statistics
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
-
-import numpy as np
 
 from rlboost import wire
 from rlboost.cli import print_result
@@ -86,6 +85,7 @@ from rlboost.costs import Prices, cost_efficiency, cost_per_hour, run_cost
 from rlboost.logs import configure_logging
 from rlboost.manager import RolloutManager
 from rlboost.offload import SeedWindow
+from rlboost.orchestrator import Orchestrator
 from rlboost.replay import migrations, read_subject
 from rlboost.services import running_services
 from rlboost.spot import (Interval, TraceError, available, instance_seconds, intervals, parse_trace, rented,
@@ -97,7 +97,7 @@ from workers.benchmarks.trace_model import (INSTANCE_GPUS, MAX_NEW_TOKENS, PROMP
 from workers.counters import Counters
 from workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel
 from workers.fleet import WorkerFleet
-from workers.worker import RolloutWorker
+from workers.seeding import ProcessSeeding
 
 # Real seconds: a request of a worker killed without notice returns after ACK_WAIT_S (x speed
 # in modelled time: 30 s, against the 10 s a real deployment uses); leases must expire before
@@ -107,12 +107,31 @@ from workers.worker import RolloutWorker
 ACK_WAIT_S, LEASE_TTL_S = 1.5, 1.0
 
 
+class EmulatedTrainer:
+    """The bench's trainer clock: a group takes its modelled training time (its tokens at
+    `s_per_token` real seconds each), back to back from when the trainer could start on it."""
+
+    def __init__(self, s_per_token: float, token_scale: int) -> None:
+        self.s_per_token, self.R = s_per_token, token_scale
+
+    async def score(self, key, results) -> None:
+        return None
+
+    async def train_group(self, key, results, scored, start: float) -> float:
+        done = start + self.R * sum(len(r.token_ids) for r in results) * self.s_per_token
+        await asyncio.sleep(max(0.0, done - time.monotonic()))
+        return done
+
+    async def finish_step(self, step: int) -> None:
+        return None  # the optimizer step is in the per-token rate (TRAIN_S_PER_TOKEN)
+
+
 class Emulation:
     """One policy over one segment: the emulated trainer in this process, the reserved seeding
     engines and the preemptible fleet (replaying the trace) as real worker processes."""
 
     def __init__(self, a: argparse.Namespace, c: Clients, nats_url: str, redis_url: str, workdir: Path, label: str,
-                 policy: str, ivs: list[Interval]) -> None:
+                 policy: str, ivs: list[Interval], mode: str = "sync") -> None:
         self.a, self.c, self.label, self.policy, self.ivs, self.S = a, c, label, policy, ivs, a.speed
         self.pool = wire.check_name("pool", f"trace-{label}-{wire.new_run_id()}")
         self.reserved_pool = f"{self.pool}-reserved"  # the seeding engine's own queue: its share
@@ -145,9 +164,9 @@ class Emulation:
         self.provision_s: list[float] = []
         self.killed_at: dict[str, float] = {}  # worker id -> wall time of its SIGKILL
         self.migrated_from_preempted = 0
-        self.handoffs = 0
-        self.fallbacks = 0
         self.rows: list[dict] = []
+        self.mode = mode
+        self.staleness: list[int] = []  # of every trained response (partial / async)
         self.run_id = wire.new_run_id()
 
     # ------------------------------------------------------------------ the trace
@@ -159,16 +178,22 @@ class Emulation:
         """The reserved engines, and the nodes up when the segment starts (provisioned before
         it), start before the clock."""
         whole, odd = divmod(self.split, INSTANCE_GPUS)
-        for gpus in [INSTANCE_GPUS] * whole + [odd] * (odd > 0):
-            self.reserved_fleet.start(prefix="reserved",
-                                      extra_args=("--gpus", str(gpus), "--slots", str(gpus * SLOTS_PER_GPU)))
-        hybrid = self.policy == "hybrid"
-        procs = {iv: self.fleet.start(prefix="node") for iv in self.ivs if iv.up_s <= 0} if hybrid else {}
-        reserved = RolloutManager(self.c, self.reserved_pool)
+        # the seeding engines' share of a step: their GPUs against a preemptible instance's
+        self.seeding = ProcessSeeding(
+            self.c, self.pool, self.reserved_fleet,
+            [("--gpus", str(g), "--slots", str(g * SLOTS_PER_GPU)) for g in [INSTANCE_GPUS] * whole + [odd] * (odd > 0)],
+            self.engine, self._fallback_settings, self.counters, weight=RESERVED_GPUS / INSTANCE_GPUS)
+        self.orchestrator = Orchestrator(self.c, self.pool, self.seeding, EmulatedTrainer(self.train_s_per_token / self.S, self.a.token_scale),
+                                         policy=self.policy, window=self.window, mode=self.mode,
+                                         max_staleness=getattr(self.a, "max_staleness", 1), samples=self.a.samples,
+                                         overprovision=getattr(self.a, "overprovision", 0.25),
+                                         waiting_period_s=self.hb_s, on_result=self._on_result)
+        procs = {iv: self.fleet.start(prefix="node") for iv in self.ivs if iv.up_s <= 0} if self.policy == "hybrid" else {}
+        start = asyncio.create_task(self.seeding.start())
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (await self._live() < len(procs) or
-                                               len(await reserved.live_workers()) < len(self.reserved_fleet.workers)):
+        while time.monotonic() < deadline and await self._live() < len(procs):
             await asyncio.sleep(0.1)
+        await start
         return procs
 
     async def replay(self, t0: float, stop: asyncio.Event, procs: dict) -> None:
@@ -195,20 +220,6 @@ class Emulation:
                 else:
                     self.killed_at[w.worker_id] = self.fleet.kill(w)
         await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _spot_waiting(self, stop: asyncio.Event, period_s: float = 0.25) -> float:
-        """t_preemptible_waiting of the seeding-window rule: how long the live preemptible
-        workers sat with nothing at all in flight (mean over workers), until `stop`. A worker
-        finishing a few long responses is not waiting: the tail is latency-bound, and counting
-        its empty slots as idle (RolloutManager.sample_idle) keeps T_seed from growing."""
-        waiting = 0.0
-        while not stop.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=period_s)
-            live = await self.manager.live_workers()
-            if live:
-                waiting += period_s * sum(hb.inflight == 0 for hb in live) / len(live)
-        return waiting
 
     async def _provisioned(self, worker_id: str, started: float) -> None:
         while time.monotonic() - started < 30:
@@ -243,112 +254,34 @@ class Emulation:
 
     # ------------------------------------------------------------------ one step
 
-    def _share(self, live: int) -> int:
-        """Requests the reserved engine takes at the start of a step: its share of the GPUs."""
-        n = self.a.prompts * self.a.samples
-        return n if live <= 0 or self.policy != "hybrid" else math.ceil(n * RESERVED_GPUS / (RESERVED_GPUS + INSTANCE_GPUS * live))
+    def _fallback_settings(self, pool: str, handoff_pool: str) -> WorkerSettings:
+        """The reserved cluster taking a vanished fleet's work back: its rollout GPUs, in this process."""
+        return WorkerSettings(pool=pool, handoff_pool=handoff_pool, slots=self.split * SLOTS_PER_GPU,
+                              checkpoint_tokens=self.a.chunk, heartbeat_s=self.hb_s, ack_wait_s=ACK_WAIT_S,
+                              lease_ttl_s=LEASE_TTL_S)
 
-    def _fallback(self, step: int) -> tuple[RolloutWorker, asyncio.Task]:
-        """The preemptible fleet vanished mid-step: the reserved cluster takes the work back."""
-        w = RolloutWorker(WorkerSettings(pool=self.pool, slots=self.split * SLOTS_PER_GPU, checkpoint_tokens=self.a.chunk,
-                                         heartbeat_s=self.hb_s, ack_wait_s=ACK_WAIT_S, lease_ttl_s=LEASE_TTL_S),
-                          self.engine, self.c, worker_id=f"reserved-fallback-{step}", counters=self.counters)
-        return w, asyncio.create_task(w.run())
+    def _on_result(self, r: wire.RolloutResult, arrived: int, total: int) -> None:
+        if any(s.worker_id in self.preempted for s in r.segments[:-1]):
+            self.migrated_from_preempted += 1
 
-    async def _hand_off(self) -> int:
-        """End of the seeding window: every reserved engine hands its unfinished responses to
-        the preemptible pool (SIGUSR2) and serves on; returns once all have, with the count."""
-        procs = [w for w in self.reserved_fleet.workers.values() if w.proc.poll() is None]
-        before = {w.worker_id: w.counters() for w in procs}
-        for w in procs:
-            w.proc.send_signal(signal.SIGUSR2)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(
-                w.counters()["handoff_rounds"] <= before[w.worker_id]["handoff_rounds"] for w in procs):
-            await asyncio.sleep(0.005)
-        return sum(w.counters()["handed_off"] - before[w.worker_id]["handed_off"] for w in procs)
+    def _requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
+        R = self.a.token_scale
+        return [wire.RolloutRequest(request_id=wire.request_id(step, p, g, run=self.run_id), step=step,
+                                    policy_version=version, prompt_ids=[7] * (PROMPT_TOKENS // R),
+                                    max_new_tokens=MAX_NEW_TOKENS // R, seed=seed_of(step, p, g), group=p)
+                for p in range(groups) for g in range(self.a.samples)]
 
     async def step(self, step: int) -> dict:
-        a, R = self.a, self.a.token_scale
-        reqs = [wire.RolloutRequest(request_id=wire.request_id(step, p, g, run=self.run_id), step=step,
-                                    policy_version=0, prompt_ids=[7] * (PROMPT_TOKENS // R),
-                                    max_new_tokens=MAX_NEW_TOKENS // R, seed=seed_of(step, p, g), group=p)
-                for p in range(a.prompts) for g in range(a.samples)]
-        hybrid = self.policy == "hybrid"
-        live = await self._live() if hybrid else 0
-        t_seed = self.window.window(live) if hybrid else (0.0 if self.policy == "disaggregated" else math.inf)
-        t_start = time.monotonic()
-        stop_idle = asyncio.Event()
-        idle_sampler = asyncio.create_task(self._spot_waiting(stop_idle)) if live else None
-        # Dispatch by capacity: the reserved engines' share (interleaved over prompts) on their
-        # own queue, the rest on the preemptible pool's, where free slots pull it.
-        share = self._share(live)
-        mine = set(np.linspace(0, len(reqs) - 1, share).round().astype(int).tolist())
-        mine_ids = {reqs[i].request_id for i in mine}
-        await self.manager.publish_step([q for i, q in enumerate(reqs) if i in mine], self.reserved_pool)
-        if len(mine) < len(reqs):
-            await self.manager.publish_step([q for i, q in enumerate(reqs) if i not in mine])
-        groups: dict[int, int] = defaultdict(int)
-        tokens: dict[int, int] = defaultdict(int)
-        ready: asyncio.Queue[int] = asyncio.Queue()
-        last_result = [t_start]
-        reserved_left = [len(mine_ids)]  # of the reserved share, not finished yet
-
-        async def collect() -> None:
-            async for r in self.manager.results(step, {q.request_id for q in reqs}):
-                reserved_left[0] -= r.request_id in mine_ids
-                groups[r.group] += 1
-                tokens[r.group] += len(r.token_ids) * R  # modelled tokens
-                workers = [s.worker_id for s in r.segments]
-                if any(w in self.preempted for w in workers[:-1]):
-                    self.migrated_from_preempted += 1
-                if groups[r.group] == a.samples:
-                    ready.put_nowait(r.group)
-                last_result[0] = time.monotonic()
-
-        collector = asyncio.create_task(collect())
-        rollout_done = asyncio.Event()
-        collector.add_done_callback(lambda _: rollout_done.set())
-        while not collector.done() and time.monotonic() - t_start < t_seed:  # rollout first
-            await asyncio.sleep(0.01)
-            if hybrid and live and not reserved_left[0]:
-                break  # the reserved engines ran out of work before T_seed: train now
-        handoffs = 0
-        handed_off = False
-        if hybrid and not collector.done() and await self._live():
-            handoffs, handed_off = await self._hand_off(), True
-        fallback: tuple[RolloutWorker, asyncio.Task] | None = None
-        trained = step_tokens = 0
-        trainer_wait = 0.0
-        busy_until = time.monotonic()  # the emulated trainer: busy until this instant
-        while trained < a.prompts:
-            while True:
-                try:
-                    g = await asyncio.wait_for(ready.get(), timeout=0.1)
-                    break
-                except asyncio.TimeoutError:
-                    if collector.done():
-                        collector.result()
-                    if handed_off and fallback is None and not await self._live():
-                        self.fallbacks += 1  # nobody left to finish the rollout: take it back
-                        fallback = self._fallback(step)
-            arrived = time.monotonic()
-            trainer_wait += max(0.0, arrived - busy_until)  # idle: it had trained all it had
-            busy_until = max(busy_until, arrived) + tokens[g] * self.train_s_per_token / self.S
-            step_tokens += tokens[g]
-            trained += 1
-        await asyncio.sleep(max(0.0, busy_until - time.monotonic()))  # the optimizer step ends the batch
-        await collector
-        if fallback is not None:
-            fallback[0].request_drain("step complete")
-            await fallback[1]
-        if idle_sampler:
-            stop_idle.set()
-            self.window.update(live, trainer_wait, await idle_sampler)
-        self.handoffs += handoffs
-        return {"tokens": step_tokens, "live": live, "handoffs": handoffs,
-                "t_seed": None if math.isinf(t_seed) else round(t_seed * self.S, 1),
-                "trainer_wait_s": round(trainer_wait * self.S, 1), "rollout_s": round((last_result[0] - t_start) * self.S, 1), "step_s": round((time.monotonic() - t_start) * self.S, 1)}
+        """One step of the product's orchestration (rlboost/orchestrator.py), on emulated engines."""
+        # the emulated trainer's version: the step (workers' emulated weights are virtual)
+        o = await self.orchestrator.step(step, step if self.mode != "sync" else 0, self._requests, self.a.prompts)
+        R, S = self.a.token_scale, self.S
+        tokens = R * sum(len(r.token_ids) for _, results in o.trained for r in results)  # modelled tokens
+        self.staleness += o.staleness
+        return {"tokens": tokens, "live": o.live, "handoffs": o.handoffs,
+                "t_seed": None if o.t_seed is None else round(o.t_seed * S, 1),
+                "trainer_wait_s": round(o.trainer_wait_s * S, 1), "rollout_s": round(o.rollout_s * S, 1),
+                "step_s": round(o.step_s * S, 1), "carried_groups": o.carried_groups}
 
     # ------------------------------------------------------------------ a whole run
 
@@ -374,8 +307,9 @@ class Emulation:
             stop.set()
             if replay:
                 await replay
+            await self.orchestrator.close()
             await asyncio.to_thread(self.fleet.stop_all)
-            await asyncio.to_thread(self.reserved_fleet.stop_all)
+            await self.seeding.close()
         migration = await self._migration_latency() if self.policy == "hybrid" else None
         R = self.a.token_scale
         counted = [w.counters() for w in [*self.fleet.workers.values(), *self.reserved_fleet.workers.values()]]
@@ -391,9 +325,12 @@ class Emulation:
                 "cost_efficiency": round(cost_efficiency(throughput, rate), 2) if rate else 0.0,
                 "preemptions": len(self.preempted), "regenerated_tokens": regenerated, "fenced_tokens": fenced,
                 "steps": len(self.rows), "tokens": tokens, "modelled_s": round(elapsed),
-                "instance_hours": round(inst_s / 3600, 2), "handoffs": self.handoffs,
+                "instance_hours": round(inst_s / 3600, 2), "handoffs": self.orchestrator.handoffs,
                 "migrated_from_preempted": self.migrated_from_preempted, "migration_latency": migration, "notice_exceeded": self.notice_exceeded,
-                "fallbacks": self.fallbacks, "workers_started": len(self.fleet.workers),
+                "fallbacks": self.orchestrator.fallbacks, "mode": self.mode,
+                "staleness_max": max(self.staleness, default=0),
+                "staleness_mean": round(statistics.fmean(self.staleness), 3) if self.staleness else 0.0,
+                "workers_started": len(self.fleet.workers),
                 "provision_s_p50": round(statistics.median(self.provision_s), 1) if self.provision_s else None,
                 "rollout_gpus": self.split, "t_seed_last": self.rows[-1]["t_seed"] if self.rows else None,
                 "series": [[r["t_end_s"], round(r["tokens"] / r["step_s"])] for r in self.rows]}
@@ -401,13 +338,16 @@ class Emulation:
 
 async def evaluate(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Path,
                    runs: list[tuple[str, str, list[Interval]]]) -> dict:
+    """`runs`: (label, policy, intervals); a label `hybrid-partial` / `hybrid-async` runs the
+    hybrid policy in that rollout mode."""
     out: dict[str, dict] = {}
     async with open_clients(nats_url, redis_url, "rlboost-trace") as c:
         for label, policy, ivs in runs:
             print(f"{label}:", flush=True)
             t = time.monotonic()
             duration = a.duration if policy == "hybrid" or not a.trace else min(a.duration, a.baseline_duration)
-            out[label] = await Emulation(a, c, nats_url, redis_url, workdir, label, policy, ivs).run(duration)
+            mode = label.rpartition("-")[2] if label.rpartition("-")[2] in ("partial", "async") else "sync"
+            out[label] = await Emulation(a, c, nats_url, redis_url, workdir, label, policy, ivs, mode).run(duration)
             out[label]["wall_s"] = round(time.monotonic() - t, 1)
     return out
 
@@ -432,6 +372,11 @@ def summarise(policies: dict, ivs: list[Interval], fleet: list[Interval], a: arg
         result["throughput_ratio"] = round(h["throughput"] / c["throughput"], 3)
         result["cost_efficiency_gain"] = round(h["cost_efficiency"] / c["cost_efficiency"] - 1, 3)
         result["oracle_fraction"] = round(h["throughput"] / policies["oracle"]["throughput"], 3)
+        for mode in ("partial", "async"):  # the rollout modes beside sync, against the same oracle
+            if (m := policies.get(f"hybrid-{mode}")) is not None:
+                result[f"{mode}_throughput_ratio"] = round(m["throughput"] / c["throughput"], 3)
+                result[f"{mode}_cost_efficiency_gain"] = round(m["cost_efficiency"] / c["cost_efficiency"] - 1, 3)
+                result[f"{mode}_oracle_fraction"] = round(m["throughput"] / policies["oracle"]["throughput"], 3)
     return result
 
 
@@ -495,6 +440,10 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--t-seed", type=float, default=60.0, help="initial seeding window (modelled s)")
     p.add_argument("--policies", default="colocated,disaggregated,hybrid")
+    p.add_argument("--mode", default="sync", help="rollout modes of the hybrid, beside sync: e.g. sync,partial,async "
+                   "(rlboost/orchestrator.py)")
+    p.add_argument("--max-staleness", type=int, default=1, help="async: versions a trained token may lag")
+    p.add_argument("--overprovision", type=float, default=0.25, help="partial: extra groups kept in flight")
     p.add_argument("--calibrate", action="store_true",
                    help="colocated and hybrid with 1-4 static instances, against the published figures")
     p.add_argument("--max-instances", type=int, default=3,
@@ -528,6 +477,11 @@ def main(argv: list[str], s: Settings) -> int:
         ivs = intervals([e for e in events if e.node in nodes], a.start, a.duration)
         fleet = rented(ivs, a.max_instances)
         runs = [(x, x, fleet if x == "hybrid" else []) for x in a.policies.split(",") if x]
+        modes = [m for m in a.mode.split(",") if m and m != "sync"]
+        if set(modes) - {"partial", "async"}:
+            p.error(f"--mode {a.mode}: use sync, partial, async (comma-separated)")
+        if modes and "hybrid" in a.policies.split(","):  # reported beside sync in the same table
+            runs += [(f"hybrid-{m}", "hybrid", fleet) for m in modes]
         unknown = {x for _, x, _ in runs} - {"colocated", "disaggregated", "hybrid"}
         if unknown:
             p.error(f"unknown policies {sorted(unknown)}")
@@ -567,6 +521,12 @@ def main(argv: list[str], s: Settings) -> int:
             print(f"\nhybrid vs colocated: throughput x{result['throughput_ratio']:.2f} (published 1.51-1.97x), "
                   f"cost efficiency {result['cost_efficiency_gain']:+.0%} (published +28-49%), "
                   f"{result['oracle_fraction']:.0%} of the oracle")
+            for mode in ("partial", "async"):
+                if f"{mode}_throughput_ratio" in result:
+                    h = policies[f"hybrid-{mode}"]
+                    print(f"hybrid, {mode} rollout: throughput x{result[f'{mode}_throughput_ratio']:.2f}, cost efficiency "
+                          f"{result[f'{mode}_cost_efficiency_gain']:+.0%}, {result[f'{mode}_oracle_fraction']:.0%} of the "
+                          f"oracle (staleness max {h['staleness_max']}, mean {h['staleness_mean']})")
         if (m := policies.get("hybrid", {}).get("migration_latency")) and m["after_handoff_s"]["n"]:
             h, k = m["after_handoff_s"], m["after_kill_s"]
             print(f"migration (modelled s to the next claim): {h['n']} after a hand-off p50 {h['p50']} p95 {h['p95']}"

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rlboost.weights.source import EmulatedWeights
 from workers.engines.base import Engine, Generated, Sequence
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -114,9 +115,17 @@ def _normal_ppf(p: float) -> float:
            (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
 
 
-def reference_tokens(seed: int, request_id: str, start: int, n: int, vocab: int = 32000) -> tuple[list[int], list[float]]:
+def _weights_key(seed: int, policy_version: int) -> int:
+    """The emulated "weights" of a version shape its tokens (version 0: the plain seed key), so
+    tokens generated with another version's weights than the request names show up as a
+    mismatch against the reference, exactly as they would with a real model."""
+    return _key(seed, salt=0) if policy_version == 0 else _key(seed, salt=0x7E45 * policy_version)
+
+
+def reference_tokens(seed: int, request_id: str, start: int, n: int, vocab: int = 32000,
+                     policy_version: int = 0) -> tuple[list[int], list[float]]:
     """Tokens [start, start+n) of a request and their logprobs: what any worker produces."""
-    ((toks, lps),) = _tokens_for([_key(seed)], [start], [n], vocab)
+    ((toks, lps),) = _tokens_for([_weights_key(seed, policy_version)], [start], [n], vocab)
     return toks, lps
 
 
@@ -152,13 +161,21 @@ class EmulatedEngine(Engine):
         self.lengths = lengths or LengthModel()
         self.vocab = vocab
         self.on_tokens = on_tokens  # called as tokens come off each emulated step
+        self.weights_id = "emulated-v0"
         self._prefilled: set[str] = set()  # request ids whose KV cache this engine holds
         self._gpu_free_at: float | None = None  # wall clock when the last call's modelled GPU work ended
         self._last_gpu_s = 0.0  # real duration of the last call's modelled GPU work
+        # Per sequence of the batch: (request id, seed, max new, version) -> (target length, key).
+        # Both are pure functions of that tuple; computed once per request, not once per call
+        # (at unlimited speed they were most of this engine's cost).
+        self._per_seq: dict[tuple[str, int, int, int], tuple[int, int]] = {}
 
     def set_token_callback(self, fn: Callable[[int], None]) -> bool:
         self.on_tokens = fn
         return True
+
+    def weight_source(self) -> EmulatedWeights:
+        return EmulatedWeights()
 
     async def _pace(self, batch: list[Sequence], remaining: list[int], steps: int,
                     stop: threading.Event | None, t0: float) -> int:
@@ -213,7 +230,13 @@ class EmulatedEngine(Engine):
         if continuing and self._gpu_free_at is not None:
             t0 = max(now - self._last_gpu_s, min(now, self._gpu_free_at))
 
-        remaining = [max(0, target_length(s, self.lengths) - len(s.token_ids)) for s in batch]
+        per_seq = {}
+        for s in batch:
+            k = (s.request_id, s.seed, s.max_new_tokens, self.policy_version)
+            per_seq[k] = self._per_seq.get(k) or (target_length(s, self.lengths), _weights_key(s.seed, self.policy_version))
+        self._per_seq = per_seq  # sequences that left the batch are forgotten
+        known = list(per_seq.values())
+        remaining = [max(0, n - len(s.token_ids)) for s, (n, _) in zip(batch, known, strict=True)]
         steps = min(max_tokens, max(remaining, default=0))
         if not continuing and self.speed > 0:
             # A batch forming from scratch: admissions are still landing. Like a continuous-
@@ -229,7 +252,8 @@ class EmulatedEngine(Engine):
         done = [min(r, done_steps) for r in remaining]
         if self.speed <= 0 and self.on_tokens:
             self.on_tokens(sum(done))
-        made = _tokens_for([_key(s.seed) for s in batch], [len(s.token_ids) for s in batch], done,
+        made = _tokens_for([key for _, key in known],
+                           [len(s.token_ids) for s in batch], done,
                            self.vocab)
-        return [Generated(token_ids=t, logprobs=lp, finished=n >= rem)
+        return [Generated(t, lp, n >= rem)
                 for (t, lp), n, rem in zip(made, done, remaining, strict=True)]

@@ -17,6 +17,12 @@ guarantee for speed on bigger models.
 Every `generate` call re-prefills each sequence from prompt + tokens so far (left-padded, with
 explicit position ids so padding does not shift positions): the engine holds no per-request
 state between calls, so the worker may reshuffle batches freely.
+
+Any Hugging Face causal-LM folder loads (`rlboost.modeldir`: safetensors only, local files
+only); `device` puts the model on a GPU (`cuda`), sampling noise stays on the CPU.
+A request the model cannot serve (a token id outside the vocabulary, a prompt + response
+longer than its context) is refused by `check` before admission, and raises `RequestError`
+if it reaches `generate` anyway: the worker answers it with an `error` result.
 """
 
 from __future__ import annotations
@@ -31,14 +37,16 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from rlboost.logs import get_logger
-from workers.engines.base import Engine, EngineError, Generated, Sequence
+from rlboost.modeldir import ModelDirError, check_model_dir, load_causal_lm
+from workers.engines.base import Engine, EngineError, Generated, RequestError, Sequence
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -104,16 +112,30 @@ class TorchEngine(Engine):
     name = "torch"
 
     def __init__(self, model_dir: str, threads: int = 1, dtype: str | torch.dtype = "float64",
-                 on_tokens: Callable[[int], None] | None = None) -> None:
+                 on_tokens: Callable[[int], None] | None = None, device: str = "cpu",
+                 max_model_len: int = 0) -> None:
         torch.set_num_threads(threads)
+        if isinstance(dtype, str) and dtype not in _DTYPES:
+            raise EngineError(f"torch engine dtype {dtype!r}: choose {', '.join(_DTYPES)}")
         self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.model_dir = Path(model_dir)
-        config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
-        self.model = AutoModelForCausalLM.from_config(config).to(self.dtype).eval()
-        self._load(self.model_dir)
+        self.device = torch.device(device)
+        try:
+            info = check_model_dir(self.model_dir)
+            self.model = load_causal_lm(self.model_dir, dtype=self.dtype).to(self.device)
+        except ModelDirError as e:
+            raise EngineError(str(e)) from None
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.max_model_len = max_model_len or info.max_context  # 0: no limit known
         self.on_tokens = on_tokens  # called with the number of tokens each decode step made
         self._lock = asyncio.Lock()  # generate and load_weights never overlap
         self.log = get_logger(component="torch-engine")
+
+    def set_token_callback(self, fn: Callable[[int], None]) -> bool:
+        """Tokens are reported per decode step, so a worker's crash-proof counter also holds the
+        tokens of a call that a SIGKILL cut short (what must be regenerated)."""
+        self.on_tokens = fn
+        return True
 
     def _load(self, weights_dir: Path) -> None:
         """Checked in full before anything is copied: a shard set that does not fit leaves the
@@ -135,6 +157,16 @@ class TorchEngine(Engine):
         self.model.load_state_dict(state, strict=False)
         self.model.tie_weights()
 
+    def check(self, seq: Sequence) -> str | None:
+        bad = [t for t in seq.prompt_ids + seq.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"token id {bad[0]} outside the vocabulary (size {self.vocab_size})"
+        need = len(seq.prompt_ids) + seq.max_new_tokens
+        if self.max_model_len and need > self.max_model_len:
+            return (f"{len(seq.prompt_ids)} prompt + {seq.max_new_tokens} new tokens exceed the model's "
+                    f"context of {self.max_model_len}")
+        return None
+
     async def load_weights(self, weights_dir: Path, version: int) -> None:
         async with self._lock:
             t0 = time.monotonic()
@@ -149,19 +181,24 @@ class TorchEngine(Engine):
 
     @torch.inference_mode()
     def _generate(self, batch: list[Sequence], max_tokens: int, stop: threading.Event | None) -> list[Generated]:
-        out = [Generated(token_ids=[], logprobs=[], finished=_done(s)) for s in batch]
-        budget = [0 if _done(s) else min(max_tokens, s.max_new_tokens - len(s.token_ids)) for s in batch]
+        for s in batch:
+            reason = self.check(s)
+            if reason is not None:
+                raise RequestError(s.request_id, reason)
+        out = [Generated(token_ids=[], logprobs=[], finished=s.done()) for s in batch]
+        budget = [0 if s.done() else min(max_tokens, s.max_new_tokens - len(s.token_ids)) for s in batch]
         live = [i for i in range(len(batch)) if budget[i] > 0]
         if not live or (stop is not None and stop.is_set()):
             return out
         contexts = [batch[i].prompt_ids + batch[i].token_ids for i in live]
         width = max(map(len, contexts))
-        input_ids = torch.tensor([[0] * (width - len(c)) + c for c in contexts])
-        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
+        input_ids = torch.tensor([[0] * (width - len(c)) + c for c in contexts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         logits = self._forward(input_ids, mask, positions, cache)
-        next_pos = torch.tensor([len(c) for c in contexts])
+        next_pos = torch.tensor([len(c) for c in contexts], device=self.device)
+        stops = [s.stops for s in batch]
         while True:
             seqs = [batch[i] for i in live]
             tokens, logprobs = sample(logits, seqs, [len(s.token_ids) + len(out[i].token_ids)
@@ -170,7 +207,7 @@ class TorchEngine(Engine):
             for row, (i, tok, lp) in enumerate(zip(live, tokens, logprobs, strict=True)):
                 out[i].token_ids.append(tok)
                 out[i].logprobs.append(lp)
-                if tok == batch[i].eos_id or len(batch[i].token_ids) + len(out[i].token_ids) >= batch[i].max_new_tokens:
+                if tok in stops[i] or len(batch[i].token_ids) + len(out[i].token_ids) >= batch[i].max_new_tokens:
                     out[i].finished = True
                 elif len(out[i].token_ids) < budget[i]:
                     keep.append(row)
@@ -179,20 +216,16 @@ class TorchEngine(Engine):
             if not keep or (stop is not None and stop.is_set()):
                 return out
             if len(keep) < len(live):  # finished rows leave the batch and the cache
-                idx = torch.tensor(keep)
+                idx = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(idx)
                 mask, next_pos = mask[idx], next_pos[idx]
                 tokens = [tokens[r] for r in keep]
                 live = [live[r] for r in keep]
-            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype)], dim=1)
-            logits = self._forward(torch.tensor(tokens)[:, None], mask, next_pos[:, None], cache)
+            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=self.device)], dim=1)
+            logits = self._forward(torch.tensor(tokens, device=self.device)[:, None], mask, next_pos[:, None], cache)
             next_pos = next_pos + 1
 
     def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
         result = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return result.logits[:, -1]
-
-
-def _done(s: Sequence) -> bool:
-    return len(s.token_ids) >= s.max_new_tokens or (bool(s.token_ids) and s.token_ids[-1] == s.eos_id)
+        return result.logits[:, -1].cpu()  # sampling (keyed noise) runs on the CPU

@@ -63,8 +63,6 @@ import hashlib
 import itertools
 import json
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -79,7 +77,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 from rlboost.logs import get_logger  # noqa: E402
-from workers.engines.base import Engine, EngineError, Generated, Sequence  # noqa: E402
+from workers.engines.base import Engine, EngineError, Generated, RequestError, Sequence  # noqa: E402
 
 _ids = itertools.count()
 
@@ -97,8 +95,8 @@ def sampling_params(s: Sequence, budget: int) -> SamplingParams:
         n=1, max_tokens=budget, seed=call_seed(s.seed, len(s.token_ids)),
         temperature=0.0 if greedy else s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else 0,
         logprobs=0,  # the sampled token's logprob only
-        ignore_eos=True,  # the request's eos_id decides, not the model's
-        stop_token_ids=[s.eos_id] if s.eos_id >= 0 else [],
+        ignore_eos=True,  # the request's stop ids decide (every EOS id of the model), not vLLM's
+        stop_token_ids=sorted(s.stops),
         detokenize=False, output_kind=RequestOutputKind.DELTA)
 
 
@@ -150,26 +148,42 @@ class VLLMEngine(Engine):
 
     def __init__(self, model_dir: str, dtype: str | None = None, max_model_len: int | None = None,
                  threads: int | None = None, enable_prefix_caching: bool = True,
-                 on_tokens: Callable[[int], None] | None = None, **llm_options: object) -> None:
+                 on_tokens: Callable[[int], None] | None = None, tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool | None = None,
+                 **llm_options: object) -> None:
+        """`dtype` None: the model's own on a GPU ("auto"), float32 on CPU (vLLM CPU would pick
+        bfloat16). `enforce_eager` None: CUDA graphs on a GPU (vLLM's fast path), eager on CPU
+        (no graphs there; it also spares the compile time at start-up)."""
+        from rlboost.modeldir import ModelDirError, check_model_dir
+
         self.model_dir = Path(model_dir)
         self.log = get_logger(component="vllm-engine")
         import torch
 
+        try:
+            info = check_model_dir(self.model_dir)
+        except ModelDirError as e:
+            raise EngineError(str(e)) from None
         if threads is not None:
             torch.set_num_threads(threads)
-        if dtype is None:  # CPU: keep the model's float32 (vLLM CPU would pick bfloat16 for "auto")
-            dtype = "auto" if torch.cuda.is_available() else "float32"
-        config = json.loads((self.model_dir / "config.json").read_text())
-        self.tied = bool(config.get("tie_word_embeddings", False))
+        gpu = torch.cuda.is_available()
+        if dtype is None:
+            dtype = "auto" if gpu else "float32"
+        if enforce_eager is None:
+            enforce_eager = not gpu
+        self.tied = info.tied
         self.expected = _shapes(self.model_dir)
         t0 = time.monotonic()
         self.llm = vllm.LLM(model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=dtype,
-                            max_model_len=max_model_len, enforce_eager=True, seed=0,
+                            max_model_len=max_model_len or None, enforce_eager=enforce_eager, seed=0,
+                            tensor_parallel_size=tensor_parallel_size,
+                            gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=False,
                             logprobs_mode="processed_logprobs", max_logprobs=0,
                             enable_prefix_caching=enable_prefix_caching, disable_log_stats=True,
                             worker_extension_cls=f"{__name__}.WorkerExtension", **llm_options)
         self.engine = self.llm.llm_engine
         self.max_model_len = self.engine.model_config.max_model_len
+        self.vocab_size = self.engine.model_config.get_vocab_size()
         self.on_tokens = on_tokens
         self._lock = asyncio.Lock()  # generate and load_weights never overlap
         self.log.info("vllm engine started", model_dir=str(self.model_dir), dtype=dtype,
@@ -179,6 +193,16 @@ class VLLMEngine(Engine):
         self.on_tokens = fn
         return True
 
+    def check(self, seq: Sequence) -> str | None:
+        bad = [t for t in seq.prompt_ids + seq.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"token id {bad[0]} outside the vocabulary (size {self.vocab_size})"
+        need = len(seq.prompt_ids) + seq.max_new_tokens
+        if need > self.max_model_len:
+            return (f"{len(seq.prompt_ids)} prompt + {seq.max_new_tokens} new tokens exceed "
+                    f"max_model_len {self.max_model_len}")
+        return None
+
     # ------------------------------------------------------------------ generation
 
     async def generate(self, batch: list[Sequence], max_tokens: int,
@@ -187,7 +211,7 @@ class VLLMEngine(Engine):
             return await asyncio.to_thread(self._generate, batch, max_tokens, stop)
 
     def _generate(self, batch: list[Sequence], max_tokens: int, stop: threading.Event | None) -> list[Generated]:
-        out = [Generated(token_ids=[], logprobs=[], finished=_done(s)) for s in batch]
+        out = [Generated(token_ids=[], logprobs=[], finished=s.done()) for s in batch]
         if stop is not None and stop.is_set():
             return out
         running: dict[str, int] = {}  # vLLM request id -> index in batch
@@ -197,11 +221,14 @@ class VLLMEngine(Engine):
                 if budget <= 0:
                     continue
                 context = s.prompt_ids + s.token_ids
-                if len(context) + budget > self.max_model_len:
-                    raise EngineError(f"request {s.request_id}: {len(context)} context + {budget} new tokens "
-                                      f"exceed max_model_len {self.max_model_len}")
+                reason = self.check(s)
+                if reason is not None:
+                    raise RequestError(s.request_id, reason)
                 rid = f"{s.request_id}@{len(s.token_ids)}#{next(_ids)}"
-                self.engine.add_request(rid, TokensPrompt(prompt_token_ids=context), sampling_params(s, budget))
+                try:
+                    self.engine.add_request(rid, TokensPrompt(prompt_token_ids=context), sampling_params(s, budget))
+                except (ValueError, TypeError) as e:  # vLLM validates a request as it is added
+                    raise RequestError(s.request_id, f"refused by vLLM: {e}") from None
                 running[rid] = i
             while running:
                 made = 0
@@ -218,7 +245,7 @@ class VLLMEngine(Engine):
                     if o.finished:
                         del running[o.request_id]
                         total = len(s.token_ids) + len(g.token_ids)
-                        g.finished = total >= s.max_new_tokens or (bool(g.token_ids) and g.token_ids[-1] == s.eos_id)
+                        g.finished = total >= s.max_new_tokens or (bool(g.token_ids) and g.token_ids[-1] in s.stops)
                 if made and self.on_tokens is not None:
                     self.on_tokens(made)
                 if stop is not None and stop.is_set():
@@ -238,18 +265,13 @@ class VLLMEngine(Engine):
             self.log.info("weights loaded", policy_version=version, seconds=round(time.monotonic() - t0, 3))
 
     def _reload(self, weights_dir: Path) -> None:
-        merged: Path | None = None
-        try:
-            source = weights_dir
-            if _has_split_tensors(weights_dir):
-                merged = source = _join_split_tensors(weights_dir)
+        from rlboost.weights.safetensors_io import whole_tensor_dir
+
+        with whole_tensor_dir(weights_dir) as source:  # split row blocks joined, if any
             self._check(source)
             retied = self.llm.collective_rpc("rlboost_reload_weights", kwargs={"weights_path": str(source)})
             self.log.debug("weights reloaded in place", source=str(source), retied=retied)
             self.llm.reset_prefix_cache()  # no KV computed with the old weights is reused
-        finally:
-            if merged is not None:
-                shutil.rmtree(merged, ignore_errors=True)
 
     def _check(self, weights_dir: Path) -> None:
         got = _shapes(weights_dir)
@@ -268,34 +290,3 @@ class VLLMEngine(Engine):
                 core.shutdown()
             except Exception as e:  # closing is best effort
                 self.log.warning("vllm shutdown failed", error=repr(e))
-
-
-def _has_split_tensors(weights_dir: Path) -> bool:
-    """Only a weight-cache version directory has a manifest; a plain model directory does not."""
-    from rlboost.weights import Manifest
-
-    path = weights_dir / "manifest.json"
-    if not path.exists():
-        return False
-    return any(len(t.parts) > 1 for t in Manifest.decode(path.read_bytes()).tensors)
-
-
-def _join_split_tensors(weights_dir: Path) -> Path:
-    """A weight-cache version whose publisher split big tensors into row blocks
-    (`name@rows<i>`): write the joined tensors to a temporary directory vLLM can read."""
-    from rlboost.weight_cache import load_tensors
-    from safetensors.torch import save_file
-
-    tensors = load_tensors(weights_dir)
-    out = Path(tempfile.mkdtemp(prefix="rlboost-vllm-weights-"))
-    try:
-        for i, (name, t) in enumerate(tensors.items()):  # one file per tensor: bounded memory
-            save_file({name: t.contiguous()}, str(out / f"part-{i:05d}.safetensors"))
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
-    return out
-
-
-def _done(s: Sequence) -> bool:
-    return len(s.token_ids) >= s.max_new_tokens or (bool(s.token_ids) and s.token_ids[-1] == s.eos_id)

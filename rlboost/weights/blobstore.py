@@ -34,25 +34,11 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import BadRequestError, NotFoundError
 
 from rlboost.logs import get_logger
+from rlboost.weights.errors import ObjectMissing, StoreUnavailable
 
 log = get_logger(component="objstore")
 
 Buffer = bytes | bytearray | memoryview
-
-
-class StoreError(RuntimeError):
-    """Base class of blob store errors."""
-
-
-class StoreUnavailable(StoreError):
-    """The store did not answer (network, mount, timeout): transient, retry with back-off."""
-
-
-class ObjectMissing(StoreError, KeyError):
-    """The store answered that the blob does not exist."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else "object missing"
 
 
 class BlobStore(abc.ABC):
@@ -172,6 +158,21 @@ class FileBlobStore(BlobStore):
 
 # ---------------------------------------------------------------- JetStream Object Store
 
+async def _acked(pending: list[asyncio.Future], timeout_s: float = 10.0) -> None:
+    """Wait for publish acks, boundedly: nats-py's futures never time out on their own (an ack
+    lost to a server restart would hang the upload). Unanswered ones are cancelled and the put
+    fails as transient (the caller retries it whole: chunks go to a fresh subject)."""
+    if not pending:
+        return
+    done, late = await asyncio.wait(pending, timeout=timeout_s)
+    for f in late:
+        f.cancel()
+    if late:
+        raise nats.errors.TimeoutError
+    for f in done:
+        f.result()
+
+
 _TRANSIENT = (
     nats.errors.ConnectionClosedError,
     nats.errors.NoServersError,
@@ -218,7 +219,8 @@ class JetStreamBlobStore(BlobStore):
         self._credits = asyncio.Semaphore(self.MAX_INFLIGHT)
 
     @classmethod
-    async def open(cls, js: JetStreamContext, bucket: str, create: bool = True, **kwargs) -> JetStreamBlobStore:
+    async def open(cls, js: JetStreamContext, bucket: str, create: bool = True, replicas: int = 1,
+                   **kwargs) -> JetStreamBlobStore:
         """Find the bucket, or create it (file storage, unlimited size) if `create`."""
         try:
             await js.stream_info(f"OBJ_{bucket}")
@@ -226,7 +228,7 @@ class JetStreamBlobStore(BlobStore):
             if not create:
                 raise ObjectMissing(f"object store bucket {bucket} does not exist") from None
             try:
-                await js.create_object_store(bucket, storage=api.StorageType.FILE,
+                await js.create_object_store(bucket, storage=api.StorageType.FILE, replicas=replicas,
                                              description="rlboost weight shards and manifests")
             except BadRequestError:
                 pass  # a concurrent creator won
@@ -266,9 +268,9 @@ class JetStreamBlobStore(BlobStore):
                 pending.append(await self.js.publish_async(subject, bytes(view[off:off + self.chunk_size])))
                 chunks += 1
                 if len(pending) >= self.WINDOW:
-                    await asyncio.gather(*pending)
+                    await _acked(pending)
                     pending = []
-            await asyncio.gather(*pending)
+            await _acked(pending)
             info = api.ObjectInfo(
                 name=key, bucket=self.bucket, nuid=nuid, size=len(view), chunks=chunks,
                 digest="SHA-256=" + base64.urlsafe_b64encode(digest).decode(),

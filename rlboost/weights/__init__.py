@@ -1,0 +1,48 @@
+"""The weight store: policy versions as safetensors snapshots or sparse deltas in a blob store,
+pulled into a verified local cache.
+
+- `manifest`: the per-version contract (tensors and their SHA-256, shards, delta), validated at the door;
+- `blobstore`: the object store backends (embedded JetStream Object Store, a directory);
+- `deltas`: bit-exact sparse/XOR encodings of a tensor's change, zstd-compressed;
+- `publisher`: trainer side (snapshot or delta, the version pointer, GC that keeps delta bases);
+- `pointer`: the latest published version in the `rb-policy` KV bucket;
+- `cache`: worker side (cheapest path to a version, reconstruct, verify, fall back to a snapshot);
+- `safetensors_io`: zero-copy reading of a verified version directory;
+- `source`: `WeightSource` ("version -> folder an engine loads"; `StoreWeights`, `EmulatedWeights`);
+- `errors`: the store's errors, under `rlboost.errors.RlboostError`.
+"""
+
+from rlboost.weights.blobstore import BlobStore, FileBlobStore, JetStreamBlobStore
+from rlboost.weights.cache import CacheStats, VerifiedVersion, WeightCache
+from rlboost.weights.errors import (
+    DeltaCorrupt,
+    ObjectMissing,
+    ShardCorrupt,
+    StoreError,
+    StoreUnavailable,
+    VersionUnavailable,
+)
+from rlboost.weights.manifest import MANIFEST_SCHEMA, Manifest, ShardEntry, TensorEntry, TensorPart, check_shard_id
+from rlboost.weights.pointer import VersionPointer, parse_version
+from rlboost.weights.publisher import (
+    DEFAULT_MAX_SHARD_BYTES,
+    DEFAULT_TARGET_SHARD_BYTES,
+    PublishReport,
+    WeightPublisher,
+    gc_store,
+    open_store,
+    plan_shards,
+    published_versions,
+)
+from rlboost.weights.safetensors_io import load_tensors, read_safetensors
+from rlboost.weights.source import EmulatedWeights, StoreWeights, WeightSource
+
+__all__ = [
+    "BlobStore", "FileBlobStore", "JetStreamBlobStore", "DeltaCorrupt", "ObjectMissing", "ShardCorrupt",
+    "StoreError", "StoreUnavailable", "VersionUnavailable", "MANIFEST_SCHEMA", "Manifest", "ShardEntry",
+    "TensorEntry", "TensorPart", "check_shard_id", "VersionPointer", "parse_version", "DEFAULT_MAX_SHARD_BYTES",
+    "DEFAULT_TARGET_SHARD_BYTES", "PublishReport", "WeightPublisher", "gc_store", "open_store", "plan_shards",
+    "published_versions", "EmulatedWeights", "StoreWeights", "WeightSource", "CacheStats", "WeightCache",
+    "VerifiedVersion", "load_tensors", "read_safetensors",
+]
+

@@ -1,0 +1,680 @@
+"""The weight store, worker side: pull policy versions into a verified local cache.
+
+`WeightCache.ensure(version)` returns a directory holding exactly that version's tensors, every
+one hash-verified, or raises — there is no code path that hands out a different version.
+
+The path: the manifests form a chain (a delta version names its base). Walking it back from the
+wanted version, each snapshot on the way (shards the cache lacks + the deltas after it) and a
+cached version that is exactly a delta's base (only the deltas after it) is a way there; the
+cheapest in bytes to fetch is tried first. A late joiner with nothing cached so takes the
+nearest snapshot and replays the deltas since. A reconstruction checks every tensor's SHA-256
+against the manifest of every version it passes through; a blob that does not match its name
+is fetched again, a delta that does not rebuild its tensor is refused (`DeltaCorrupt`) and the
+next path is tried, down to the version's own snapshot when it has one. Nothing is placed in
+`versions/` unverified, and only `versions/` dirs are handed to engines.
+
+Missing shards and blobs are fetched in parallel; an unreachable store is retried with back-off
+until a deadline, then reported clearly. Reading is safetensors only, zero-copy, never pickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import queue
+import random
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlboost import wire
+from rlboost.logs import get_logger
+from rlboost.services import pid_alive
+from rlboost.weights import deltas
+from rlboost.weights.blobstore import BlobStore, Buffer
+from rlboost.weights.errors import (
+    DeltaCorrupt,
+    ObjectMissing,
+    ShardCorrupt,
+    StoreError,
+    StoreUnavailable,
+    VersionUnavailable,
+)
+from rlboost.weights.manifest import Manifest, ShardEntry, check_shard_id
+from rlboost.weights.safetensors_io import RECONSTRUCTED_GLOB, load_tensors, read_safetensors
+
+if TYPE_CHECKING:
+    import torch
+
+log = get_logger(component="weights")
+
+__all__ = ["WeightCache", "VerifiedVersion", "CacheStats"]
+
+MAX_CHAIN = 64  # deltas a pull replays at most; the publisher's full_every keeps chains far shorter
+OUT_FILE_BYTES = 256 << 20  # a reconstructed version is written in files of about this size
+
+
+@dataclass
+class CacheStats:
+    bytes_fetched: int = 0
+    shards_fetched: int = 0
+    shards_reused: int = 0  # already in the local cache, verified
+    shards_refused: int = 0  # received or found corrupt / truncated, never used
+    delta_bytes_fetched: int = 0  # of bytes_fetched, delta blobs
+    reconstructed: int = 0  # versions rebuilt from deltas
+    paths_refused: int = 0  # a way to a version that failed verification (another was tried)
+    fetch_s: float = 0.0  # wall time fetching shards and blobs (hashing them as they arrive)
+    rebuild_s: float = 0.0  # wall time replaying deltas, verifying and writing rebuilt versions
+
+
+@dataclass(frozen=True)
+class VerifiedVersion:
+    """Exactly `version`'s shards, each verified against the manifest, in `path`
+    (manifest.json + `<sha256>.safetensors`). Pass `path` to the engine's reload hook."""
+
+    version: int
+    path: Path
+    manifest: Manifest
+
+    def load_tensors(self) -> dict[str, torch.Tensor]:
+        return load_tensors(self.path, expect_version=self.version)
+
+
+class WeightCache:
+    """Worker side: a local content-addressed cache of shards and per-version directories.
+
+    Layout under `root`: `shards/<sha256>.safetensors` (content-addressed, shared between
+    versions), `versions/v<N>/` (manifest.json + hard links to the version's shards), `tmp/`.
+    One cache dir per worker process (or per machine when workers share it read-mostly).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], store: BlobStore, *, parallel: int = 4,
+                 retry_deadline_s: float = 60.0, corrupt_retries: int = 3, keep_versions: int = 3) -> None:
+        self.root = Path(root)
+        self.store = store
+        # versions kept on disk after each pull (0: keep all): a version rebuilt from deltas is a
+        # full copy, so an unpruned cache grows by a model per version
+        self.keep_versions = keep_versions
+        self._ensuring = 0
+        self.parallel = parallel
+        self.retry_deadline_s = retry_deadline_s
+        self.corrupt_retries = corrupt_retries
+        self.stats = CacheStats()
+        self.shards_dir, self.deltas_dir, self.versions_dir, self.tmp_dir = (
+            self.root / d for d in ("shards", "deltas", "versions", "tmp"))
+        for d in (self.shards_dir, self.deltas_dir, self.versions_dir, self.tmp_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self._clean_leftovers()
+        self._verified: dict[str, tuple[int, int, int]] = {}  # sha -> (inode, size, mtime_ns) hashed OK
+        self._verified_dirs: dict[int, str] = {}  # version -> manifest digest of a dir this process checked
+        self._inflight: dict[str, asyncio.Future[None]] = {}
+        self._locks: dict[int, asyncio.Lock] = {}
+        self._sem = asyncio.Semaphore(parallel)
+        self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="weights-sink")
+
+    # -- the one entry point that matters
+
+    async def ensure(self, version: int, *, wait_s: float = 0.0) -> VerifiedVersion:
+        """Return `version`'s verified directory, fetching what the cache lacks, or raise
+        `VersionUnavailable` / `ShardCorrupt` / `StoreUnavailable`. Never another version.
+
+        `wait_s`: a request may name a version whose manifest is not in the store yet (the
+        trainer is still uploading); keep looking for that long before giving up."""
+        self._ensuring += 1
+        try:
+            vv = await self._ensure(version, wait_s)
+        finally:
+            self._ensuring -= 1
+        if self.keep_versions and not self._ensuring:
+            # on the event loop, not a thread: no other pull can start linking shards meanwhile
+            # (unlinking files and a few directories is quick)
+            self.prune(self.keep_versions, (version,))
+        return vv
+
+    async def _ensure(self, version: int, wait_s: float) -> VerifiedVersion:
+        lock = self._locks.setdefault(version, asyncio.Lock())
+        async with lock:
+            manifest = await self._manifest(version, wait_s)
+            if await self._cached(manifest):
+                return VerifiedVersion(version, self._vdir(version), manifest)
+            refused: list[StoreError] = []
+            for cost, cached, start, chain in await self._paths(manifest):
+                try:
+                    t0 = time.perf_counter()
+                    await self._fetch_all([(b, True) for m in chain for b in m.delta.blobs])  # small
+                    if cached:
+                        self.stats.fetch_s += time.perf_counter() - t0
+                        await self._rebuild(start, chain, None)
+                    else:
+                        await self._from_snapshot(start, chain, t0)
+                    return VerifiedVersion(version, self._vdir(version), manifest)
+                except (ShardCorrupt, VersionUnavailable) as e:  # DeltaCorrupt is a ShardCorrupt
+                    self.stats.paths_refused += 1
+                    refused.append(e)
+                    log.warning("weights path refused; trying the next", version=version, start=start.version,
+                                deltas=len(chain), bytes=cost, error=str(e))
+            if refused:
+                raise refused[-1]
+            raise VersionUnavailable(f"weights version {version}: no snapshot and no cached base to "
+                                     f"rebuild it from in {self.store.location}")
+
+    async def _from_snapshot(self, start: Manifest, chain: list[Manifest], t0: float) -> None:
+        """Fetch the snapshot's shards and, while they arrive, replay the deltas on the tensors
+        whose shards are in (a late joiner overlaps its download with its rebuild); then link
+        the snapshot's own version directory (the next delta's base, when it is the target)."""
+        ready = {s.sha256: threading.Event() for s in start.shards}
+        failed: set[str] = set()
+
+        async def one(shard: ShardEntry) -> None:
+            try:
+                await self._ensure_shard(shard, False)
+            except BaseException:
+                failed.add(shard.sha256)
+                raise
+            finally:
+                ready[shard.sha256].set()
+
+        def wait(sha: str) -> None:  # (rebuild thread) until the shard is verified in shards/
+            ready[sha].wait()
+            if sha in failed:
+                raise _Abandoned(sha)
+
+        fetches = [asyncio.create_task(one(sh)) for sh in start.shards]
+        rebuild = asyncio.create_task(self._rebuild(start, chain, wait)) if chain else None
+        try:
+            await _all_or_none(fetches)
+        except BaseException:
+            for event in ready.values():  # the rebuild thread gives up on what never came
+                event.set()
+            if rebuild is not None:
+                await asyncio.gather(rebuild, return_exceptions=True)
+            raise
+        finally:
+            self.stats.fetch_s += time.perf_counter() - t0
+        try:
+            if chain:  # the snapshot is another version than the one ensured: take its lock to link
+                # it (locks are only ever taken newer -> older, so two pulls never wait on each other)
+                async with self._locks.setdefault(start.version, asyncio.Lock()):
+                    await asyncio.to_thread(self._link_version, start)
+            else:  # ensure() holds this version's lock already
+                await asyncio.to_thread(self._link_version, start)
+        except BaseException:
+            if rebuild is not None:
+                await asyncio.gather(rebuild, return_exceptions=True)
+            raise
+        if rebuild is not None:
+            await rebuild
+
+    async def _rebuild(self, start: Manifest, chain: list[Manifest], wait: Callable[[str], None] | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(self._reconstruct, start, chain, wait)
+        finally:
+            self.stats.rebuild_s += time.perf_counter() - t0
+        self.stats.reconstructed += 1
+
+    async def _fetch_all(self, blobs: list[tuple[ShardEntry, bool]]) -> None:
+        """Fetch (shard or delta blob, is_delta) pairs the cache lacks, in parallel. One fetch
+        failing stops the others: no fetch outlives the ensure() that started it."""
+        await _all_or_none([asyncio.create_task(self._ensure_shard(s, delta)) for s, delta in blobs])
+
+    # -- paths
+
+    def _vdir(self, version: int) -> Path:
+        return self.versions_dir / f"v{version:012d}"
+
+    async def _cached(self, manifest: Manifest) -> bool:
+        """`versions/v<N>` holds exactly this manifest's weights, checked by this process: a
+        snapshot's hard links to verified shards, a reconstructed version's tensors re-hashed
+        once per process (a restarted worker does not trust a file it did not check)."""
+        vdir = self._vdir(manifest.version)
+        try:
+            if Manifest.decode((vdir / "manifest.json").read_bytes()) != manifest:
+                return False
+        except (OSError, StoreError):
+            return False
+        if self._verified_dirs.get(manifest.version) == manifest.digest():
+            return True
+        if any(vdir.glob(RECONSTRUCTED_GLOB)):  # rebuilt from deltas (a snapshot may have been too)
+            if not await asyncio.to_thread(_tensors_match, vdir, manifest):
+                return False
+            self._verified_dirs[manifest.version] = manifest.digest()
+            return True
+        if not manifest.snapshot or not await asyncio.to_thread(self._version_dir_current, vdir, manifest):
+            return False
+        for s in manifest.shards:  # re-hashes a shard this process has not checked yet
+            if not await self._valid_local(s, delta=False):
+                return False
+        return True
+
+    async def _paths(self, target: Manifest) -> list[tuple[int, bool, Manifest, list[Manifest]]]:
+        """Every way to `target` the manifests allow, cheapest first: (bytes to fetch, whether
+        `start` is a cached version, start, the versions whose deltas are replayed from it,
+        oldest first). A start is a snapshot (fetch the shards the cache lacks) or a cached
+        version that is exactly a delta's base (a cached one is preferred at equal cost)."""
+        paths: list[tuple[int, int, Manifest, list[Manifest]]] = []
+        after: list[Manifest] = []  # versions after `m`, newest first
+        delta_bytes = 0
+        m = target
+        while True:
+            if m.snapshot:
+                missing = sum(s.size for s in m.shards if not self._shard_path(s.sha256, False).exists())
+                paths.append((missing + delta_bytes, 1, m, after[::-1]))
+            if m.delta is None or len(after) >= MAX_CHAIN:
+                break
+            delta_bytes += m.delta.bytes
+            after = after + [m]
+            base = await self._base(m)
+            if base is None:
+                break
+            if base.digest() != m.delta.base_digest:
+                break  # another life's version under that number: no delta applies to it
+            if await self._cached(base):
+                paths.append((delta_bytes, 0, base, after[::-1]))
+                break
+            m = base
+        paths.sort(key=lambda p: (p[0], p[1]))
+        return [(cost, kind == 0, start, chain) for cost, kind, start, chain in paths]
+
+    async def _base(self, m: Manifest) -> Manifest | None:
+        """The manifest of `m`'s delta base: the cached copy, else the store's (None if neither)."""
+        try:
+            return await self._manifest(m.delta.base, 0.0)
+        except VersionUnavailable:
+            return None
+
+    def _reconstruct(self, start: Manifest, chain: list[Manifest], wait: Callable[[str], None] | None = None) -> None:
+        """(thread) Replay the deltas of `chain` (oldest first) on `start`'s cached tensors, one
+        tensor at a time through every version (a few tensors in flight on `parallel` threads:
+        zstd, numpy and hashlib release the GIL), check each rebuilt tensor's SHA-256 against the
+        target's manifest, write them as safetensors files in tmp/, then rename the directory
+        into versions/. Raises DeltaCorrupt on any mismatch; nothing is installed then.
+
+        Only the target's hashes are checked: the intermediate versions are never installed or
+        served, and a bad delta anywhere in the chain shows up in the target's hash.
+
+        `wait` (a snapshot start still arriving): the base tensors are read from the verified
+        shards in shards/ as `wait(sha)` says each is in; otherwise from `start`'s version dir."""
+        import torch
+        from safetensors.torch import save_file
+
+        target = chain[-1]
+        base = _ShardTensors(self, start, wait) if wait else load_tensors(self._vdir(start.version),
+                                                                           expect_version=start.version)
+        blobs: dict[str, bytes] = {}
+        for m in chain:
+            for b in m.delta.blobs:
+                if b.sha256 not in blobs:
+                    blobs[b.sha256] = self._shard_path(b.sha256, True).read_bytes()
+        steps = [({t.name: t for t in m.tensors}, {d.name: d for d in m.delta.tensors}) for m in chain]
+
+        def rebuild(entry) -> torch.Tensor:
+            t = base.get(entry.name)
+            x = None if t is None else deltas.bits(t)
+            for tensors, dts in steps:
+                e = tensors.get(entry.name)
+                if e is None:
+                    x = None  # absent from this version: the next one that has it ships it raw
+                    continue
+                d = dts[entry.name]
+                payload = memoryview(blobs[d.blob])[d.offset:d.offset + d.length] if d.length else b""
+                size = torch.empty((), dtype=getattr(torch, e.dtype)).element_size()
+                # in place: `x` is a private copy-on-write mapping of the base (the cached file never
+                # changes) or an earlier step's result
+                x = deltas.decode(x, d.enc, d.count, payload, _numel(e.shape), size, inplace=True)
+            if x is None or hashlib.sha256(memoryview(x).cast("B")).hexdigest() != entry.sha256:
+                raise DeltaCorrupt(f"v{target.version} tensor {entry.name}: the rebuilt tensor does not match "
+                                   f"the manifest's SHA-256 (corrupt delta, wrong base or a lying hash)")
+            return torch.from_numpy(x).view(getattr(torch, entry.dtype)).reshape(entry.shape)
+
+        tmp = self.tmp_dir / f"{self._vdir(target.version).name}.{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            group: dict[str, torch.Tensor] = {}
+            group_bytes, files = 0, 0
+            entries = target.tensors
+            window = 2 * self.parallel
+            with ThreadPoolExecutor(max_workers=self.parallel, thread_name_prefix="weights-rebuild") as pool:
+                for i in range(0, len(entries), window):
+                    for entry, out in zip(entries[i:i + window], pool.map(rebuild, entries[i:i + window])):
+                        group[entry.name] = out
+                        group_bytes += out.numel() * out.element_size()
+                    if group_bytes >= OUT_FILE_BYTES:
+                        save_file(group, str(tmp / f"tensors-{files:05d}.safetensors"))
+                        group, group_bytes, files = {}, 0, files + 1
+            if group or not files:
+                save_file(group, str(tmp / f"tensors-{files:05d}.safetensors"))
+            (tmp / "manifest.json").write_bytes(target.encode())
+            self._install(tmp, self._vdir(target.version))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._verified_dirs[target.version] = target.digest()
+
+    def _install(self, tmp: Path, vdir: Path) -> None:
+        """Rename a finished directory into versions/, replacing an old one atomically enough:
+        a reader sees the old directory or the new one, never a half-built one."""
+        if vdir.exists():
+            trash = self.tmp_dir / f"old-{vdir.name}.{uuid.uuid4().hex[:8]}"
+            os.replace(vdir, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(tmp, vdir)
+
+    # -- manifests
+
+    async def _manifest(self, version: int, wait_s: float) -> Manifest:
+        local = self.versions_dir / f"v{version:012d}" / "manifest.json"
+        with contextlib.suppress(FileNotFoundError, StoreError):
+            m = Manifest.decode(local.read_bytes())
+            if m.version == version:
+                return m
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                data = await self._retrying(f"manifest v{version}",
+                                            lambda: self.store.read_all(wire.weights_manifest_key(version)))
+                break
+            except ObjectMissing:
+                if time.monotonic() >= deadline:
+                    raise VersionUnavailable(
+                        f"weights version {version} is not in {self.store.location} "
+                        f"(not published yet, or garbage-collected)") from None
+                await asyncio.sleep(0.2)
+        m = Manifest.decode(data)
+        if m.version != version:
+            raise StoreError(f"manifest {wire.weights_manifest_key(version)} claims version {m.version}")
+        return m
+
+    # -- shards
+
+    def _shard_path(self, sha: str, delta: bool = False) -> Path:
+        """Inside shards/ (deltas/) or refused: the manifest door validates ids, this is the second lock."""
+        where = self.deltas_dir if delta else self.shards_dir
+        path = (where / f"{check_shard_id(sha)}.{'zst' if delta else 'safetensors'}").resolve()
+        if path.parent != where.resolve():
+            raise StoreError(f"shard path {path} is outside {where}")
+        return path
+
+    async def _ensure_shard(self, shard: ShardEntry, delta: bool = False) -> None:
+        while True:
+            if await self._valid_local(shard, delta):
+                self.stats.shards_reused += 1
+                return
+            fut = self._inflight.get(shard.sha256)
+            if fut is None:
+                break
+            try:  # another version being ensured right now shares this shard: wait for its fetch
+                await asyncio.shield(fut)
+                return
+            except asyncio.CancelledError:
+                if not fut.cancelled():
+                    raise  # we were cancelled
+                # its ensure() was given up: look again, fetch it ourselves if need be
+        fut = asyncio.get_running_loop().create_future()
+        self._inflight[shard.sha256] = fut
+        try:
+            async with self._sem:
+                await self._retrying(f"shard {shard.sha256[:12]}", lambda: self._fetch(shard, delta))
+            fut.set_result(None)
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # retrieved: waiters re-raise it, nobody logs "never retrieved"
+            raise
+        finally:
+            del self._inflight[shard.sha256]
+
+    async def _valid_local(self, shard: ShardEntry, delta: bool) -> bool:
+        """A cached file is used only if its size matches and its SHA-256 was checked — by this
+        process, on this very file (inode, size, mtime); otherwise it is hashed again."""
+        path = self._shard_path(shard.sha256, delta)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return False
+        ident = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if st.st_size == shard.size and self._verified.get(shard.sha256) == ident:
+            return True
+        if st.st_size == shard.size:
+            digest = await asyncio.to_thread(_file_sha256, path)
+            if digest == shard.sha256:
+                self._verified[shard.sha256] = ident
+                return True
+        self._refuse(shard, f"cached copy is {'corrupt' if st.st_size == shard.size else 'truncated'}", st.st_size)
+        path.unlink(missing_ok=True)
+        return False
+
+    def _refuse(self, shard: ShardEntry, reason: str, got_bytes: int) -> None:
+        self.stats.shards_refused += 1
+        self._verified.pop(shard.sha256, None)
+        log.warning("weight shard refused", shard=shard.sha256[:16], reason=reason, expected_bytes=shard.size,
+                    got_bytes=got_bytes)
+
+    async def _fetch(self, shard: ShardEntry, delta: bool) -> None:
+        """Stream the shard into a temp file through a worker thread that hashes and writes
+        each chunk as it comes (hashlib and file writes release the GIL, so this overlaps with
+        receiving; the event loop only hands over references). Only a file of the right size
+        and hash is renamed into the cache; refused copies are fetched again, up to a limit."""
+        key = (wire.weights_delta_key if delta else wire.weights_shard_key)(shard.sha256)
+        loop = asyncio.get_running_loop()
+        for _attempt in range(self.corrupt_retries):
+            tmp = self.tmp_dir / f"{shard.sha256}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part"
+            chunks_q: queue.SimpleQueue[Buffer | None] = queue.SimpleQueue()
+            sink = loop.run_in_executor(self._pool, _hash_to_file, tmp, chunks_q)
+            n = 0
+            try:
+                try:
+                    async with contextlib.aclosing(self.store.read(key)) as chunks:
+                        async for chunk in chunks:
+                            n += len(chunk)
+                            if n > shard.size:
+                                break  # longer than the manifest says: corrupt, stop reading
+                            chunks_q.put(chunk)
+                finally:
+                    chunks_q.put(None)
+                    written, digest = await sink
+            except ObjectMissing:
+                tmp.unlink(missing_ok=True)
+                raise VersionUnavailable(f"shard {shard.sha256} is gone from {self.store.location} "
+                                         f"(its version was garbage-collected?)") from None
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            if n == written == shard.size and digest == shard.sha256:
+                path = self._shard_path(shard.sha256, delta)
+                os.replace(tmp, path)
+                st = path.stat()
+                self._verified[shard.sha256] = (st.st_ino, st.st_size, st.st_mtime_ns)
+                self.stats.bytes_fetched += n
+                self.stats.delta_bytes_fetched += n if delta else 0
+                self.stats.shards_fetched += 1
+                return
+            tmp.unlink(missing_ok=True)
+            reason = "truncated" if n < shard.size else "too long" if n > shard.size else "hash mismatch"
+            self._refuse(shard, f"received copy {reason}", n)
+        raise ShardCorrupt(f"shard {shard.sha256} from {self.store.location} failed verification "
+                           f"{self.corrupt_retries} times; refusing to load it")
+
+    async def _retrying(self, what: str, op: Callable[[], Awaitable[Any]]) -> Any:
+        """Retry StoreUnavailable with exponential back-off (jittered, capped at 5 s) until
+        `retry_deadline_s`; then raise it with the attempt count."""
+        deadline = time.monotonic() + self.retry_deadline_s
+        delay, attempt = 0.1, 0
+        while True:
+            attempt += 1
+            try:
+                return await op()
+            except StoreUnavailable as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StoreUnavailable(f"{e} (gave up on {what} after {attempt} attempts, "
+                                           f"{self.retry_deadline_s:.0f}s)") from e
+                sleep = min(delay * (1 + random.random() / 2), left, 5.0)
+                log.warning("weight store unreachable; retrying", what=what, attempt=attempt,
+                            retry_in_s=round(sleep, 2), error=str(e))
+                await asyncio.sleep(sleep)
+                delay = min(delay * 2, 5.0)
+
+    # -- version directories
+
+    def _link_version(self, manifest: Manifest) -> Path:
+        """(Re)build versions/v<N> as hard links to the verified shard files. Built in tmp/ and
+        renamed into place, so a reader never sees a half-built directory."""
+        vdir = self.versions_dir / f"v{manifest.version:012d}"
+        if self._version_dir_current(vdir, manifest):
+            return vdir
+        tmp = self.tmp_dir / f"{vdir.name}.{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        for s in manifest.shards:
+            src, dst = self._shard_path(s.sha256), tmp / f"{s.sha256}.safetensors"
+            try:
+                os.link(src, dst)
+            except OSError:  # a filesystem without hard links
+                shutil.copyfile(src, dst)
+        (tmp / "manifest.json").write_bytes(manifest.encode())
+        self._install(tmp, vdir)
+        self._verified_dirs.pop(manifest.version, None)
+        return vdir
+
+    def _version_dir_current(self, vdir: Path, manifest: Manifest) -> bool:
+        try:
+            if Manifest.decode((vdir / "manifest.json").read_bytes()) != manifest or any(vdir.glob(RECONSTRUCTED_GLOB)):
+                return False
+            return all(os.path.samefile(vdir / f"{s.sha256}.safetensors", self._shard_path(s.sha256))
+                       for s in manifest.shards)
+        except (OSError, StoreError):
+            return False
+
+    # -- housekeeping
+
+    def _clean_leftovers(self) -> None:
+        """A process killed mid-pull leaves its partial downloads in tmp/ (`<sha>.<pid>-<rand>.part`):
+        delete those of processes that are gone, so a restarted worker's cache holds nothing
+        half-written. A live process's (a cache shared between workers) are left alone; a name
+        without a pid (older builds) counts as a dead owner's."""
+        for p in self.tmp_dir.glob("*.part"):
+            owner = p.name.split(".")[-2].split("-")[0] if p.name.count(".") >= 2 else ""
+            if owner.isdigit() and int(owner) != os.getpid() and pid_alive(int(owner)):
+                continue
+            with contextlib.suppress(OSError):
+                p.unlink()
+                log.info("removed a partial download left by a killed pull", path=str(p))
+
+    def close(self) -> None:
+        """Stop the hashing threads (the cache directory stays as it is)."""
+        self._pool.shutdown(wait=False)
+
+    def cached_versions(self) -> list[int]:
+        return sorted(int(p.name[1:]) for p in self.versions_dir.glob("v*") if p.name[1:].isdigit())
+
+    def prune(self, keep: int, also_keep: Iterable[int] = ()) -> list[int]:
+        """Drop all but the newest `keep` version dirs (and `also_keep`, e.g. versions still
+        serving requests), then shards no remaining version uses. Returns dropped versions."""
+        versions = self.cached_versions()
+        keep_set = set(versions[-keep:] if keep > 0 else []) | set(also_keep)
+        dropped = [v for v in versions if v not in keep_set]
+        for v in dropped:
+            shutil.rmtree(self.versions_dir / f"v{v:012d}", ignore_errors=True)
+        live: set[str] = set()
+        for v in keep_set:
+            with contextlib.suppress(FileNotFoundError, StoreError):
+                m = Manifest.decode((self.versions_dir / f"v{v:012d}" / "manifest.json").read_bytes())
+                live.update(s.sha256 for s in m.shards)
+                live.update(b.sha256 for b in (m.delta.blobs if m.delta else []))
+        for v in dropped:
+            self._verified_dirs.pop(v, None)
+        for p in [*self.shards_dir.glob("*.safetensors"), *self.deltas_dir.glob("*.zst")]:
+            sha = p.name.split(".")[0]
+            if sha not in live and sha not in self._inflight:
+                p.unlink(missing_ok=True)
+                self._verified.pop(sha, None)
+        return dropped
+
+
+def _hash_to_file(path: Path, chunks: queue.SimpleQueue) -> tuple[int, str]:
+    """(thread) Write and hash chunks until None; returns (bytes, hex digest)."""
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "wb", buffering=0) as f:
+        while (chunk := chunks.get()) is not None:
+            h.update(chunk)
+            f.write(chunk)
+            n += len(chunk)
+    return n, h.hexdigest()
+
+
+async def _all_or_none(tasks: list[asyncio.Task]) -> None:
+    """Wait for every task; if one fails (or the wait is cancelled), cancel the rest and wait
+    for them too, so that no task outlives the call that started it."""
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _tensors_match(vdir: Path, manifest: Manifest) -> bool:
+    """(thread) Every tensor of a reconstructed directory hashes to the manifest's SHA-256."""
+    try:
+        tensors = load_tensors(vdir, expect_version=manifest.version)
+        return all(e.sha256 and deltas.tensor_sha256(tensors[e.name]) == e.sha256 for e in manifest.tensors)
+    except (OSError, StoreError, KeyError, ValueError):
+        return False
+
+
+class _Abandoned(StoreError):
+    """(rebuild thread) a shard it waits for will not come: the fetch's own error is raised."""
+
+
+class _ShardTensors:
+    """A snapshot's tensors read straight from the verified shards in shards/ as they arrive:
+    `get(name)` waits for the tensor's shards, then maps them (zero-copy, copy-on-write)."""
+
+    def __init__(self, cache: WeightCache, start: Manifest, wait: Callable[[str], None]) -> None:
+        self.cache, self.wait = cache, wait
+        self.entries = {t.name: t for t in start.tensors}
+        self.files: dict[str, dict[str, torch.Tensor]] = {}
+        self.lock = threading.Lock()
+
+    def _shard(self, sha: str) -> dict[str, torch.Tensor]:
+        self.wait(sha)
+        with self.lock:
+            if sha not in self.files:
+                self.files[sha] = read_safetensors(self.cache._shard_path(sha, False))
+            return self.files[sha]
+
+    def get(self, name: str) -> torch.Tensor | None:
+        import torch
+
+        e = self.entries.get(name)
+        if e is None:
+            return None
+        pieces = [self._shard(p.shard)[p.key] for p in e.parts]
+        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if list(t.shape) != e.shape or str(t.dtype).removeprefix("torch.") != e.dtype:
+            raise StoreError(f"tensor {e.name}: {t.dtype} {list(t.shape)} does not match the manifest")
+        return t

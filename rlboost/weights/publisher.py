@@ -1,0 +1,339 @@
+"""The weight store, trainer side: publish policy versions as snapshots (content-addressed
+safetensors shards) or sparse deltas against the previous version, move the version pointer,
+garbage-collect. The worker side (pull into a verified local cache) is `rlboost.weights.cache`;
+the manifest (`rlboost.weights.manifest`) is the contract between the two.
+
+A version is published in the serving dtype the caller hands over (the trainer casts its fp32
+master weights to `trainer.publish_dtype`, bf16 for a bf16 model); the manifest records it.
+
+Snapshot or delta: the publisher keeps the previous version's tensors and encodes the new ones
+against them (`rlboost.weights.deltas`). The version is stored as a delta when that is at most
+`delta_max_ratio` of the full bytes; otherwise, every `full_every` versions, and when there is no
+previous version in memory (a fresh or restarted trainer), as a snapshot — which still carries
+the delta when it pays, so a worker holding the previous version pulls only the delta. Every
+manifest names the SHA-256 of every tensor, which a reconstruction must reproduce bit for bit.
+
+Why the shards are cut the way they are: a changed tensor re-ships its whole shard, so the
+unit of transfer should be the unit of change — a tensor. Tensors are taken in a stable order
+(the state dict's); a tensor of at least `target_shard_bytes` (default 4 MiB: the matrices)
+gets a shard of its own, smaller ones (norms, biases, small projections) are packed together
+up to that size so a model is hundreds of objects, not thousands. `max_shard_bytes` (default
+256 MiB) is a hard bound: a bigger tensor (an embedding) is split into row blocks, so a
+reader never holds more than one bounded shard per parallel fetch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from nats.js import JetStreamContext
+
+from rlboost import wire
+from rlboost.logs import get_logger
+from rlboost.weights import deltas
+from rlboost.weights.blobstore import BlobStore, FileBlobStore, JetStreamBlobStore
+from rlboost.weights.errors import ObjectMissing
+from rlboost.weights.manifest import Delta, DeltaTensor, Manifest, ShardEntry, TensorEntry, TensorPart
+
+if TYPE_CHECKING:
+    import torch
+
+log = get_logger(component="weights")
+
+DEFAULT_MAX_SHARD_BYTES = 256 << 20
+DEFAULT_TARGET_SHARD_BYTES = 4 << 20
+DELTA_BLOB_BYTES = 64 << 20  # delta payloads are packed into blobs of about this size
+
+__all__ = ["WeightPublisher", "PublishReport", "plan_shards", "gc_store", "published_versions", "open_store",
+           "DEFAULT_MAX_SHARD_BYTES", "DEFAULT_TARGET_SHARD_BYTES"]
+
+
+# ---------------------------------------------------------------- shard planning
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                target_shard_bytes: int = DEFAULT_TARGET_SHARD_BYTES) -> list[list[str]]:
+    """Group tensor keys (in the given, stable order) into shards; see the module docstring.
+
+    A shard closes once it holds `target_shard_bytes`; a tensor that alone reaches the target
+    starts a fresh shard; nothing exceeds `max_shard_bytes` unless a single key does (callers
+    split those first)."""
+    target = min(target_shard_bytes, max_shard_bytes)
+    groups: list[list[str]] = []
+    cur: list[str] = []
+    cur_bytes = 0
+    for key, n in sizes:
+        if cur and (cur_bytes + n > max_shard_bytes or n >= target):
+            groups.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(key)
+        cur_bytes += n
+        if cur_bytes >= target:
+            groups.append(cur)
+            cur, cur_bytes = [], 0
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def _pieces(state_dict: Mapping[str, torch.Tensor], max_shard_bytes: int) -> tuple[
+        dict[str, torch.Tensor], dict[str, torch.Tensor], list[TensorEntry]]:
+    """(whole tensors, contiguous CPU pieces keyed for safetensors with oversized tensors split
+    into row blocks, entries). Entries carry the tensor's SHA-256 and an empty shard id, filled
+    once the shards are hashed. The whole tensors are copies: the publisher keeps them as the
+    next delta's base, so a caller changing its tensors in place cannot alter them."""
+    tensors: dict[str, torch.Tensor] = {}
+    pieces: dict[str, torch.Tensor] = {}
+    entries: list[TensorEntry] = []
+    for name, t in state_dict.items():
+        t = t.detach().to("cpu").contiguous().clone()  # own storage: tied weights, views, later writes
+        tensors[name] = t
+        dtype = str(t.dtype).removeprefix("torch.")
+        shape = list(t.shape)
+        nbytes = t.numel() * t.element_size()
+        if nbytes > max_shard_bytes and t.dim() >= 1 and t.shape[0] > 1:
+            row_bytes = max(1, nbytes // t.shape[0])
+            rows = max(1, max_shard_bytes // row_bytes)
+            parts = []
+            for i, start in enumerate(range(0, t.shape[0], rows)):
+                stop = min(start + rows, t.shape[0])
+                key = f"{name}@rows{i}"
+                pieces[key] = t[start:stop].clone()  # its own storage: safetensors refuses views
+                parts.append(TensorPart("", key, start, stop))
+        else:
+            pieces[name] = t
+            parts = [TensorPart("", name, 0, shape[0] if shape else 0)]
+        entries.append(TensorEntry(name, dtype, shape, parts, deltas.tensor_sha256(t)))
+    return tensors, pieces, entries
+
+
+def _serialize(group: dict[str, torch.Tensor]) -> tuple[bytes, str]:
+    from safetensors.torch import save
+
+    data = save(group, metadata={"format": "pt"})
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def _encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> tuple[
+        list[DeltaTensor], list[bytes], int]:
+    """Per tensor the smallest exact encoding against `old`, packed into blobs of about
+    DELTA_BLOB_BYTES. Returns (entries with blob ids, blobs, changed elements)."""
+    entries: list[tuple[str, str, int, int, int, int]] = []  # name, enc, blob index, offset, length, count
+    blobs: list[bytearray] = [bytearray()]
+    changed = 0
+    for name, t in new.items():
+        enc, count, payload = deltas.encode(old.get(name), t)
+        changed += count
+        if blobs[-1] and len(blobs[-1]) + len(payload) > DELTA_BLOB_BYTES:
+            blobs.append(bytearray())
+        entries.append((name, enc, len(blobs) - 1, len(blobs[-1]), len(payload), count))
+        blobs[-1] += payload
+    data = [bytes(b) for b in blobs if b]
+    shas = [hashlib.sha256(b).hexdigest() for b in data]
+    out = [DeltaTensor(name, enc, shas[i] if length else "", off if length else 0, length, count)
+           for name, enc, i, off, length, count in entries]
+    return out, data, changed
+
+
+# ---------------------------------------------------------------- publisher
+
+
+@dataclass
+class PublishReport:
+    version: int
+    shards: int
+    shards_uploaded: int
+    total_bytes: int  # of the full version: its shards (a delta-only version: its tensors' bytes)
+    bytes_uploaded: int
+    seconds: float
+    gc_deleted_versions: list[int] = field(default_factory=list)
+    manifest_digest: str = ""  # what results' segments name (wire.Segment.weights)
+    kind: str = "snapshot"  # snapshot | delta | snapshot+delta
+    delta_bytes: int = 0  # bytes of the delta blobs (0: no delta)
+    changed_elements: int = 0
+    elements: int = 0
+    dtype: str = ""
+
+
+class WeightPublisher:
+    """Trainer side. `await publisher.publish(model.state_dict(), version)` once per policy version."""
+
+    def __init__(self, store: BlobStore, pointer=None, *,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 target_shard_bytes: int = DEFAULT_TARGET_SHARD_BYTES,
+                 keep_versions: int = 3, parallel: int = 2, deltas: bool = True,
+                 delta_max_ratio: float = 0.5, full_every: int = 10) -> None:
+        if keep_versions < 1:
+            raise ValueError("keep_versions must be >= 1")
+        if full_every < 1:
+            raise ValueError("full_every must be >= 1")
+        self.store = store
+        self.pointer = pointer
+        self.max_shard_bytes = max_shard_bytes
+        self.target_shard_bytes = target_shard_bytes
+        self.keep_versions = keep_versions
+        self.parallel = parallel
+        self.deltas = deltas
+        self.delta_max_ratio = delta_max_ratio
+        self.full_every = full_every
+        # the last version this process published: (version, manifest digest, tensors) = the next delta's base
+        self._prev: tuple[int, str, dict[str, torch.Tensor]] | None = None
+        self._last_snapshot: int | None = None
+
+    async def publish(self, state_dict: Mapping[str, torch.Tensor], version: int, *,
+                      meta: Mapping[str, str] | None = None, set_pointer: bool = True,
+                      gc: bool = True) -> PublishReport:
+        """Upload the blobs the store lacks, then the manifest, then move the pointer, then GC.
+
+        The order is what makes it safe: a manifest only appears once all its blobs are in
+        the store, and the pointer only once the manifest is."""
+        if version < 0:
+            raise ValueError("version must be >= 0")
+        t0 = time.perf_counter()
+        tensors, pieces, entries = await asyncio.to_thread(_pieces, state_dict, self.max_shard_bytes)
+        full_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        dtypes = sorted({e.dtype for e in entries if e.dtype.startswith(("float", "bfloat"))})
+        uploaded = [0, 0]
+
+        async def put(key: str, data: bytes) -> None:
+            if not await self.store.has(key):
+                await self.store.put(key, data)
+                uploaded[0] += 1
+                uploaded[1] += len(data)
+
+        delta: Delta | None = None
+        changed = 0
+        prev = self._prev
+        if self.deltas and prev is not None and prev[0] < version:
+            dts, blobs, changed = await asyncio.to_thread(_encode_delta, prev[2], tensors)
+            if sum(map(len, blobs)) <= self.delta_max_ratio * full_bytes:  # else it does not pay
+                delta = Delta(base=prev[0], base_digest=prev[1], tensors=dts,
+                              blobs=[ShardEntry(hashlib.sha256(b).hexdigest(), len(b), []) for b in blobs])
+                for entry, b in zip(delta.blobs, blobs):
+                    await put(wire.weights_delta_key(entry.sha256), b)
+        snapshot = (delta is None or self._last_snapshot is None
+                    or version - self._last_snapshot >= self.full_every)
+
+        shard_list: list[ShardEntry] = []
+        if snapshot:
+            shard_list, entries = await self._upload_shards(pieces, entries, put)
+        else:
+            entries = [TensorEntry(e.name, e.dtype, e.shape, [], e.sha256) for e in entries]
+        manifest = Manifest(version=version, created=time.time(), total_bytes=sum(s.size for s in shard_list),
+                            shards=shard_list, tensors=entries, dtype=",".join(dtypes), delta=delta,
+                            meta=dict(meta or {}))
+        mkey = wire.weights_manifest_key(version)
+        if await self.store.has(mkey):
+            old = Manifest.decode(await self.store.read_all(mkey))
+            if not old.same_weights(manifest):
+                raise ValueError(f"version {version} is already published with other weights; "
+                                 f"publish a new version number")
+            manifest = old  # workers pull the stored one: its digest names this version
+        else:
+            await self.store.put(mkey, manifest.encode())
+        if manifest.snapshot:
+            self._last_snapshot = version
+        self._prev = (version, manifest.digest(), tensors)
+        if set_pointer and self.pointer is not None:
+            await self.pointer.set(version)
+        kind = "snapshot+delta" if manifest.shards and manifest.delta else "snapshot" if manifest.snapshot else "delta"
+        report = PublishReport(version, len(manifest.shards), uploaded[0], manifest.total_bytes or full_bytes,
+                               uploaded[1], time.perf_counter() - t0, manifest_digest=manifest.digest(), kind=kind,
+                               delta_bytes=manifest.delta.bytes if manifest.delta else 0,
+                               changed_elements=changed, elements=sum(t.numel() for t in tensors.values()),
+                               dtype=manifest.dtype)
+        if gc:
+            report.gc_deleted_versions = await gc_store(self.store, self.keep_versions)
+        log.info("weights published", version=version, kind=kind, dtype=manifest.dtype,
+                 mb=round(report.total_bytes / 1e6, 1), delta_mb=round(report.delta_bytes / 1e6, 2),
+                 mb_uploaded=round(report.bytes_uploaded / 1e6, 1), s=round(report.seconds, 2),
+                 gc=report.gc_deleted_versions)
+        return report
+
+    async def _upload_shards(self, pieces: dict[str, torch.Tensor], entries: list[TensorEntry],
+                             put) -> tuple[list[ShardEntry], list[TensorEntry]]:
+        groups = plan_shards([(k, t.numel() * t.element_size()) for k, t in pieces.items()],
+                             self.max_shard_bytes, self.target_shard_bytes)
+        shard_of: dict[str, str] = {}
+        shards: list[ShardEntry | None] = [None] * len(groups)
+        sem = asyncio.Semaphore(self.parallel)
+
+        async def one(i: int, keys: list[str]) -> None:
+            async with sem:
+                data, sha = await asyncio.to_thread(_serialize, {k: pieces[k] for k in keys})
+                await put(wire.weights_shard_key(sha), data)
+                shards[i] = ShardEntry(sha, len(data), keys)
+                for k in keys:
+                    shard_of[k] = sha
+
+        await asyncio.gather(*(one(i, g) for i, g in enumerate(groups)))
+        tensors = [TensorEntry(e.name, e.dtype, e.shape, [TensorPart(shard_of[p.key], p.key, p.start, p.stop)
+                                                         for p in e.parts], e.sha256) for e in entries]
+        return [s for s in shards if s is not None], tensors
+
+    async def gc(self, keep: int | None = None) -> list[int]:
+        return await gc_store(self.store, keep or self.keep_versions)
+
+
+async def published_versions(store: BlobStore) -> list[int]:
+    prefix = "manifests/v"
+    return sorted(int(k[len(prefix):].split(".")[0]) for k in await store.list(prefix))
+
+
+async def gc_store(store: BlobStore, keep: int) -> list[int]:
+    """Keep the newest `keep` versions and every version they need (a delta-only version needs
+    its base, back to a snapshot); delete the other manifests, then every shard and delta blob
+    no kept manifest references. Returns the deleted versions.
+
+    Manifests go first, so a concurrent reader sees a version either whole or absent
+    (`VersionUnavailable`), never a manifest pointing at deleted blobs. Run it from the one
+    publisher process: a blob uploaded for a manifest not yet written would look orphaned."""
+    if keep < 1:
+        raise ValueError("keep must be >= 1")
+    versions = await published_versions(store)
+    needed: dict[int, Manifest] = {}
+    for v in versions[-keep:]:
+        while v not in needed:
+            try:
+                m = Manifest.decode(await store.read_all(wire.weights_manifest_key(v)))
+            except ObjectMissing:
+                log.warning("weights gc: a kept version's base is gone", version=v)
+                break
+            needed[v] = m
+            if m.snapshot or m.delta is None:
+                break
+            v = m.delta.base
+    dropped = [v for v in versions if v not in needed]
+    for v in dropped:
+        await store.delete(wire.weights_manifest_key(v))
+    live: set[str] = set()
+    for m in needed.values():
+        live.update(wire.weights_shard_key(s.sha256) for s in m.shards)
+        if m.delta is not None:
+            live.update(wire.weights_delta_key(b.sha256) for b in m.delta.blobs)
+    orphans = [k for k in await store.list("shards/") + await store.list("deltas/") if k not in live]
+    for k in orphans:
+        await store.delete(k)
+    if dropped or orphans:
+        log.info("weights gc", deleted_versions=dropped, deleted_blobs=len(orphans), kept=sorted(needed))
+    return dropped
+
+
+# ---------------------------------------------------------------- wiring
+
+
+async def open_store(js: JetStreamContext | None = None, directory: str | os.PathLike[str] | None = None, *,
+                     bucket: str = wire.BUCKET_WEIGHTS, create: bool = True, replicas: int = 1) -> BlobStore:
+    """The configured backend: a directory if given (local disk / shared mount), else the
+    JetStream Object Store bucket (the embedded default)."""
+    if directory:
+        return FileBlobStore(directory, create=create)
+    if js is None:
+        raise ValueError("open_store needs a JetStream context or a directory")
+    return await JetStreamBlobStore.open(js, bucket, create=create, replicas=replicas)

@@ -1,0 +1,197 @@
+"""The step orchestrator (rlboost/orchestrator.py) on real NATS, Redis and in-process workers with
+the emulated engine: fallback with no preemptible worker in every rollout mode, the pool's work
+taken back when it dies mid-step, partial responses continued under the next version, async
+staleness bounded on every trained sample, and the trace bench driving this very code."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import time
+
+import pytest
+
+from rlboost import orchestrator as orch
+from rlboost import wire
+from rlboost.clients import open_clients
+from rlboost.config import WorkerSettings
+from rlboost.costs import Prices
+from rlboost.offload import SeedWindow
+from workers.benchmarks import trace as bench
+from workers.benchmarks.trace_model import MAX_NEW_TOKENS
+from workers.counters import Counters
+from workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel
+from workers.seeding import InProcessSeeding
+from workers.worker import RolloutWorker
+
+R = 64  # modelled tokens per emulated token, as the trace bench: median ~23 emulated tokens
+
+
+def engine(speed: float = 100.0) -> EmulatedEngine:
+    return EmulatedEngine(speed=speed, timing=TimingModel().on_gpus(2).per_emulated_token(R),
+                          lengths=LengthModel().per_emulated_token(R))
+
+
+def settings(pool: str, handoff_pool: str = "") -> WorkerSettings:
+    return WorkerSettings(pool=pool, handoff_pool=handoff_pool, slots=64, checkpoint_tokens=4, heartbeat_s=0.25,
+                          ack_wait_s=2.0, lease_ttl_s=1.0)
+
+
+class Clock:
+    """A trainer that takes no time and makes a new policy version per step."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    async def score(self, key, results):
+        return None
+
+    async def train_group(self, key, results, scored, start: float) -> float:
+        return time.monotonic()
+
+    async def finish_step(self, step: int) -> int:
+        self.version += 1
+        return self.version
+
+
+def requests_of(run: str):
+    def make(step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
+        return [wire.RolloutRequest(request_id=wire.request_id(step, p, g, run=run), step=step, policy_version=version,
+                                    prompt_ids=[7] * 4, max_new_tokens=MAX_NEW_TOKENS // R, seed=1000 * step + 10 * p + g,
+                                    group=p) for p in range(groups) for g in range(4)]
+    return make
+
+
+async def drive(services, mode: str, steps: int, preemptible: int = 0, policy: str = "hybrid", t_seed: float = 0.2,
+                after_handoff=None, prompts: int = 6, max_staleness: int = 1, overprovision: float = 0.5):
+    """`steps` steps of `policy` in `mode`, with `preemptible` in-process workers on the pool."""
+    nats_url, redis_url = services
+    run = wire.new_run_id()
+    pool, reserved = f"orch-{run}", f"orch-{run}-reserved"
+    async with open_clients(nats_url, redis_url, "test-orch") as c:
+        workers = [RolloutWorker(settings(pool), engine(), c, worker_id=f"{run}-spot{i}") for i in range(preemptible)]
+        tasks = [asyncio.create_task(w.run()) for w in workers]
+        seeding = InProcessSeeding(c, pool, reserved, engine(), settings, Counters(), weight=1.0 if policy != "disaggregated" else 0.0)
+        if after_handoff is not None:  # e.g. the whole pool goes right after the seeding window
+            hand_off = seeding.hand_off
+
+            async def hand_off_then() -> int:
+                n = await hand_off()
+                after_handoff(workers)
+                return n
+            seeding.hand_off = hand_off_then
+        clock = Clock()
+        o = orch.Orchestrator(c, pool, seeding, clock, policy=policy, window=SeedWindow(initial_s=t_seed, floor_s=0.1),
+                              mode=mode, max_staleness=max_staleness, overprovision=overprovision, samples=4)
+        deadline = time.monotonic() + 10
+        while await o.live() < preemptible and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        outs = []
+        try:
+            for step in range(steps):
+                outs.append(await asyncio.wait_for(o.step(step, clock.version, requests_of(run), prompts), 60))
+        finally:
+            await o.close()
+            await seeding.close()
+            for w in workers:
+                w.request_drain("test over")
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return outs, clock
+
+
+@pytest.mark.parametrize("mode", orch.MODES)
+def test_with_no_preemptible_worker_every_mode_completes_colocated(services, mode):
+    outs, clock = asyncio.run(drive(services, mode, steps=3))
+    assert clock.version == 3
+    for o in outs:
+        assert o.live == 0 and o.t_seed is None and o.handoffs == 0 and not o.fallback
+        assert len(o.trained) == 6 and all(len(results) == 4 for _, results in o.trained)
+        bound = 0 if mode == "sync" else 1
+        assert mode == "partial" or max(o.staleness) <= bound
+
+
+@pytest.mark.parametrize("mode", orch.MODES)
+def test_the_pool_dies_after_the_hand_off_and_the_reserved_side_takes_it_back(services, mode):
+    def everyone_leaves(workers):
+        for w in workers:
+            w.request_drain("preempted")  # hands its requests back to the resume lane and goes
+
+    outs, _ = asyncio.run(drive(services, mode, steps=1, preemptible=1, after_handoff=everyone_leaves, t_seed=0.05,
+                                prompts=8))
+    o = outs[0]
+    assert o.live == 1 and o.fallback and len(o.trained) == 8
+
+
+def test_a_partial_response_continues_under_the_next_version(services):
+    """Groups still in flight when a step's batch is in carry over; the version floor moves
+    them on to the next version from their checkpoints: a result with both versions' segments."""
+    for attempt in range(3):  # it needs a response in flight at the boundary: the long tail gives one
+        outs, _ = asyncio.run(drive(services, "partial", steps=4, preemptible=1, policy="disaggregated",
+                                    prompts=4, overprovision=1.0))
+        trained = [(o.step, r) for o in outs for _, results in o.trained for r in results]
+        both = [r for _, r in trained if len({s.policy_version for s in r.segments}) > 1]
+        if both:
+            break
+    assert both, "no response spanned a step boundary"
+    for r in both:
+        versions = [s.policy_version for s in r.segments]
+        assert versions == sorted(versions)  # moved on, never back
+        assert r.segments[0].offset == 0 and len(r.token_ids) > r.segments[-1].offset
+    assert any(o.carried_groups for o in outs)
+    # every trained result's staleness is what its segments say
+    for o in outs:
+        for (_, results), s in zip(o.trained, [o.staleness[i:i + 4] for i in range(0, len(o.staleness), 4)]):
+            assert s == [orch.staleness(r, o.step) for r in results]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_async_staleness_never_exceeds_k_on_any_trained_sample(services, k):
+    outs, clock = asyncio.run(drive(services, "async", steps=4, preemptible=1, max_staleness=k))
+    seen = []
+    for o in outs:
+        for _, results in o.trained:
+            for r in results:
+                lag = max(o.step - s.policy_version for s in r.segments)  # the trained version is the step
+                assert 0 <= lag <= k
+                seen.append(lag)
+    assert max(seen) == k  # the bound is reached (steps published ahead), never passed
+
+
+def test_the_trace_bench_runs_the_products_orchestration(services, tmp_path, monkeypatch):
+    """The bench has no step logic of its own: each of its steps is Orchestrator.step."""
+    calls = []
+    real = orch.Orchestrator.step
+
+    async def spy(self, *args, **kw):
+        calls.append(self)
+        return await real(self, *args, **kw)
+
+    monkeypatch.setattr(orch.Orchestrator, "step", spy)
+    nats_url, redis_url = services
+    a = argparse.Namespace(speed=150.0, chunk=8, token_scale=64, notice=30.0, prompts=8, samples=4, t_seed=10.0,
+                           prices=Prices(), max_instances=0)
+
+    async def go():
+        async with open_clients(nats_url, redis_url, "test-trace") as c:
+            return await bench.Emulation(a, c, nats_url, redis_url, tmp_path, "col", "colocated", []).run(300.0)
+
+    out = asyncio.run(go())
+    assert out["steps"] >= 1 and len(calls) >= out["steps"]
+    assert all(isinstance(o, orch.Orchestrator) for o in calls)
+    source = inspect.getsource(bench.Emulation)
+    for step_logic in ("publish_step", ".results(", "send_signal", "window.update", "hand_off(", "RolloutWorker("):
+        assert step_logic not in source, step_logic
+
+
+def test_vllm_sleep_is_refused_where_the_engine_cannot_sleep():
+    import torch
+
+    from workers.engines import EngineError
+    from workers.seeding import make_seeding_engine
+
+    with pytest.raises(EngineError, match="seeding_engine = vllm"):
+        make_seeding_engine("torch", "/nonexistent", WorkerSettings(), sleep=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(EngineError, match="no CUDA GPU"):
+            make_seeding_engine("vllm", "/nonexistent", WorkerSettings(), sleep=True)

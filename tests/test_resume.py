@@ -1,0 +1,125 @@
+"""A trainer SIGKILLed mid-step resumes: same run id and step, finished responses taken from the
+results stream, partial ones continued from their Redis checkpoints, and a checkpoint folder that
+Hugging Face loads and generates from."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlboost import bus, wire
+from trainer.model import init_model_dir
+from trainer.tasks import get_task
+
+K = 16  # checkpoint interval (tokens) of the run's workers
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = init_model_dir(tmp_path_factory.mktemp("m") / "model", get_task("addition"), seed=4)
+    meta = d / "rlboost.json"  # pretend it was warm-started: this test is about the dataflow
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "trained": True}))
+    return d
+
+
+async def _kill_at_first_result(nats_url: str, step: int, run_id: str, proc: subprocess.Popen, deadline: float) -> None:
+    """SIGKILL `proc` the moment the first result of `step` of this run is published: one
+    subscription held from before, so the kill lands while most of the step is still in flight
+    (polling with a new connection each time let a quick step finish before the kill)."""
+    nc = await bus.connect(nats_url)
+    try:
+        sub = await nc.jetstream().subscribe(wire.result_subject(step), ordered_consumer=True)
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                m = await sub.next_msg(timeout=0.2)
+            except TimeoutError:
+                continue
+            if wire.decode(wire.RolloutResult, m.data).request_id.startswith(run_id + "-"):
+                proc.send_signal(signal.SIGKILL)
+                return
+    finally:
+        await nc.close()
+
+
+async def _results(nats_url: str, step: int, run_id: str) -> dict[str, wire.RolloutResult]:
+    """Every result of `step` of this run in the results stream now."""
+    nc = await bus.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        sub = await js.subscribe(wire.result_subject(step), ordered_consumer=True)
+        got: dict[str, wire.RolloutResult] = {}
+        while True:
+            try:
+                m = await sub.next_msg(timeout=0.2)
+            except TimeoutError:
+                break
+            r = wire.decode(wire.RolloutResult, m.data)
+            if r.request_id.startswith(run_id + "-"):
+                got[r.request_id] = r
+        await sub.unsubscribe()
+        return got
+    finally:
+        await nc.close()
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_trainer_mid_step_then_resume(services, tmp_path, model_dir):
+    nats_url, redis_url = services
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    args = ["--model-dir", str(model_dir), "--run-dir", str(run_dir), "--steps", "3", "--prompts", "16",
+            "--samples", "8", "--workers", "2", "--slots", "8", "--eval-every", "100", "--save-rollouts",
+            "--t-seed", "0.5", "--t-seed-floor", "0.5", "run.checkpoint_every=1", f"rollout.checkpoint_tokens={K}"]
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "run", *args], stdout=log, stderr=log, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "step-000001").exists():  # steps 0 and 1 are done
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+        asyncio.run(_kill_at_first_result(nats_url, 2, run_id, first, deadline))  # step 2 is under way
+        first.wait()
+    finally:
+        if first.poll() is None:
+            first.kill()
+    time.sleep(1.0)  # its workers die with it (PDEATHSIG); whatever they published is in the stream
+    finished = asyncio.run(_results(nats_url, 2, run_id))
+    in_flight = 16 * 8 - len(finished)
+    assert 0 < in_flight and finished
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+
+    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--resume", str(run_dir)],
+                       capture_output=True, text=True, env=env, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["run_id"] == run_id and out["resumed_from_step"] == 2 and out["steps"] == 3
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and {r["run_id"] for r in rows} == {run_id}
+    # finished responses were taken from the results stream, never generated again
+    rollouts = {r["id"]: r for r in map(json.loads, (run_dir / "rollouts.jsonl").read_text().splitlines())}
+    for rid, r in finished.items():
+        again = rollouts[rid.removeprefix(run_id + "-")]
+        assert again["tokens"] == r.token_ids and again["workers"] == [s.worker_id for s in r.segments]
+    # partial ones resumed from their checkpoints: at most one interval lost per request in flight
+    assert 0 <= out["regenerated_tokens"] <= K * in_flight
+    print(f"in flight at the kill: {in_flight} requests; regenerated tokens: {out['regenerated_tokens']} "
+          f"(bound {K * in_flight})")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = run_dir / "checkpoints" / "step-000002" / "model"
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    ids = tok("12+34:", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    gen = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert gen.shape[1] > ids.shape[1]

@@ -1,0 +1,322 @@
+"""Sparse weight deltas: bit-exact chains, refusal of corrupt deltas and lying hashes with recovery
+through a snapshot, GC that keeps the bases, skipped versions, the torch engine on a rebuilt folder.
+Real stores (a directory, the JetStream Object Store), real publisher and cache."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+
+from rlboost import wire
+from rlboost.errors import RlboostError
+from rlboost.weights import (
+    BlobStore,
+    DeltaCorrupt,
+    FileBlobStore,
+    JetStreamBlobStore,
+    Manifest,
+    ShardCorrupt,
+    StoreError,
+    WeightCache,
+    WeightPublisher,
+    deltas,
+    published_versions,
+)
+from rlboost.weights.safetensors_io import whole_tensor_dir
+
+
+class Policy:
+    """fp32 master weights taking small steps; published in bf16, as a trainer does. A step of
+    `lr` moves every element, but only those crossing a bf16 rounding boundary change bits."""
+
+    def __init__(self, seed: int = 0, lr: float = 1e-5) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.g, self.lr = g, lr
+        self.master = {"embed.weight": torch.randn(96, 64, generator=g) * 0.02,
+                       "layers.0.attn.weight": torch.randn(64, 64, generator=g) * 0.02,
+                       "layers.0.norm.weight": torch.ones(64),
+                       "layers.0.mlp.weight": torch.randn(128, 64, generator=g) * 0.02}
+
+    def step(self) -> None:
+        for t in self.master.values():
+            t.add_(torch.randn(t.shape, generator=self.g).sign() * self.lr)
+
+    def published(self) -> dict[str, torch.Tensor]:
+        return {k: v.to(torch.bfloat16) for k, v in self.master.items()} | {"positions": torch.arange(16)}
+
+
+def assert_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:  # bit patterns, not values: -0.0 == 0.0 and NaN != NaN would hide differences
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert np.array_equal(deltas.bits(a[k]), deltas.bits(b[k])), k
+
+
+@pytest_asyncio.fixture(params=["file", "jetstream"])
+async def store(request, js, tmp_path) -> AsyncIterator[BlobStore]:
+    if request.param == "file":
+        yield FileBlobStore(tmp_path / "store", create=True)
+        return
+    bucket = f"rbd-{uuid.uuid4().hex[:10]}"
+    yield await JetStreamBlobStore.open(js, bucket)
+    with contextlib.suppress(Exception):
+        await js.delete_object_store(bucket)
+
+
+async def publish_chain(pub: WeightPublisher, policy: Policy, versions: range) -> dict[int, dict]:
+    out = {}
+    for v in versions:
+        if v != versions.start:
+            policy.step()
+        out[v] = policy.published()
+        await pub.publish(out[v], v)
+    return out
+
+
+async def manifest(store: BlobStore, v: int) -> Manifest:
+    return Manifest.decode(await store.read_all(wire.weights_manifest_key(v)))
+
+
+# ---------------------------------------------------------------- encodings
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.bool])
+def test_every_encoding_round_trips_bit_exactly(dtype):
+    g = torch.Generator().manual_seed(1)
+    old = (torch.randn(4096, generator=g) * 10).to(dtype)
+    seen = set()
+    for frac in (0.0, 0.01, 0.2, 0.9):
+        new = old.clone()
+        idx = torch.randperm(old.numel(), generator=g)[:int(frac * old.numel())]
+        new[idx] = (torch.randn(idx.numel(), generator=g) * 10).to(dtype) if dtype != torch.bool else ~old[idx]
+        enc, count, payload = deltas.encode(old, new)
+        seen.add(enc)
+        got = deltas.decode(deltas.bits(old), enc, count, payload, new.numel(), new.element_size())
+        assert np.array_equal(got, deltas.bits(new)), (dtype, frac, enc)
+    enc, count, payload = deltas.encode(None, old)  # no base: raw
+    assert enc == "raw" and np.array_equal(deltas.decode(None, enc, count, payload, old.numel(),
+                                                         old.element_size()), deltas.bits(old))
+    assert "same" in seen and seen & {"sparse", "xor"}
+
+
+def test_a_hostile_payload_is_refused_not_allocated():
+    old = torch.zeros(1000, dtype=torch.bfloat16)
+    new = old.clone()
+    new[::100] = 1
+    enc, count, payload = deltas.encode(old, new)
+    base = deltas.bits(old)
+    with pytest.raises(DeltaCorrupt):  # claims more elements than the tensor has
+        deltas.decode(base, "sparse", 10**9, payload, 1000, 2)
+    with pytest.raises(DeltaCorrupt):  # not zstd
+        deltas.decode(base, enc, count, b"\x28\xb5\x2f\xfd garbage", 1000, 2)
+    bomb = deltas._zstd(bytes(64 << 20))  # inflates far past the 2,000 bytes a raw tensor may have
+    with pytest.raises(DeltaCorrupt, match="more than"):
+        deltas.decode(None, "raw", 0, bomb, 1000, 2)
+    far = deltas._zstd(np.array([5000] * count, np.uint32).tobytes() + bytes(2 * count))
+    with pytest.raises(DeltaCorrupt, match="past the end"):
+        deltas.decode(base, "sparse", count, far, 1000, 2)
+    assert issubclass(DeltaCorrupt, ShardCorrupt) and issubclass(DeltaCorrupt, RlboostError)
+
+
+# ---------------------------------------------------------------- acceptance
+
+
+async def test_a_chain_of_deltas_reconstructs_bit_exactly(store, tmp_path):
+    pub = WeightPublisher(store, full_every=4, keep_versions=10)
+    policy = Policy()
+    truth = await publish_chain(pub, policy, range(0, 7))
+    kinds = {v: await manifest(store, v) for v in truth}
+    assert [bool(m.shards) for m in kinds.values()] == [True, False, False, False, True, False, False]
+    assert all(m.delta is not None for v, m in kinds.items() if v > 0)  # the v4 snapshot carries one too
+    assert all(m.dtype == "bfloat16" for m in kinds.values())  # the publish dtype is recorded
+    full = kinds[0].total_bytes
+    assert all(m.delta.bytes < full / 4 for v, m in kinds.items() if v > 0)
+
+    follower = WeightCache(tmp_path / "follower", store)  # pulls every version as it comes
+    for v in truth:
+        before = follower.stats.bytes_fetched
+        vv = await follower.ensure(v)
+        assert_exact(vv.load_tensors(), truth[v])
+        if v > 0:  # only the delta moved, the v4 snapshot included
+            assert follower.stats.bytes_fetched - before == kinds[v].delta.bytes
+    assert follower.stats.reconstructed == 6 and follower.stats.paths_refused == 0
+    assert follower.cached_versions() == [4, 5, 6]  # pruned as it goes: a rebuilt version is a full copy
+
+    late = WeightCache(tmp_path / "late", store)  # nothing cached: the nearest snapshot + deltas
+    assert_exact((await late.ensure(6)).load_tensors(), truth[6])
+    assert late.stats.bytes_fetched == kinds[4].total_bytes + kinds[5].delta.bytes + kinds[6].delta.bytes
+    with whole_tensor_dir(late.versions_dir / f"v{6:012d}") as whole:  # a rebuilt folder is whole already
+        assert whole == late.versions_dir / f"v{6:012d}"
+
+    away = WeightCache(tmp_path / "away", store)  # held v1, was away for five versions
+    await away.ensure(1)
+    before = away.stats.bytes_fetched
+    assert_exact((await away.ensure(6)).load_tensors(), truth[6])
+    assert away.stats.bytes_fetched - before == sum(kinds[v].delta.bytes for v in range(2, 7))
+
+
+async def test_a_corrupt_delta_is_refused_and_the_worker_recovers_through_a_snapshot(tmp_path):
+    store = FileBlobStore(tmp_path / "store", create=True)
+    pub = WeightPublisher(store, full_every=3)
+    truth = await publish_chain(pub, Policy(seed=2), range(0, 4))  # v0 snapshot, v1 v2 deltas, v3 snapshot
+    cache = WeightCache(tmp_path / "cache", store, corrupt_retries=2)
+    await cache.ensure(1)
+    m2 = await manifest(store, 2)
+    blob = tmp_path / "store" / wire.weights_delta_key(m2.delta.blobs[0].sha256)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the stored copy rotted: every read is wrong
+    blob.write_bytes(bytes(data))
+
+    with pytest.raises(ShardCorrupt):  # v2 exists only as that delta: refused, not loaded
+        await cache.ensure(2)
+    assert 2 not in cache.cached_versions()
+    vv = await cache.ensure(3)  # cheapest path (v1 + d2 + d3) is refused; the v3 snapshot serves
+    assert_exact(vv.load_tensors(), truth[3])
+    assert cache.stats.paths_refused >= 1
+
+
+async def test_a_lying_hash_is_refused_and_the_worker_recovers_through_a_snapshot(tmp_path):
+    store = FileBlobStore(tmp_path / "store", create=True)
+    pub = WeightPublisher(store, full_every=3)
+    truth = await publish_chain(pub, Policy(seed=3), range(0, 4))
+    m2 = await manifest(store, 2)
+    lie = [msgspec.structs.replace(t, sha256="0" * 64) if t.name == "layers.0.attn.weight" else t
+           for t in m2.tensors]
+    await store.put(wire.weights_manifest_key(2), msgspec.structs.replace(m2, tensors=lie).encode())
+    cache = WeightCache(tmp_path / "cache", store)
+    await cache.ensure(1)
+
+    with pytest.raises(DeltaCorrupt, match="does not match"):
+        await cache.ensure(2)
+    assert 2 not in cache.cached_versions() and not list(cache.tmp_dir.iterdir())  # nothing half-built
+    assert_exact((await cache.ensure(3)).load_tensors(), truth[3])
+
+
+async def test_gc_never_deletes_a_base_a_kept_version_depends_on(store, tmp_path):
+    pub = WeightPublisher(store, full_every=4, keep_versions=2)
+    truth = await publish_chain(pub, Policy(seed=4), range(0, 4))  # v0 snapshot, v1..v3 deltas
+    assert await published_versions(store) == [0, 1, 2, 3]  # 2 and 3 are kept: they need 1 and 0
+    fresh = WeightCache(tmp_path / "fresh", store)
+    assert_exact((await fresh.ensure(2)).load_tensors(), truth[2])
+
+    policy = Policy(seed=4)
+    for _ in range(3):
+        policy.step()
+    truth |= await publish_chain(pub, policy, range(3, 6))  # v4 is a snapshot: v0..v3 may go
+    assert await published_versions(store) == [4, 5]
+    live = {wire.weights_delta_key(b.sha256) for v in (4, 5) for b in (await manifest(store, v)).delta.blobs}
+    assert set(await store.list("deltas/")) == live
+    assert_exact((await WeightCache(tmp_path / "late", store).ensure(5)).load_tensors(), truth[5])
+
+
+async def test_a_rebuilt_folder_is_checked_again_after_a_restart(tmp_path):
+    store = FileBlobStore(tmp_path / "store", create=True)
+    truth = await publish_chain(WeightPublisher(store), Policy(seed=5), range(0, 2))
+    cache = WeightCache(tmp_path / "cache", store)
+    vv = await cache.ensure(1)
+    f = next(vv.path.glob("tensors-*.safetensors"))
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01
+    f.write_bytes(bytes(data))
+    restarted = WeightCache(tmp_path / "cache", store)
+    assert_exact((await restarted.ensure(1)).load_tensors(), truth[1])
+    assert restarted.stats.reconstructed == 1
+
+
+async def test_a_delta_blob_id_never_names_a_path(tmp_path):
+    store = FileBlobStore(tmp_path / "store", create=True)
+    await publish_chain(WeightPublisher(store), Policy(seed=6), range(0, 2))
+    m1 = await manifest(store, 1)
+    bad = "../../victim"
+    d = msgspec.structs.replace(m1.delta, blobs=[msgspec.structs.replace(m1.delta.blobs[0], sha256=bad)],
+                                tensors=[msgspec.structs.replace(t, blob=bad) for t in m1.delta.tensors])
+    with pytest.raises(StoreError, match="invalid shard id"):
+        Manifest.decode(msgspec.structs.replace(m1, delta=d).encode())
+
+
+async def test_a_late_joiner_whose_snapshot_is_corrupt_loads_nothing(tmp_path):
+    """The rebuild overlaps the snapshot's download: a shard that never verifies stops both."""
+    store = FileBlobStore(tmp_path / "store", create=True)
+    truth = await publish_chain(WeightPublisher(store), Policy(seed=7), range(0, 3))
+    m0 = await manifest(store, 0)
+    shard = tmp_path / "store" / wire.weights_shard_key(m0.shards[-1].sha256)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    late = WeightCache(tmp_path / "late", store, corrupt_retries=2)
+    with pytest.raises(ShardCorrupt):
+        await late.ensure(2)
+    assert late.cached_versions() == [] and not list(late.tmp_dir.iterdir())
+    data[-1] ^= 0xFF  # the store's copy is repaired: the same cache gets there
+    shard.write_bytes(bytes(data))
+    assert_exact((await late.ensure(2)).load_tensors(), truth[2])
+    assert late.cached_versions() == [0, 2]
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda d, m: {"delta": msgspec.structs.replace(d, base=m.version)}, "not an earlier version"),
+    (lambda d, m: {"delta": msgspec.structs.replace(d, tensors=d.tensors[1:])}, "every tensor exactly once"),
+    (lambda d, m: {"delta": msgspec.structs.replace(d, tensors=d.tensors + d.tensors[:1])}, "every tensor exactly once"),
+    (lambda d, m: {"delta": msgspec.structs.replace(d, tensors=[msgspec.structs.replace(
+        t, offset=d.blobs[0].size) if t.length else t for t in d.tensors])}, "outside its blob"),
+    (lambda d, m: {"delta": msgspec.structs.replace(d, tensors=[msgspec.structs.replace(t, enc="gzip")
+                                                                for t in d.tensors])}, "encoding"),
+    (lambda d, m: {"tensors": [msgspec.structs.replace(t, sha256="") for t in m.tensors]}, "SHA-256"),
+    (lambda d, m: {"tensors": [msgspec.structs.replace(t, dtype="object") for t in m.tensors]}, "dtype"),
+    (lambda d, m: {"delta": None}, "neither shards nor a delta"),
+])
+async def test_the_manifest_door_refuses_a_malformed_delta(tmp_path, change, why):
+    store = FileBlobStore(tmp_path / "store", create=True)
+    await publish_chain(WeightPublisher(store), Policy(seed=8), range(0, 2))
+    m1 = await manifest(store, 1)
+    with pytest.raises(StoreError, match=why):
+        Manifest.decode(msgspec.structs.replace(m1, **change(m1.delta, m1)).encode())
+
+
+@pytest.mark.parametrize("on_disk, setting, expect", [
+    ("bfloat16", "auto", torch.bfloat16), ("float32", "auto", torch.float32), ("float32", "bf16", torch.bfloat16),
+])
+async def test_versions_are_published_in_the_serving_dtype(tmp_path, on_disk, setting, expect):
+    """A bf16 model is published in bf16 by default, cast from the fp32 master weights."""
+    import json
+
+    from rlboost.config import TrainerSettings
+    from trainer.grpo_trainer import GRPOTrainer
+    from trainer.model import init_model_dir
+    from trainer.tasks import get_task
+
+    model_dir = init_model_dir(tmp_path / "model", get_task("addition"), seed=0, hidden=32, layers=1, heads=2, mlp=64)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["torch_dtype"] = on_disk
+    (model_dir / "config.json").write_text(json.dumps(config))
+    trainer = GRPOTrainer(str(model_dir), TrainerSettings(device="cpu", precision="fp32", publish_dtype=setting))
+    assert trainer.master_dtype == torch.float32 and trainer.publish_dtype == expect
+    state = trainer.state_dict()
+    store = FileBlobStore(tmp_path / "store", create=True)
+    await WeightPublisher(store).publish(state, 0)
+    m = await manifest(store, 0)
+    assert m.dtype == str(expect).removeprefix("torch.")
+    master = dict(trainer.model.named_parameters())
+    name = next(k for k in master if k in state)
+    assert torch.equal(state[name], master[name].detach().to(expect))
+
+
+async def test_concurrent_pulls_of_a_snapshot_and_the_versions_built_on_it(tmp_path):
+    """A prefetch of the snapshot and requests for later versions at once: one download, all exact."""
+    import asyncio
+
+    store = FileBlobStore(tmp_path / "store", create=True)
+    truth = await publish_chain(WeightPublisher(store, full_every=10), Policy(seed=9), range(0, 4))
+    cache = WeightCache(tmp_path / "cache", store)
+    got = await asyncio.gather(*(cache.ensure(v) for v in (3, 0, 2, 3)))
+    for vv in got:
+        assert_exact(vv.load_tensors(), truth[vv.version])
+    ms = [await manifest(store, v) for v in range(4)]
+    assert cache.stats.bytes_fetched == ms[0].total_bytes + sum(m.delta.bytes for m in ms[1:])  # each blob once

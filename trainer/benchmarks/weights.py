@@ -1,0 +1,209 @@
+"""`rlboost bench weights`: sparse weight deltas on real GRPO updates, and a late joiner's pull.
+
+A locally built model (default 33.6M parameters: the demo's architecture family, hidden 512,
+8 layers, mlp 2048; the demo's addition task) takes a few GRPO steps at each `--lrs` (fp32
+master weights, AdamW), each a real step: a torch engine samples `--prompts` x `--samples`
+responses with the policy it pulled from the weight store, the task scores them, the trainer
+updates. An untrained model never gets an answer exactly right, so every group would score 0 and
+GRPO would not move: the reward adds the fraction of the worked solution's characters the
+response gets right (at most 0.5) to the exact-match reward, which gives groups the reward spread
+GRPO needs. Every version is published in `--publish-dtype` (bf16) into the embedded JetStream
+Object Store, as a delta when it pays.
+
+Per step: the fraction of elements whose published bits changed, the bytes of the version stored
+full vs as a delta, publish time, and a follower worker's time to rebuild the version from the
+one it holds (fetch the delta, replay, SHA-256 every tensor) plus whether the rebuilt tensors
+are bit-identical to what the trainer published. Then a late joiner with an empty cache
+provisions the newest version (nearest snapshot + the deltas since, verified).
+
+- delta_bytes_ratio: median bytes of a delta version / bytes of the full version, at the first lr
+- mb_per_s: the late joiner's effective rate = full version bytes / provisioning seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from rlboost import bus, wire
+from rlboost.cli import print_result
+from rlboost.config import Settings
+from rlboost.services import running_services
+
+MB = 1e6
+
+
+def _reward(task, problem, text: str) -> float:
+    """Exact match (the task's reward) plus up to 0.5 for the worked solution's characters
+    the response gets right position by position: an untrained policy's groups get a spread."""
+    sol = problem.solution
+    agree = sum(a == b for a, b in zip(text, sol)) / max(1, len(sol))
+    return task.reward(problem, text) + 0.5 * agree
+
+
+async def _rollout(engine, trainer, task, tokenizer, stops, rng, step: int, prompts: int, samples: int):
+    from trainer.model import decode_response, encode
+    from workers.engines.base import Sequence
+
+    problems = [task.sample(rng) for _ in range(prompts)]
+    seqs = []
+    for g, prob in enumerate(problems):
+        ids = encode(tokenizer, prob.prompt)
+        for s in range(samples):
+            seqs.append(Sequence(request_id=wire.request_id(step, g, s), prompt_ids=ids, seed=rng.randrange(1 << 30),
+                                 max_new_tokens=task.max_response_chars + 1, stop_ids=stops))
+    out = await engine.generate(seqs, max(s.max_new_tokens for s in seqs))
+    trainer.start_step(step)
+    rewards_all = []
+    for g, prob in enumerate(problems):
+        results, rewards = [], []
+        for s in range(samples):
+            seq, gen = seqs[g * samples + s], out[g * samples + s]
+            results.append(wire.RolloutResult(
+                request_id=seq.request_id, step=step, group=g, prompt_ids=seq.prompt_ids, token_ids=gen.token_ids,
+                logprobs=gen.logprobs, segments=[], finish_reason="stop" if gen.finished else "length",
+                worker_id="bench", ts=0.0))
+            rewards.append(_reward(task, prob, decode_response(tokenizer, gen.token_ids, stops)))
+        rewards_all += rewards
+        trainer.add_group(g, results, rewards)
+    trainer.finish_step()
+    return statistics.mean(rewards_all)
+
+
+async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: Path) -> dict:
+    import random
+
+    import numpy as np
+
+    from rlboost.config import TrainerSettings
+    from rlboost.modeldir import stop_ids
+    from rlboost.weights import JetStreamBlobStore, WeightCache, WeightPublisher, deltas
+    from trainer.grpo_trainer import GRPOTrainer
+    from trainer.tasks import get_task
+    from workers.engines.torch_engine import TorchEngine
+
+    task = get_task("addition")
+    trainer = GRPOTrainer(str(model_dir), TrainerSettings(device="cpu", precision="fp32", lr=lr,
+                                                          publish_dtype=a.publish_dtype), seed=a.seed)
+    stops = stop_ids(model_dir, trainer.tokenizer)
+    engine = TorchEngine(str(model_dir), dtype="float32")
+    bucket = f"{wire.BUCKET_WEIGHTS}-bench-{uuid.uuid4().hex[:8]}"
+    store = await JetStreamBlobStore.open(js, bucket)
+    rng = random.Random(a.seed)
+    try:
+        pub = WeightPublisher(store, full_every=a.full_every, keep_versions=a.steps + 1)
+        follower = WeightCache(work / f"follower-{lr}", store)
+        sd = await asyncio.to_thread(trainer.state_dict)
+        rep = await pub.publish(sd, 0)
+        full_bytes = rep.total_bytes
+        vv = await follower.ensure(0)
+        await engine.load_weights(vv.path, 0)
+        steps, exact = [], True
+        for step in range(1, a.steps + 1):
+            t = time.perf_counter()
+            reward = await _rollout(engine, trainer, task, trainer.tokenizer, stops, rng, step, a.prompts, a.samples)
+            train_s = time.perf_counter() - t
+            sd = await asyncio.to_thread(trainer.state_dict)
+            rep = await pub.publish(sd, step)
+            t = time.perf_counter()
+            fetched = follower.stats.bytes_fetched
+            vv = await follower.ensure(step)
+            rebuild_s = time.perf_counter() - t
+            got = await asyncio.to_thread(vv.load_tensors)
+            same = all(np.array_equal(deltas.bits(got[k]), deltas.bits(v)) for k, v in sd.items())
+            exact = exact and same
+            await engine.load_weights(vv.path, step)
+            steps.append({"step": step, "kind": rep.kind, "changed_frac": round(rep.changed_elements / rep.elements, 5),
+                          "delta_bytes": rep.delta_bytes, "full_bytes": rep.total_bytes,
+                          "pulled_bytes": follower.stats.bytes_fetched - fetched,
+                          "publish_s": round(rep.seconds, 3), "rebuild_s": round(rebuild_s, 3),
+                          "train_s": round(train_s, 2), "reward": round(reward, 3), "bit_exact": same})
+            print(f"lr {lr:g} step {step}: {steps[-1]}", flush=True)
+        follower.close()
+
+        late = WeightCache(work / f"late-{lr}", store)  # a late joiner: empty cache
+        t = time.perf_counter()
+        vv = await late.ensure(a.steps)
+        late_s = time.perf_counter() - t
+        got = await asyncio.to_thread(vv.load_tensors)
+        exact = exact and all(np.array_equal(deltas.bits(got[k]), deltas.bits(v)) for k, v in sd.items())
+        late.close()
+        snap = WeightCache(work / f"snap-{lr}", store)  # an empty cache pulling a snapshot version
+        t = time.perf_counter()
+        await snap.ensure(0)
+        snap_s = time.perf_counter() - t
+        snap.close()
+        ratios = [s["delta_bytes"] / full_bytes for s in steps if s["delta_bytes"]]
+        return {"lr": lr, "params": sum(t.numel() for t in sd.values()), "dtype": rep.dtype,
+                "full_bytes": full_bytes, "delta_bytes_ratio": round(statistics.median(ratios), 4) if ratios else None,
+                "changed_frac_median": statistics.median(s["changed_frac"] for s in steps),
+                "bit_exact": exact, "late_joiner_s": round(late_s, 3), "late_joiner_bytes": late.stats.bytes_fetched,
+                "late_joiner_fetch_s": round(late.stats.fetch_s, 3),
+                "late_joiner_rebuild_s": round(late.stats.rebuild_s, 3),
+                "late_joiner_mb_per_s": round(full_bytes / MB / late_s, 1),
+                "snapshot_pull_mb_per_s": round(full_bytes / MB / snap_s, 1), "steps": steps}
+    finally:
+        await engine.close()
+        try:
+            await js.delete_object_store(bucket)
+        except Exception:
+            pass
+
+
+async def run(nats_url: str, a: argparse.Namespace, work: Path) -> dict:
+    from trainer.model import init_model_dir
+    from trainer.tasks import get_task
+
+    model_dir = init_model_dir(work / "model", get_task("addition"), seed=a.seed, hidden=a.hidden, layers=a.layers,
+                               heads=a.heads, mlp=a.mlp)
+    nc = await bus.connect(nats_url, name="bench-weights")
+    try:
+        per_lr = [await _one_lr(nc.jetstream(), a, lr, model_dir, work) for lr in a.lrs]
+    finally:
+        await nc.drain()
+    first = per_lr[0]
+    return {
+        "delta_bytes_ratio": first["delta_bytes_ratio"],
+        "mb_per_s": first["late_joiner_mb_per_s"],
+        "lr": first["lr"],
+        "bit_exact": all(r["bit_exact"] for r in per_lr),
+        "params": first["params"],
+        "publish_dtype": first["dtype"],
+        "full_mb": round(first["full_bytes"] / MB, 2),
+        "by_lr": {f"{r['lr']:g}": {k: v for k, v in r.items() if k not in ("lr", "params", "dtype", "full_bytes")}
+                  for r in per_lr},
+    }
+
+
+def main(argv: list[str], s: Settings) -> int:
+    p = argparse.ArgumentParser(prog="rlboost bench weights", description=__doc__.splitlines()[0])
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
+    p.add_argument("--steps", type=int, default=3, help="GRPO steps (published versions) per lr")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--mlp", type=int, default=2048)
+    p.add_argument("--publish-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--full-every", type=int, default=10, help="a snapshot every N versions")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if not (s.services.nats_url and s.services.redis_url):
+        s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-bench-")
+    work = Path(tempfile.mkdtemp(prefix="rlboost-bench-weights-"))
+    try:
+        with running_services(s.services) as (nats_url, _):
+            out = asyncio.run(run(nats_url, a, work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if s.services.data_dir.startswith(tempfile.gettempdir()):
+            shutil.rmtree(s.services.data_dir, ignore_errors=True)
+    print_result(out)
+    return 0
