@@ -62,3 +62,5 @@ def main(model_dir: str, out: str, off_policy: str = "") -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    if distributed.torchrun_rank():
+        distributed.exit_rank(0)

@@ -16,10 +16,12 @@ the step's global token count over the world size, so N ranks compute the update
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -74,6 +76,26 @@ def shutdown() -> None:
         store.wait([f"rlboost/exit/{r}" for r in range(dist.get_world_size())], timedelta(seconds=120))
     finally:
         dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a torchrun rank's process once its work is done and `shutdown()` has returned,
+    skipping the interpreter's finalization. During finalization gloo's worker threads may
+    still hold tensors whose release needs the GIL of an interpreter being torn down, and the
+    process aborts (SIGABRT, "terminate called without an active exception"; pytorch#179291):
+    torchrun then reports a finished run as failed. Seen about once in 20 runs here."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
+def torchrun_rank() -> bool:
+    """This process is one of torchrun's workers (torchrun sets TORCHELASTIC_RUN_ID)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

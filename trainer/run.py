@@ -771,10 +771,14 @@ def main(argv: list[str], s: Settings, demo: bool = False) -> int:
         out = execute(cfg)
     except (ModelDirError, DataError, RewardError, EngineError) as e:  # the user's input: one line, no traceback
         print(f"rlboost {'demo' if demo else 'run'}: error: {e}", file=sys.stderr)
-        return 2
-    if out:
-        print_result(out)
-    return 0
+        code = 2
+    else:
+        if out:
+            print_result(out)
+        code = 0
+    if distributed.torchrun_rank():  # the ranks have left the group together (execute's shutdown)
+        distributed.exit_rank(code)
+    return code
 
 
 if __name__ == "__main__":  # one rank under torchrun, started by `launch_ranks`

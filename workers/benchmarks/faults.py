@@ -134,7 +134,10 @@ async def run_load(srv: Servers, workdir: Path, name: str, requests: list[wire.R
                 if not injected and done >= at * len(requests):
                     injected, last_done, t_fault = True, done, time.monotonic()
                     await fault(ctx)
-                    last_done = max(last_done, await _results_so_far(c.js, step))
+                    after = await _results_so_far(c.js, step)
+                    if after > last_done:  # results came in while the fault ran (after the restart)
+                        t_recovered = time.monotonic()
+                    last_done = max(last_done, after)
                 for w in fleet.live():
                     g = w.counters()["generated"]
                     if progress.get(w.worker_id, (None,))[0] != g:
