@@ -41,7 +41,6 @@ from rlboost.services import pid_alive
 from rlboost.weights import deltas
 from rlboost.weights.blobstore import BlobStore, Buffer
 from rlboost.weights.errors import (
-    DeltaCorrupt,
     ObjectMissing,
     ShardCorrupt,
     StoreError,
@@ -49,7 +48,8 @@ from rlboost.weights.errors import (
     VersionUnavailable,
 )
 from rlboost.weights.manifest import Manifest, ShardEntry, check_shard_id
-from rlboost.weights.safetensors_io import RECONSTRUCTED_GLOB, load_tensors, read_safetensors
+from rlboost.weights.rebuild import BaseFiles, rebuild
+from rlboost.weights.safetensors_io import RECONSTRUCTED_GLOB, load_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +59,6 @@ log = get_logger(component="weights")
 __all__ = ["WeightCache", "VerifiedVersion", "CacheStats"]
 
 MAX_CHAIN = 64  # deltas a pull replays at most; the publisher's full_every keeps chains far shorter
-OUT_FILE_BYTES = 256 << 20  # a reconstructed version is written in files of about this size
 
 
 @dataclass
@@ -292,71 +291,38 @@ class WeightCache:
             return None
 
     def _reconstruct(self, start: Manifest, chain: list[Manifest], wait: Callable[[str], None] | None = None) -> None:
-        """(thread) Replay the deltas of `chain` (oldest first) on `start`'s cached tensors, one
-        tensor at a time through every version (a few tensors in flight on `parallel` threads:
-        zstd, numpy and hashlib release the GIL), check each rebuilt tensor's SHA-256 against the
-        target's manifest, write them as safetensors files in tmp/, then rename the directory
-        into versions/. Raises DeltaCorrupt on any mismatch; nothing is installed then.
-
-        Only the target's hashes are checked: the intermediate versions are never installed or
-        served, and a bad delta anywhere in the chain shows up in the target's hash.
+        """(thread) Replay the deltas of `chain` (oldest first) on `start`'s cached tensors into a
+        new directory in tmp/, every tensor checked against the target's SHA-256 before it is
+        written (`rlboost.weights.rebuild`, on `parallel` threads), then rename the directory into
+        versions/. Raises DeltaCorrupt on any mismatch; nothing is installed then.
 
         `wait` (a snapshot start still arriving): the base tensors are read from the verified
         shards in shards/ as `wait(sha)` says each is in; otherwise from `start`'s version dir."""
-        import torch
-        from safetensors.torch import save_file
-
         target = chain[-1]
-        base = _ShardTensors(self, start, wait) if wait else load_tensors(self._vdir(start.version),
-                                                                           expect_version=start.version)
-        blobs: dict[str, bytes] = {}
-        for m in chain:
-            for b in m.delta.blobs:
-                if b.sha256 not in blobs:
-                    blobs[b.sha256] = self._shard_path(b.sha256, True).read_bytes()
-        steps = [({t.name: t for t in m.tensors}, {d.name: d for d in m.delta.tensors}) for m in chain]
-
-        def rebuild(entry) -> torch.Tensor:
-            t = base.get(entry.name)
-            x = None if t is None else deltas.bits(t)
-            for tensors, dts in steps:
-                e = tensors.get(entry.name)
-                if e is None:
-                    x = None  # absent from this version: the next one that has it ships it raw
-                    continue
-                d = dts[entry.name]
-                payload = memoryview(blobs[d.blob])[d.offset:d.offset + d.length] if d.length else b""
-                size = torch.empty((), dtype=getattr(torch, e.dtype)).element_size()
-                # in place: `x` is a private copy-on-write mapping of the base (the cached file never
-                # changes) or an earlier step's result
-                x = deltas.decode(x, d.enc, d.count, payload, _numel(e.shape), size, inplace=True)
-            if x is None or hashlib.sha256(memoryview(x).cast("B")).hexdigest() != entry.sha256:
-                raise DeltaCorrupt(f"v{target.version} tensor {entry.name}: the rebuilt tensor does not match "
-                                   f"the manifest's SHA-256 (corrupt delta, wrong base or a lying hash)")
-            return torch.from_numpy(x).view(getattr(torch, entry.dtype)).reshape(entry.shape)
-
+        if wait:
+            base = BaseFiles(start, shard_file=lambda sha: (wait(sha), self._shard_path(sha))[1])
+        else:
+            vdir = self._vdir(start.version)
+            try:
+                if Manifest.decode((vdir / "manifest.json").read_bytes()) != start:
+                    raise VersionUnavailable(f"{vdir} no longer holds version {start.version}")
+            except FileNotFoundError:
+                raise VersionUnavailable(f"{vdir} is gone") from None
+            rebuilt = sorted(vdir.glob(RECONSTRUCTED_GLOB))
+            base = BaseFiles(start, whole_files=rebuilt) if rebuilt else \
+                BaseFiles(start, shard_file=lambda sha: vdir / f"{check_shard_id(sha)}.safetensors")
         tmp = self.tmp_dir / f"{self._vdir(target.version).name}.{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            group: dict[str, torch.Tensor] = {}
-            group_bytes, files = 0, 0
-            entries = target.tensors
-            window = 2 * self.parallel
-            with ThreadPoolExecutor(max_workers=self.parallel, thread_name_prefix="weights-rebuild") as pool:
-                for i in range(0, len(entries), window):
-                    for entry, out in zip(entries[i:i + window], pool.map(rebuild, entries[i:i + window])):
-                        group[entry.name] = out
-                        group_bytes += out.numel() * out.element_size()
-                    if group_bytes >= OUT_FILE_BYTES:
-                        save_file(group, str(tmp / f"tensors-{files:05d}.safetensors"))
-                        group, group_bytes, files = {}, 0, files + 1
-            if group or not files:
-                save_file(group, str(tmp / f"tensors-{files:05d}.safetensors"))
+            blobs = {b.sha256: self._shard_path(b.sha256, True).read_bytes() for m in chain for b in m.delta.blobs}
+            rebuild(target, chain, base, blobs, tmp, self.parallel)
             (tmp / "manifest.json").write_bytes(target.encode())
             self._install(tmp, self._vdir(target.version))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            base.close()
         self._verified_dirs[target.version] = target.digest()
 
     def _install(self, tmp: Path, vdir: Path) -> None:
@@ -630,13 +596,6 @@ def _file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _tensors_match(vdir: Path, manifest: Manifest) -> bool:
     """(thread) Every tensor of a reconstructed directory hashes to the manifest's SHA-256."""
     try:
@@ -648,33 +607,3 @@ def _tensors_match(vdir: Path, manifest: Manifest) -> bool:
 
 class _Abandoned(StoreError):
     """(rebuild thread) a shard it waits for will not come: the fetch's own error is raised."""
-
-
-class _ShardTensors:
-    """A snapshot's tensors read straight from the verified shards in shards/ as they arrive:
-    `get(name)` waits for the tensor's shards, then maps them (zero-copy, copy-on-write)."""
-
-    def __init__(self, cache: WeightCache, start: Manifest, wait: Callable[[str], None]) -> None:
-        self.cache, self.wait = cache, wait
-        self.entries = {t.name: t for t in start.tensors}
-        self.files: dict[str, dict[str, torch.Tensor]] = {}
-        self.lock = threading.Lock()
-
-    def _shard(self, sha: str) -> dict[str, torch.Tensor]:
-        self.wait(sha)
-        with self.lock:
-            if sha not in self.files:
-                self.files[sha] = read_safetensors(self.cache._shard_path(sha, False))
-            return self.files[sha]
-
-    def get(self, name: str) -> torch.Tensor | None:
-        import torch
-
-        e = self.entries.get(name)
-        if e is None:
-            return None
-        pieces = [self._shard(p.shard)[p.key] for p in e.parts]
-        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        if list(t.shape) != e.shape or str(t.dtype).removeprefix("torch.") != e.dtype:
-            raise StoreError(f"tensor {e.name}: {t.dtype} {list(t.shape)} does not match the manifest")
-        return t
