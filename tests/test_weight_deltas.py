@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
+from safetensors.torch import load_file
 
 from rlboost import wire
 from rlboost.errors import RlboostError
@@ -154,6 +155,8 @@ async def test_a_chain_of_deltas_reconstructs_bit_exactly(store, tmp_path):
     assert late.stats.bytes_fetched == kinds[4].total_bytes + kinds[5].delta.bytes + kinds[6].delta.bytes
     with whole_tensor_dir(late.versions_dir / f"v{6:012d}") as whole:  # a rebuilt folder is whole already
         assert whole == late.versions_dir / f"v{6:012d}"
+        # the cache writes these files itself: the safetensors library (vLLM's reader) reads them as its own
+        assert_exact({k: v for f in whole.glob("tensors-*.safetensors") for k, v in load_file(f).items()}, truth[6])
 
     away = WeightCache(tmp_path / "away", store)  # held v1, was away for five versions
     await away.ensure(1)

@@ -59,9 +59,13 @@ class BaseFiles:
         self._files: dict[str, tuple[int, dict[str, Span]]] = {}  # shard id or path -> (fd, spans)
         self._whole: dict[str, tuple[int, Span]] = {}
         self._lock = threading.Lock()
-        for path in whole_files or ():
-            fd, spans = self._open(str(path), path)
-            self._whole.update((name, (fd, sp)) for name, sp in spans.items())
+        try:
+            for path in whole_files or ():
+                fd, spans = self._open(str(path), path)
+                self._whole.update((name, (fd, sp)) for name, sp in spans.items())
+        except BaseException:
+            self.close()
+            raise
 
     def _open(self, key: str, path: Path) -> tuple[int, dict[str, Span]]:
         with self._lock:
@@ -93,10 +97,13 @@ class BaseFiles:
 
 
 def _check(e: TensorEntry, spans: list[Span]) -> None:
-    """The spans, joined along the first dimension, are exactly the manifest's dtype and shape."""
-    joined = [sum(sp.shape[0] for sp in spans if sp.shape)] + spans[0].shape[1:] if len(spans) > 1 else spans[0].shape
-    if any(sp.dtype != e.dtype or sp.shape[1:] != e.shape[1:] for sp in spans) or joined != e.shape:
-        raise StoreError(f"tensor {e.name}: {spans[0].dtype} {joined} in the base's files does not match the manifest")
+    """The spans, joined along the first dimension (a snapshot's row blocks), are exactly the
+    manifest's dtype and shape."""
+    shape = spans[0].shape
+    if len(spans) > 1:
+        shape = [sum(sp.shape[0] if sp.shape else 0 for sp in spans)] + shape[1:]
+    if shape != e.shape or any(sp.dtype != e.dtype or sp.shape[1:] != e.shape[1:] for sp in spans):
+        raise StoreError(f"tensor {e.name}: {spans[0].dtype} {shape} in the base's files does not match the manifest")
 
 
 def _read_into(buf: memoryview, segments: list[Segment]) -> None:
