@@ -300,7 +300,11 @@ class WeightCache:
         shards in shards/ as `wait(sha)` says each is in; otherwise from `start`'s version dir."""
         target = chain[-1]
         if wait:
-            base = BaseFiles(start, shard_file=lambda sha: (wait(sha), self._shard_path(sha))[1])
+            def arrived(sha: str) -> Path:  # (rebuild thread) once the fetch has verified it
+                wait(sha)
+                return self._shard_path(sha)
+
+            base = BaseFiles(start, shard_file=arrived)
         else:
             vdir = self._vdir(start.version)
             try:
