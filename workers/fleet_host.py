@@ -42,6 +42,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from workers.counters import FIELDS, Counters, read_counters
 
+QUIT_GRACE_S = 10.0
 INSTANCE: contextvars.ContextVar[str | None] = contextvars.ContextVar("rlboost_instance", default=None)
 
 
@@ -145,6 +146,7 @@ class Instance:
         self.worker = None
         self.fate = "exited"
         self.root: asyncio.Task | None = None
+        self.grace_s: float | None = None
 
     def start(self) -> None:
         ctx = contextvars.copy_context()
@@ -183,14 +185,15 @@ class Instance:
     async def _kill_after_grace(self) -> None:
         """A notice gives `drain_grace_s`; past it the instance goes as a process would (os._exit)."""
         await self.worker.draining.wait()
-        await asyncio.sleep(self.worker.cfg.drain_grace_s)
+        await asyncio.sleep(self.grace_s if self.grace_s is not None else self.worker.cfg.drain_grace_s)
         self.kill()
 
-    def terminate(self) -> None:
+    def terminate(self, grace_s: float | None = None) -> None:
+        """`grace_s`: instead of the worker's `drain_grace_s` (the host's own shutdown)."""
         if self.worker is None:  # still starting: nothing to hand off
             self.kill()
             return
-        self.fate = "terminated"
+        self.fate, self.grace_s = "terminated", grace_s
         self.worker.request_drain("SIGTERM")
 
     def kill(self) -> None:
@@ -258,12 +261,14 @@ class Host:
                 inst.terminate()
             elif cmd == "quit" or not line:  # quit, or the bench is gone
                 break
+        # The end of a run, not a preemption: every instance drains, with time to finish (its
+        # drain grace models a spot notice; a bench counts what a kill past it regenerates)
         self.quitting = True
         for inst in list(self.instances.values()):
-            inst.terminate()
+            inst.terminate(grace_s=QUIT_GRACE_S)
         if self.instances:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.done.wait(), timeout=20)
+                await asyncio.wait_for(self.done.wait(), timeout=QUIT_GRACE_S + 5)
         for inst in list(self.instances.values()):
             inst.kill()
 
