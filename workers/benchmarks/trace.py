@@ -236,7 +236,7 @@ class Emulation:
                     self.fleet.terminate(w)
                     tasks.append(asyncio.create_task(self._kill_after_notice(w)))
                 else:
-                    self.killed_at[w.worker_id] = self.fleet.kill(w)
+                    self.killed_at[w.worker_id] = await asyncio.to_thread(self.fleet.kill, w)
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _holding_work(self, w, timeout_s: float = 30.0) -> None:
