@@ -107,7 +107,7 @@ class Relay:
             if near.transport is not None:
                 near.transport.close()
             return
-        if self.cut_off:  # cut while connecting
+        if self.cut_off or near.transport is None or near.transport.is_closing():  # cut, or the client left
             far.transport.abort()
             return
         near.peer, far.peer = far, near
