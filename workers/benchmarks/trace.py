@@ -241,7 +241,7 @@ class Emulation:
 
     async def _holding_work(self, w, timeout_s: float = 30.0) -> None:
         """(tests: `preempt_busy`) Hold a preemption until the instance holds a request in
-        progress with tokens of its own checkpointed and at least 2 chunks still to make, so a
+        progress with tokens of its own checkpointed and at least 3 chunks still to make, so a
         scenario never depends on how fast a loaded box ran (the state is read from Redis)."""
         lengths = LengthModel().per_emulated_token(self.a.token_scale)
         deadline = time.monotonic() + timeout_s
@@ -252,8 +252,8 @@ class Emulation:
                     del self.issued[rid]
                 elif owner == w.worker_id and (segs := await self.c.store.segments(rid)) \
                         and segs[-1].worker_id == w.worker_id:
-                    made = len((await self.c.store.read(rid))[0])
-                    if min(cap, lengths.length(seed, rid)) - made >= 2 * self.a.chunk:
+                    made = len((await self.c.store.read(rid))[0])  # its segment: from segs[-1].offset on
+                    if made > segs[-1].offset and min(cap, lengths.length(seed, rid)) - made >= 3 * self.a.chunk:
                         return
             await asyncio.sleep(0.02)
 
