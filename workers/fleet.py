@@ -37,6 +37,9 @@ class WorkerProc:
     fate: str = "running"  # running | killed | terminated | stopped (a zombie that was resumed)
     stopped_now: bool = False
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     def counters(self) -> dict[str, int]:
         """Zeros if the worker died before creating its file (killed during start-up)."""
         if not self.counters_path.exists():

@@ -1,9 +1,16 @@
 """`rlboost bench trace`: how much faster and cheaper than the reserved cluster alone, on a real spot trace.
 
-Everything but the GPUs is real: NATS JetStream, Redis, one worker *process* per preemptible
-instance, started when the trace says the node came up and preempted when it says it went
-(SIGTERM with `--notice` modelled seconds to drain, then SIGKILL; `--notice 0` = SIGKILL at
-once), hand-offs through the resume lane, leases, fencing, the adaptive seeding window. The
+Everything but the GPUs is real: NATS JetStream, Redis, one `RolloutWorker` (the product's,
+workers/worker.py) per preemptible instance, started when the trace says the node came up and
+preempted when it says it went (a drain with `--notice` modelled seconds, as on SIGTERM, then
+an abrupt stop as on SIGKILL; `--notice 0` = the abrupt stop at once), hand-offs through the
+resume lane, leases, fencing, the adaptive seeding window. The instances share `--hosts` (2)
+fleet-host processes (workers/fleet_host.py), each instance on its own NATS and Redis
+connections there: a preemption reaches exactly that instance's requests (the abrupt stop cuts
+its connections, then cancels its tasks: no more acks, heartbeats or appends; its leases expire
+and its requests return after ACK_WAIT_S to resume elsewhere from their checkpoints). A real
+process per instance (`--hosts 0`, SIGTERM / SIGKILL) filled the two cores at 9 processes,
+which capped the fleet at 3 instances. The
 GPUs are the emulated engine's timing model (workers/engines/emulated.py) and an emulated
 trainer (`TRAIN_S_PER_TOKEN`). All figures are in modelled time.
 
@@ -56,7 +63,8 @@ rollout modes to the same table, JSON and plot (`hybrid-partial`, `hybrid-async`
   `--max-instances` (3) of the available instances at a time (replacing a preempted one at once
   when another is available): 3 gave the best cost efficiency in calibration; past that the
   step is bound by the tail and by training, and more instances mostly add cost
-  (`--max-instances 0` rents everything the trace offers);
+  (`--max-instances 0` rents everything the trace offers: measured on p3 and g4dn in every
+  rollout mode, more tokens/s but fewer tokens/s per $/h than 3, see the README);
 - oracle (computed, not run): every rented GPU-second, reserved or preemptible, at the reserved
   cluster's measured per-GPU rate with zero overhead:
   oracle = colocated x (8 + 2 n) / 8, n = time-averaged instances rented in the segment
@@ -97,6 +105,7 @@ from workers.benchmarks.trace_model import (INSTANCE_GPUS, MAX_NEW_TOKENS, PROMP
 from workers.counters import Counters
 from workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel
 from workers.fleet import WorkerFleet
+from workers.fleet_host import HostedFleet
 from workers.seeding import ProcessSeeding
 
 # Real seconds: a request of a worker killed without notice returns after ACK_WAIT_S (x speed
@@ -137,7 +146,11 @@ class Emulation:
         self.reserved_pool = f"{self.pool}-reserved"  # the seeding engine's own queue: its share
         self.manager = RolloutManager(c, self.pool)
         self.hb_s = 0.25  # heartbeats carry in-flight counts: the seeding rule's idle measure
-        self.fleet = WorkerFleet(nats_url, redis_url, workdir / label, self.pool, worker_args=[
+        # The preemptible instances: emulated workers sharing `--hosts` fleet-host processes
+        # (workers/fleet_host.py), or one worker process each (`--hosts 0`, as before)
+        hosts = getattr(a, "hosts", 0)
+        fleet = (lambda *args, **kw: HostedFleet(*args, hosts=hosts, **kw)) if hosts else WorkerFleet
+        self.fleet = fleet(nats_url, redis_url, workdir / label, self.pool, worker_args=[
             "--engine", "emulated", "--speed", str(a.speed), "--gpus", str(INSTANCE_GPUS),
             "--slots", str(INSTANCE_GPUS * SLOTS_PER_GPU), "--checkpoint-tokens", str(a.chunk),
             "--token-scale", str(a.token_scale), "--ack-wait", str(ACK_WAIT_S), "--lease-ttl", str(LEASE_TTL_S),
@@ -168,6 +181,7 @@ class Emulation:
         self.mode = mode
         self.staleness: list[int] = []  # of every trained response (partial / async)
         self.run_id = wire.new_run_id()
+        self.issued: dict[str, tuple[int, int]] = {}  # (tests) request id -> (seed, max new tokens)
 
     # ------------------------------------------------------------------ the trace
 
@@ -188,6 +202,8 @@ class Emulation:
                                          max_staleness=getattr(self.a, "max_staleness", 1), samples=self.a.samples,
                                          overprovision=getattr(self.a, "overprovision", 0.25),
                                          waiting_period_s=self.hb_s, on_result=self._on_result)
+        if self.policy == "hybrid" and self.ivs and isinstance(self.fleet, HostedFleet):
+            self.fleet.open()  # the host processes start before the clock, like the nodes up at 0
         procs = {iv: self.fleet.start(prefix="node") for iv in self.ivs if iv.up_s <= 0} if self.policy == "hybrid" else {}
         start = asyncio.create_task(self.seeding.start())
         deadline = time.monotonic() + 60
@@ -212,14 +228,34 @@ class Emulation:
                 procs[iv] = self.fleet.start(prefix="node")
                 tasks.append(asyncio.create_task(self._provisioned(procs[iv].worker_id, time.monotonic())))
             elif iv in procs:
+                if getattr(self.a, "preempt_busy", False):
+                    await self._holding_work(procs[iv])
                 w = procs.pop(iv)
                 self.preempted.add(w.worker_id)
                 if self.a.notice > 0:
                     self.fleet.terminate(w)
                     tasks.append(asyncio.create_task(self._kill_after_notice(w)))
                 else:
-                    self.killed_at[w.worker_id] = self.fleet.kill(w)
+                    self.killed_at[w.worker_id] = await asyncio.to_thread(self.fleet.kill, w)
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _holding_work(self, w, timeout_s: float = 30.0) -> None:
+        """(tests: `preempt_busy`) Hold a preemption until the instance holds a request in
+        progress with tokens of its own checkpointed and at least 3 chunks still to make, so a
+        scenario never depends on how fast a loaded box ran (the state is read from Redis)."""
+        lengths = LengthModel().per_emulated_token(self.a.token_scale)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for rid, (seed, cap) in list(self.issued.items()):
+                owner, _, finished = await self.c.store.owner(rid)
+                if finished:
+                    del self.issued[rid]
+                elif owner == w.worker_id and (segs := await self.c.store.segments(rid)) \
+                        and segs[-1].worker_id == w.worker_id:
+                    made = len((await self.c.store.read(rid))[0])  # its segment: from segs[-1].offset on
+                    if made > segs[-1].offset and min(cap, lengths.length(seed, rid)) - made >= 3 * self.a.chunk:
+                        return
+            await asyncio.sleep(0.02)
 
     async def _provisioned(self, worker_id: str, started: float) -> None:
         while time.monotonic() - started < 30:
@@ -230,7 +266,7 @@ class Emulation:
 
     async def _kill_after_notice(self, w) -> None:
         await asyncio.sleep(self.a.notice / self.S + 0.2)
-        if w.proc.poll() is None:
+        if w.alive():
             self.notice_exceeded += 1
             self.killed_at[w.worker_id] = await asyncio.to_thread(self.fleet.kill, w)
 
@@ -266,6 +302,9 @@ class Emulation:
 
     def _requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
         R = self.a.token_scale
+        if getattr(self.a, "preempt_busy", False):  # (tests) what `_holding_work` looks at
+            self.issued.update({wire.request_id(step, p, g, run=self.run_id): (seed_of(step, p, g), MAX_NEW_TOKENS // R)
+                                for p in range(groups) for g in range(self.a.samples)})
         return [wire.RolloutRequest(request_id=wire.request_id(step, p, g, run=self.run_id), step=step,
                                     policy_version=version, prompt_ids=[7] * (PROMPT_TOKENS // R),
                                     max_new_tokens=MAX_NEW_TOKENS // R, seed=seed_of(step, p, g), group=p)
@@ -450,6 +489,9 @@ def main(argv: list[str], s: Settings) -> int:
                    help="hybrid rents at most this many of the available instances at a time (0 = all)")
     p.add_argument("--baseline-duration", type=float, default=900.0,
                    help="modelled s for colocated/disaggregated (reserved-only: independent of the trace)")
+    p.add_argument("--hosts", type=int, default=2,
+                   help="preemptible instances run as emulated workers in this many fleet-host processes "
+                   "(workers/fleet_host.py); 0 = one worker process per instance")
     p.add_argument("--static", default="", help="instead of a trace: hybrid with these many instances always up (1,2)")
     p.add_argument("--reserved-gpu-hour", type=float, default=Prices.reserved_gpu_hour)
     p.add_argument("--preemptible-gpu-hour", type=float, default=Prices.preemptible_gpu_hour)
