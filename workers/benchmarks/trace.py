@@ -5,7 +5,7 @@ workers/worker.py) per preemptible instance, started when the trace says the nod
 preempted when it says it went (a drain with `--notice` modelled seconds, as on SIGTERM, then
 an abrupt stop as on SIGKILL; `--notice 0` = the abrupt stop at once), hand-offs through the
 resume lane, leases, fencing, the adaptive seeding window. The instances share `--hosts` (2)
-fleet-host processes (workers/fleet_host.py), each instance on its own NATS and Redis
+fleet-host processes (workers/benchmarks/fleet_host.py), each instance on its own NATS and Redis
 connections there: a preemption reaches exactly that instance's requests (the abrupt stop cuts
 its connections, then cancels its tasks: no more acks, heartbeats or appends; its leases expire
 and its requests return after ACK_WAIT_S to resume elsewhere from their checkpoints). A real
@@ -105,7 +105,7 @@ from workers.benchmarks.trace_model import (INSTANCE_GPUS, MAX_NEW_TOKENS, PROMP
 from workers.counters import Counters
 from workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel
 from workers.fleet import WorkerFleet
-from workers.fleet_host import HostedFleet
+from workers.benchmarks.fleet_host import HostedFleet
 from workers.seeding import ProcessSeeding
 
 # Real seconds: a request of a worker killed without notice returns after ACK_WAIT_S (x speed
@@ -147,7 +147,7 @@ class Emulation:
         self.manager = RolloutManager(c, self.pool)
         self.hb_s = 0.25  # heartbeats carry in-flight counts: the seeding rule's idle measure
         # The preemptible instances: emulated workers sharing `--hosts` fleet-host processes
-        # (workers/fleet_host.py), or one worker process each (`--hosts 0`, as before)
+        # (workers/benchmarks/fleet_host.py), or one worker process each (`--hosts 0`, as before)
         hosts = getattr(a, "hosts", 0)
         fleet = (lambda *args, **kw: HostedFleet(*args, hosts=hosts, **kw)) if hosts else WorkerFleet
         self.fleet = fleet(nats_url, redis_url, workdir / label, self.pool, worker_args=[
@@ -491,7 +491,7 @@ def main(argv: list[str], s: Settings) -> int:
                    help="modelled s for colocated/disaggregated (reserved-only: independent of the trace)")
     p.add_argument("--hosts", type=int, default=2,
                    help="preemptible instances run as emulated workers in this many fleet-host processes "
-                   "(workers/fleet_host.py); 0 = one worker process per instance")
+                   "(workers/benchmarks/fleet_host.py); 0 = one worker process per instance")
     p.add_argument("--static", default="", help="instead of a trace: hybrid with these many instances always up (1,2)")
     p.add_argument("--reserved-gpu-hour", type=float, default=Prices.reserved_gpu_hour)
     p.add_argument("--preemptible-gpu-hour", type=float, default=Prices.preemptible_gpu_hour)
