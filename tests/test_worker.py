@@ -182,6 +182,7 @@ async def test_a_drain_leaves_nothing_its_last_pull_brought_waiting_for_ack_wait
     assert len(got) == 3 and time.monotonic() - t0 < ack_wait / 3  # long before ack_wait
     assert all([s.worker_id for s in r.segments] == [second.worker_id] for r in got.values())
 
+
 async def test_a_request_is_never_generated_with_another_policy_version(clients):
     """A worker that cannot load the version a request needs hands the request back."""
     js, step = clients.js, 104
