@@ -1,15 +1,21 @@
 """The step orchestrator (rlboost/orchestrator.py) on real NATS, Redis and in-process workers with
 the emulated engine: fallback with no preemptible worker in every rollout mode, the pool's work
-taken back when it dies mid-step, partial responses continued under the next version, async
-staleness bounded on every trained sample, and the trace bench driving this very code."""
+taken back when it dies mid-step, a preemptible worker process SIGKILLed mid-step in every mode,
+partial responses continued under the next version, async staleness bounded on every trained
+sample, and the trace bench driving this very code."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import inspect
+import itertools
+import re
+import threading
 import time
+from collections import Counter
 
+import numpy as np
 import pytest
 
 from rlboost import orchestrator as orch
@@ -18,14 +24,17 @@ from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
 from rlboost.costs import Prices
 from rlboost.offload import SeedWindow
+from rlboost.replay import read_subject
 from workers.benchmarks import trace as bench
 from workers.benchmarks.trace_model import MAX_NEW_TOKENS
 from workers.counters import Counters
-from workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel
+from workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel, reference_tokens
+from workers.fleet import WorkerFleet
 from workers.seeding import InProcessSeeding
 from workers.worker import RolloutWorker
 
 R = 64  # modelled tokens per emulated token, as the trace bench: median ~23 emulated tokens
+K = 4  # checkpoint_tokens of every worker here
 
 
 def engine(speed: float = 100.0) -> EmulatedEngine:
@@ -34,7 +43,7 @@ def engine(speed: float = 100.0) -> EmulatedEngine:
 
 
 def settings(pool: str, handoff_pool: str = "") -> WorkerSettings:
-    return WorkerSettings(pool=pool, handoff_pool=handoff_pool, slots=64, checkpoint_tokens=4, heartbeat_s=0.25,
+    return WorkerSettings(pool=pool, handoff_pool=handoff_pool, slots=64, checkpoint_tokens=K, heartbeat_s=0.25,
                           ack_wait_s=2.0, lease_ttl_s=1.0)
 
 
@@ -121,6 +130,123 @@ def test_the_pool_dies_after_the_hand_off_and_the_reserved_side_takes_it_back(se
                                 prompts=8))
     o = outs[0]
     assert o.live == 1 and o.fallback and len(o.trained) == 8
+
+
+def reference(r: wire.RolloutResult) -> tuple[list[int], list[float]]:
+    """What undisturbed emulated engines make for `requests_of`'s request, each token under the
+    policy version its result's segments name (the checkpoints keep float32 logprobs)."""
+    step, p, g = map(int, re.search(r"s(\d+)-p(\d+)-g(\d+)$", r.request_id).groups())
+    seed = 1000 * step + 10 * p + g
+    n = min(MAX_NEW_TOKENS // R, LengthModel().per_emulated_token(R).length(seed, r.request_id))
+    toks, lps, at = [], [], 0
+    for version, run in itertools.groupby(wire.token_versions(r.segments, n)):
+        count = len(list(run))
+        t, lp = reference_tokens(seed, r.request_id, at, count, policy_version=version)
+        toks, lps, at = toks + t, lps + np.asarray(lp, dtype=np.float32).tolist(), at + count
+    return toks, lps
+
+
+class KillWhenBusy(threading.Thread):
+    """SIGKILLs a worker process the moment its crash-proof counters say it holds leases on at
+    least 3 requests, has checkpointed a few flushes of each, and is mid-generation (tokens made,
+    not durable yet: what a kill costs): chosen by state, and by a thread, so a busy event loop
+    in the test cannot make it miss the moment."""
+
+    def __init__(self, fleet: WorkerFleet, victim) -> None:
+        super().__init__(daemon=True)
+        self.fleet, self.victim = fleet, victim
+        self.killed, self.stop = threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            c = self.victim.counters()
+            if (c["claims"] - c["results"] >= 3 and c["checkpointed"] >= 2 * K * c["claims"]
+                    and c["generated"] > c["checkpointed"]):
+                self.fleet.kill(self.victim)
+                self.killed.set()
+                return
+            time.sleep(0.002)
+
+
+async def drive_with_a_kill(services, tmp_path, mode: str, steps: int):
+    """`steps` steps of the hybrid policy in `mode` with one preemptible worker, a real
+    `rlboost worker` process, SIGKILLed mid-step; an in-process worker replaces it (the spot
+    capacity comes back) and resumes its requests from their checkpoints after ack_wait."""
+    nats_url, redis_url = services
+    run = wire.new_run_id()
+    pool, reserved = f"orch-{run}", f"orch-{run}-reserved"
+    fleet = WorkerFleet(nats_url, redis_url, tmp_path, pool, die_with_parent=True, worker_args=[
+        "--engine", "emulated", "--speed", "50", "--gpus", "2", "--token-scale", str(R), "--slots", "64",
+        "--checkpoint-tokens", str(K), "--ack-wait", "2", "--lease-ttl", "1"],
+        env={"RLBOOST_WORKER__HEARTBEAT_S": "0.25"})
+    async with open_clients(nats_url, redis_url, "test-orch-kill") as c:
+        victim = fleet.start(prefix=f"{run}-spot")
+        seeding = InProcessSeeding(c, pool, reserved, engine(), settings, Counters())
+        clock = Clock()
+        o = orch.Orchestrator(c, pool, seeding, clock, window=SeedWindow(initial_s=0.2, floor_s=0.1), mode=mode,
+                              max_staleness=1, overprovision=0.0, samples=4)
+        deadline = time.monotonic() + 30
+        while await o.live() < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        killer = KillWhenBusy(fleet, victim)
+        killer.start()
+        replacement: list[tuple[RolloutWorker, asyncio.Task]] = []
+
+        async def replace() -> None:
+            while not killer.killed.is_set():
+                await asyncio.sleep(0.01)
+            w = RolloutWorker(settings(pool), engine(), c, worker_id=f"{run}-spot-new")
+            replacement.append((w, asyncio.create_task(w.run())))
+
+        replacing = asyncio.create_task(replace())
+        outs = []
+        try:
+            for step in range(steps):
+                outs.append(await asyncio.wait_for(o.step(step, clock.version, requests_of(run), 6), 60))
+        finally:
+            killer.stop.set()
+            replacing.cancel()
+            await o.close()
+            await seeding.close()
+            for w, _ in replacement:
+                w.request_drain("test over")
+            await asyncio.gather(*(t for _, t in replacement), return_exceptions=True)
+            fleet.stop_all()
+        published: Counter[str] = Counter()  # results on the stream, by request id (steps share subjects: this run's)
+        for out in outs:
+            published.update(r.request_id for r in await read_subject(c.js, wire.result_subject(out.step),
+                                                                      wire.RolloutResult) if r.request_id.startswith(run))
+    return outs, killer.killed.is_set(), victim, published
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", orch.MODES)
+def test_a_preemptible_worker_sigkilled_mid_step_loses_duplicates_and_corrupts_nothing_in_every_mode(
+        services, tmp_path, mode):
+    """The SIGKILL invariants in every rollout mode: the step completes with every request
+    trained exactly once, every token the one an undisturbed engine makes under the version its
+    segment names, at most K tokens regenerated per request the killed worker had in flight,
+    and the mode's staleness bound held. `partial` runs without over-provisioning and `async`
+    two steps, so that every request the killed worker held is trained and checked here."""
+    outs, killed, victim, published = asyncio.run(drive_with_a_kill(services, tmp_path, mode,
+                                                                     steps=2 if mode == "async" else 1))
+    assert killed, "the worker process was never busy enough to be killed"
+    trained = [r for o in outs for _, results in o.trained for r in results]
+    assert len(trained) == 24 * len(outs) and len({r.request_id for r in trained}) == len(trained)
+    assert all(published[r.request_id] == 1 for r in trained)  # and one result each on the stream
+    for r in trained:
+        assert (r.token_ids, r.logprobs) == reference(r), r.request_id
+    # the requests it had in flight were resumed by another worker from their checkpoints...
+    held = [r for r in trained if victim.worker_id in {s.worker_id for s in r.segments[:-1]}]
+    assert held
+    # ...regenerating at most K tokens each: what it generated that no result kept
+    kept = sum(end - s.offset for r in trained
+               for s, end in zip(r.segments, [s.offset for s in r.segments[1:]] + [len(r.token_ids)], strict=True)
+               if s.worker_id == victim.worker_id)
+    assert 0 <= victim.counters()["generated"] - kept <= K * len(held)
+    for o in outs:
+        assert o.staleness == [orch.staleness(r, o.step) for _, results in o.trained for r in results]
+        assert mode == "partial" or max(o.staleness) <= (0 if mode == "sync" else 1)
 
 
 def test_a_partial_response_continues_under_the_next_version(services):

@@ -122,6 +122,67 @@ async def test_drain_hands_every_request_back_with_nothing_to_regenerate(clients
     assert all(r.segments[0].worker_id == slow.worker_id and r.segments[1].offset > 0 for r in got.values())
 
 
+class HeldPull:
+    """A worker's real pull subscription whose fetch, once the server delivered requests to it,
+    returns them only after the worker started draining: a notice landing while a fetch holds
+    delivered requests (in a live worker: the fetch's wake-up overtaken by the drain, or a
+    lingering batch pull still waiting for the rest of its batch)."""
+
+    def __init__(self, psub, worker: RolloutWorker) -> None:
+        self.psub, self.worker, self.held = psub, worker, asyncio.Event()
+
+    async def fetch(self, batch: int, timeout: float):
+        msgs = await self.psub.fetch(batch=batch, timeout=timeout)
+        self.held.set()
+        await self.worker.draining.wait()
+        await asyncio.sleep(0.2)  # the worker gets on with its drain meanwhile (and cancelled it)
+        return msgs
+
+    def __getattr__(self, name):
+        return getattr(self.psub, name)
+
+
+async def test_a_drain_leaves_nothing_its_last_pull_brought_waiting_for_ack_wait(clients, monkeypatch):
+    """Requests the server delivered to a worker's fetch as its notice came go back to the pool
+    at once (cancelling the fetch left them neither admitted nor nak'ed: they waited out
+    ack_wait), and the next worker takes them long before ack_wait."""
+    js, step, pool, ack_wait = clients.js, 112, "lastpull", 30.0
+    first = _worker(clients, pool, name="first")
+    first.cfg.ack_wait_s = ack_wait
+    bind, pulls = js.pull_subscribe_bind, []
+
+    async def held_bind(*args, **kw):
+        psub = await bind(*args, **kw)
+        if kw.get("durable") == wire.consumer_name(pool):  # its fresh lane
+            pulls.append(HeldPull(psub, first))
+            return pulls[-1]
+        return psub
+
+    monkeypatch.setattr(js, "pull_subscribe_bind", held_bind)
+    task = asyncio.create_task(first.run())
+    try:
+        for i in range(3):
+            await js.publish(wire.request_subject(pool), wire.encode(_req(step, i)))
+        deadline = time.monotonic() + 10
+        while not (pulls and pulls[0].held.is_set()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # its fetch got requests (by state)
+        assert pulls and pulls[0].held.is_set()
+        monkeypatch.undo()
+    finally:
+        first.request_drain("spot notice")
+        await asyncio.wait_for(task, timeout=5.0)
+    assert first.counters.get("claims") == 0
+    t0 = time.monotonic()
+    second = _worker(clients, pool, name="second")
+    second.cfg.ack_wait_s = ack_wait  # (a worker sets its pool consumer's ack_wait)
+    task = asyncio.create_task(second.run())
+    got = await step_results(js, step, 3, timeout=ack_wait / 3)
+    second.request_drain("test over")
+    await task
+    assert len(got) == 3 and time.monotonic() - t0 < ack_wait / 3  # long before ack_wait
+    assert all([s.worker_id for s in r.segments] == [second.worker_id] for r in got.values())
+
+
 async def test_a_request_is_never_generated_with_another_policy_version(clients):
     """A worker that cannot load the version a request needs hands the request back."""
     js, step = clients.js, 104

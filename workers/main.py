@@ -111,6 +111,7 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
                 finally:
                     watchdog.cancel()
                 if not worker.continue_after:
+                    await worker.settled()  # what its last fetches brought is handed back first
                     return
         finally:
             stop_prefetch.set()

@@ -98,7 +98,7 @@ class InProcessSeeding(_Fallback):
 
     def _serve_on(self, step: int, handoff_pool: str) -> None:
         """A worker on the reserved queue, from now on: a share published later, and a request
-        that a drained worker's cancelled pull left in flight (back after ack_wait), must find
+        that a drained worker's last fetch hands back (nak'ed as it returns), must find
         someone serving the queue, or the step would wait for them forever. Idle, it costs a
         pull every 0.25 s. (Not with vLLM sleep: the engine sleeps between windows.)"""
         if self.seed is None and not self.sleep:

@@ -60,6 +60,8 @@ from workers.engines.base import Engine, RequestError, Sequence
 T = TypeVar("T")
 JOIN_COALESCE_S = 0.05  # hand-offs arriving together interrupt the engine once per this
 
+_ORPHANS: set[asyncio.Task] = set()  # fetches drained workers stopped waiting for (RolloutWorker._feed)
+
 STARTUP_WEIGHTS = "startup"  # the weights id of an engine's start-up weights, no manifest behind them
 
 
@@ -162,6 +164,12 @@ class RolloutWorker:
         self._last_join = 0.0
         self._floor = 0  # the pool's version floor (wire.VersionFloor): partial / async rollout
 
+    @staticmethod
+    async def settled() -> None:
+        """Every fetch a drain stopped waiting for has handed back what it brought (each within
+        its linger): what a worker process awaits before it exits."""
+        await asyncio.gather(*_ORPHANS, return_exceptions=True)
+
     def _tokens_made(self, n: int) -> None:
         """(engine thread) tokens made: a sign of life as good as a finished flush."""
         self.counters.add("generated", n)
@@ -259,8 +267,18 @@ class RolloutWorker:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(slot_freed.wait(), timeout=0.5)
                 continue
+            # The fetch is a task of its own, shielded: a drain cancels this feeder, and a
+            # cancelled fetch would drop what the server already delivered to it (a lingering
+            # pull holds its first requests while it waits for the rest of its batch), left
+            # unacknowledged until ack_wait. The fetch finishes within its linger instead, and
+            # what it brings is nak'ed back to the pool at once (`_nak_when_fetched`).
+            fetch = asyncio.ensure_future(psub.fetch(batch=min(free, max_batch), timeout=linger_s))
             try:
-                msgs = await psub.fetch(batch=min(free, max_batch), timeout=linger_s)
+                msgs = await asyncio.shield(fetch)
+            except asyncio.CancelledError:
+                _ORPHANS.add(orphan := asyncio.ensure_future(self._nak_when_fetched(fetch)))
+                orphan.add_done_callback(_ORPHANS.discard)
+                raise
             except (TimeoutError, asyncio.TimeoutError):
                 continue
             except Exception as e:  # server gone for a moment: back off, do not crash
@@ -275,6 +293,15 @@ class RolloutWorker:
                 task = asyncio.create_task(self._admit(msg))
                 self._admissions.add(task)
                 task.add_done_callback(self._admissions.discard)
+
+    async def _nak_when_fetched(self, fetch: asyncio.Future) -> None:
+        """A fetch its feeder stopped waiting for (a drain): hand back whatever it brings. In the
+        background (a hand-off does not wait out a fetch's linger); a process that is about to
+        exit waits for these first (`settled`)."""
+        with contextlib.suppress(Exception):
+            for msg in await fetch:
+                with contextlib.suppress(Exception):
+                    await msg.nak()
 
     async def _admit(self, msg: Msg) -> None:
         reserved: int | None = None
