@@ -123,3 +123,20 @@ def test_sigkill_of_the_trainer_mid_step_then_resume(services, tmp_path, model_d
     ids = tok("12+34:", return_tensors="pt", add_special_tokens=False)["input_ids"]
     gen = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
     assert gen.shape[1] > ids.shape[1]
+
+
+@pytest.mark.parametrize("mode", ["partial", "async"])
+def test_resume_of_a_partial_or_async_run_is_refused_with_a_way_forward(tmp_path, mode):
+    """A resumed async run drew other prompts under the request ids of the steps it had
+    published ahead, and waited for them forever: refused up front (sync resumes as above)."""
+    from rlboost.config import ConfigError, Settings, dump_toml
+    from trainer.run import parse
+
+    s = Settings()
+    s.rollout.mode = mode
+    (tmp_path / "settings.toml").write_text(dump_toml(s))
+    with pytest.raises(ConfigError, match=f"rollout.mode = '{mode}' cannot be resumed.*--model-dir"):
+        parse(["--resume", str(tmp_path)], False, Settings())
+    s.rollout.mode = "sync"
+    (tmp_path / "settings.toml").write_text(dump_toml(s))
+    assert parse(["--resume", str(tmp_path)], False, Settings()).resume
