@@ -137,6 +137,8 @@ def test_resume_of_a_partial_or_async_run_is_refused_with_a_way_forward(tmp_path
     (tmp_path / "settings.toml").write_text(dump_toml(s))
     with pytest.raises(ConfigError, match=f"rollout.mode = '{mode}' cannot be resumed.*--model-dir"):
         parse(["--resume", str(tmp_path)], False, Settings())
+    with pytest.raises(ConfigError, match=f"rollout.mode = '{mode}' cannot be resumed"):  # not by switching modes
+        parse(["--resume", str(tmp_path), "--mode", "sync"], False, Settings())
     s.rollout.mode = "sync"
     (tmp_path / "settings.toml").write_text(dump_toml(s))
     assert parse(["--resume", str(tmp_path)], False, Settings()).resume

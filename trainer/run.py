@@ -711,12 +711,15 @@ def parse(argv: list[str], demo: bool = False, s: Settings | None = None) -> Run
         if not saved.exists():
             raise ConfigError(f"--resume {a.resume}: no settings.toml there (not a run folder)")
         s = load_settings(saved, overrides=overrides)
-        if s.rollout.mode != "sync":
+        # the mode the run was checkpointed in (a command line may not switch an async run's
+        # resume to sync: its data position would still be past the steps published ahead)
+        mode = next((m for m in (load_settings(saved).rollout.mode, s.rollout.mode) if m != "sync"), "sync")
+        if mode != "sync":
             # Not yet: an async run publishes steps ahead, and its checkpoint's data position is
             # past their prompts, so a resumed life would draw other prompts under the same
             # request ids (refused, and the step would wait forever); a partial run's carried
             # groups would be generated and never collected.
-            raise ConfigError(f"--resume {a.resume}: a run in rollout.mode = {s.rollout.mode!r} cannot be resumed "
+            raise ConfigError(f"--resume {a.resume}: a run in rollout.mode = {mode!r} cannot be resumed "
                               "yet (sync runs can); start a new run from its last checkpoint's weights instead: "
                               f"--model-dir {a.resume}/checkpoints/step-NNNNNN/model")
         s.run.run_dir = a.resume
