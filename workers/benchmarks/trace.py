@@ -99,13 +99,13 @@ from rlboost.services import running_services
 from rlboost.spot import (Interval, TraceError, available, instance_seconds, intervals, parse_trace, rented,
                           sample_nodes, static_intervals)
 from workers.benchmarks import percentile
+from workers.benchmarks.fleet_host import HostedFleet
 from workers.benchmarks.trace_model import (INSTANCE_GPUS, MAX_NEW_TOKENS, PROMPT_TOKENS, PUBLISHED, RESERVED_GPUS,
                                             SLOTS_PER_GPU, TRAIN_S_PER_TOKEN, balanced_split, model_hybrid_throughput,
                                             model_step_s, modelled_lengths, seed_of)
 from workers.counters import Counters
 from workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel
 from workers.fleet import WorkerFleet
-from workers.benchmarks.fleet_host import HostedFleet
 from workers.seeding import ProcessSeeding
 
 # Real seconds: a request of a worker killed without notice returns after ACK_WAIT_S (x speed
