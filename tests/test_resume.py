@@ -125,20 +125,83 @@ def test_sigkill_of_the_trainer_mid_step_then_resume(services, tmp_path, model_d
     assert gen.shape[1] > ids.shape[1]
 
 
-@pytest.mark.parametrize("mode", ["partial", "async"])
-def test_resume_of_a_partial_or_async_run_is_refused_with_a_way_forward(tmp_path, mode):
-    """A resumed async run drew other prompts under the request ids of the steps it had
-    published ahead, and waited for them forever: refused up front (sync resumes as above)."""
+@pytest.mark.slow
+def test_sigkill_of_an_async_run_then_resume_trains_the_steps_published_ahead_once(services, tmp_path, model_dir):
+    """An async run (k = 1) publishes step s+1 during step s. Killed in step 2, with steps 2 and 3
+    published, it resumes from its step-1 checkpoint: the data position saved is the one before
+    step 2's draw, so the resumed life republishes the same prompts under the same request ids,
+    takes what its previous life finished, and trains every request once, none staler than k."""
+    nats_url, redis_url = services
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    args = ["--model-dir", str(model_dir), "--run-dir", str(run_dir), "--steps", "4", "--prompts", "8",
+            "--samples", "4", "--workers", "2", "--slots", "8", "--eval-every", "100", "--save-rollouts",
+            "--mode", "async", "--max-staleness", "1", "--t-seed", "0.5", "--t-seed-floor", "0.5",
+            "run.checkpoint_every=1", f"rollout.checkpoint_tokens={K}"]
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "run", *args], stdout=log, stderr=log, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "step-000001").exists():  # steps 0 and 1 are done
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+        asyncio.run(_kill_at_first_result(nats_url, 2, run_id, first, deadline))
+        first.wait()
+    finally:
+        if first.poll() is None:
+            first.kill()
+    time.sleep(1.0)
+    done_before = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert done_before in ([0, 1], [0, 1, 2])  # killed in step 2, or in 3 if 2 was quick
+    finished = asyncio.run(_results(nats_url, done_before[-1] + 1, run_id))
+    assert finished  # the kill came once results of the step resumed were in
+
+    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--resume", str(run_dir)],
+                       capture_output=True, text=True, env=env, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["run_id"] == run_id and out["steps"] == 4
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["staleness_max"] is None or r["staleness_max"] <= 1 for r in rows)
+    ids = [json.loads(line)["id"] for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert len(ids) == len(set(ids)) == 4 * 8 * 4  # every request of every step trained once
+    # what the previous life finished was taken from the results stream, never generated again
+    rollouts = {r["id"]: r for r in map(json.loads, (run_dir / "rollouts.jsonl").read_text().splitlines())}
+    for rid, r in finished.items():
+        assert rollouts[rid.removeprefix(run_id + "-")]["tokens"] == r.token_ids
+
+
+def test_resume_of_a_partial_run_is_refused_with_a_way_forward(tmp_path):
+    """A partial run's groups carried over from earlier steps would be generated and never
+    collected by a resumed life: refused up front (sync and async resume as above)."""
     from rlboost.config import ConfigError, Settings, dump_toml
     from trainer.run import parse
 
     s = Settings()
-    s.rollout.mode = mode
+    s.rollout.mode = "partial"
     (tmp_path / "settings.toml").write_text(dump_toml(s))
-    with pytest.raises(ConfigError, match=f"rollout.mode = '{mode}' cannot be resumed.*--model-dir"):
+    with pytest.raises(ConfigError, match="rollout.mode = 'partial' cannot be resumed.*--model-dir"):
         parse(["--resume", str(tmp_path)], False, Settings())
-    with pytest.raises(ConfigError, match=f"rollout.mode = '{mode}' cannot be resumed"):  # not by switching modes
+    with pytest.raises(ConfigError, match="rollout.mode = 'partial' cannot be resumed"):  # not by switching modes
         parse(["--resume", str(tmp_path), "--mode", "sync"], False, Settings())
     s.rollout.mode = "sync"
     (tmp_path / "settings.toml").write_text(dump_toml(s))
     assert parse(["--resume", str(tmp_path)], False, Settings()).resume
+
+
+def test_resume_of_an_async_run_keeps_its_mode_and_staleness(tmp_path):
+    """The steps an async run published ahead are republished as they were: a resume that
+    switches the mode or k is refused."""
+    from rlboost.config import ConfigError, Settings, dump_toml
+    from trainer.run import parse
+
+    s = Settings()
+    s.rollout.mode, s.rollout.max_staleness = "async", 2
+    (tmp_path / "settings.toml").write_text(dump_toml(s))
+    assert parse(["--resume", str(tmp_path)], False, Settings()).settings.rollout.max_staleness == 2
+    for switch in (["--mode", "sync"], ["--max-staleness", "1"]):
+        with pytest.raises(ConfigError, match="mode = 'async' with max_staleness = 2"):
+            parse(["--resume", str(tmp_path), *switch], False, Settings())

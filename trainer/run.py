@@ -199,6 +199,7 @@ class Run:
             self.log.warning("rollout.mode trains stale tokens: algorithm.off_policy = \"tis\" corrects them "
                              "with the behaviour logprobs (none only clips around them)", mode=ro.mode)
         self._samples: dict[tuple[int, int], Sample] = {}  # (step, group) -> its prompt, until trained
+        self._drawn_from: dict[int, tuple[dict, int]] = {}  # step -> (data position, filtered) before its draw
         self._batch_position = 0
         self.handoffs_total = 0
         self.filtered_total = 0
@@ -252,6 +253,9 @@ class Run:
             # previous life finished for the interrupted step name it (and its digest)
             self.base_version = resumed["version"] - self.trainer.version
             self.weights_digest = {resumed["version"]: resumed["digest"]}
+            # async: the requests published ahead name up to max_staleness older versions
+            kept = await published_versions(store)
+            self.weights_digest |= {int(v): d for v, d in resumed.get("recent", {}).items() if int(v) in kept}
         else:
             # a resumed trainer already counts its steps: the next version is still a new one
             self.base_version = (0 if latest is None else latest + 1) - self.trainer.version
@@ -379,6 +383,9 @@ class Run:
 
     def _make_requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
         """The orchestrator asks for a step's requests (`groups` prompts, under `version`)."""
+        # where the data stood before the step's draw: an async run publishes steps ahead, and a
+        # checkpoint keeps the position of its first untrained step (`checkpoint_meta`)
+        self._drawn_from.setdefault(step, (self.data.state(), self.filtered_total))
         samples, prompt_ids, filtered = self._prompts(step, groups)
         self.filtered_total += filtered
         if hasattr(self, "_step_counts"):
@@ -457,11 +464,20 @@ class Run:
         if self.seeding.engine is not None:
             await self.seeding.engine.close()
 
-    def checkpoint_meta(self, eval_first: float | None) -> dict:
+    def checkpoint_meta(self, eval_first: float | None, step: int) -> dict:
+        """The run's state after `step`. An async run has drawn and published the prompts of the
+        steps after it already: the data position saved is the one before the next step's draw,
+        so a resumed life draws the same prompts under the same request ids; and the digests of
+        the versions those requests were published under are saved with the newest one."""
         w = self.window
+        for s in [s for s in self._drawn_from if s <= step]:
+            del self._drawn_from[s]
+        data_state, filtered_total = self._drawn_from.get(step + 1, (self.data.state(), self.filtered_total))
+        oldest = self.version - self.orchestrator.max_staleness
         return {"run_id": self.run_id, "eval_first": eval_first, "handoffs_total": self.handoffs_total,
-                "published": {"version": self.version, "digest": self.weights_digest.get(self.version, "")},
-                "filtered_total": self.filtered_total, "dollars": self.dollars, "data_state": self.data.state(),
+                "published": {"version": self.version, "digest": self.weights_digest.get(self.version, ""),
+                              "recent": {str(v): d for v, d in self.weights_digest.items() if oldest <= v < self.version}},
+                "filtered_total": filtered_total, "dollars": self.dollars, "data_state": data_state,
                 "seed_window": {"t_seed": w.t_seed, "memory": {str(k): v for k, v in w.memory.items()},
                                 "workers": w._workers}}
 
@@ -548,7 +564,7 @@ async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path, se
 
             async def save(step: int) -> None:
                 nonlocal last_saved
-                await asyncio.to_thread(ops.call, "save_checkpoint", str(run_dir), step, run.checkpoint_meta(eval_first),
+                await asyncio.to_thread(ops.call, "save_checkpoint", str(run_dir), step, run.checkpoint_meta(eval_first, step),
                                         rs.keep_checkpoints)
                 last_saved = step
 
@@ -711,17 +727,18 @@ def parse(argv: list[str], demo: bool = False, s: Settings | None = None) -> Run
         if not saved.exists():
             raise ConfigError(f"--resume {a.resume}: no settings.toml there (not a run folder)")
         s = load_settings(saved, overrides=overrides)
-        # the mode the run was checkpointed in (a command line may not switch an async run's
-        # resume to sync: its data position would still be past the steps published ahead)
-        mode = next((m for m in (load_settings(saved).rollout.mode, s.rollout.mode) if m != "sync"), "sync")
-        if mode != "sync":
-            # Not yet: an async run publishes steps ahead, and its checkpoint's data position is
-            # past their prompts, so a resumed life would draw other prompts under the same
-            # request ids (refused, and the step would wait forever); a partial run's carried
-            # groups would be generated and never collected.
-            raise ConfigError(f"--resume {a.resume}: a run in rollout.mode = {mode!r} cannot be resumed "
-                              "yet (sync runs can); start a new run from its last checkpoint's weights instead: "
-                              f"--model-dir {a.resume}/checkpoints/step-NNNNNN/model")
+        saved_ro = load_settings(saved).rollout
+        if saved_ro.mode == "partial" or s.rollout.mode == "partial":
+            # Not yet: a partial run's groups carried over from earlier steps would be generated
+            # and never collected by the resumed life (it knows only the steps it publishes).
+            raise ConfigError(f"--resume {a.resume}: a run in rollout.mode = 'partial' cannot be resumed "
+                              "yet (sync and async runs can); start a new run from its last checkpoint's weights "
+                              f"instead: --model-dir {a.resume}/checkpoints/step-NNNNNN/model")
+        if saved_ro.mode == "async" and (s.rollout.mode, s.rollout.max_staleness) != ("async", saved_ro.max_staleness):
+            # the steps it published ahead are republished as they were: same mode, same k
+            raise ConfigError(f"--resume {a.resume}: the run is in rollout.mode = 'async' with max_staleness = "
+                              f"{saved_ro.max_staleness}; a resume keeps both (it republishes the steps published "
+                              "ahead of its checkpoint)")
         s.run.run_dir = a.resume
     else:
         s = apply_overrides(s, overrides)
