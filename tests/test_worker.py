@@ -340,3 +340,37 @@ async def test_a_seeding_engine_hands_its_whole_share_off_on_sigusr2_and_serves_
     assert len(started) == 4 and all(r.segments[1].offset > 0 for r in started)  # resumed, not redone
     n = min(5000, LengthModel().length(11, ""))
     assert all(r.token_ids == reference_tokens(11, r.request_id, 0, n)[0] for r in got.values())  # as if never moved
+
+
+async def test_a_request_being_finished_is_not_dropped_by_its_own_lease_renewal(clients, monkeypatch):
+    """A finish whose result publish is slow outlives a heartbeat: the quiet-lease renewal meets
+    the request's own finished mark. It is ours: no lost lease, no "fenced" event, the request
+    stays until its ack."""
+    js, step, pool = clients.js, 131, "slowfinish"
+    publish_batch = bus.publish_batch
+
+    async def slow_results(js_, items, **kw):
+        if any(subject == wire.result_subject(step) for subject, _, _ in items):
+            await asyncio.sleep(1.5)  # > lease_ttl_s / 3 + a heartbeat: the renewal runs meanwhile
+        return await publish_batch(js_, items, **kw)
+
+    monkeypatch.setattr(bus, "publish_batch", slow_results)
+    w = _worker(clients, pool)
+    drops = []
+    drop_fenced = w._drop_fenced
+
+    async def spy(a, why):
+        drops.append((a.req.request_id, str(why)))
+        await drop_fenced(a, why)
+
+    w._drop_fenced = spy
+    task = asyncio.create_task(w.run())
+    reqs = [_req(step, i, max_new=30) for i in range(4)]
+    for r in reqs:
+        await js.publish(wire.request_subject(pool), wire.encode(r))
+    got = await step_results(js, step, len(reqs), timeout=15)
+    w.request_drain("test over")
+    await task
+    assert len(got) == len(reqs)
+    assert drops == [] and w.counters.get("fenced") == 0
+    assert w.counters.get("results") == len(reqs)

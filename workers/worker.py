@@ -816,7 +816,13 @@ class RolloutWorker:
             try:
                 await self.c.store.renew(a.req.request_id, self.worker_id, a.epoch, self.cfg.lease_ttl_s)
                 a.last_write = time.monotonic()
-            except (LeaseLost, AlreadyFinished) as e:
+            except AlreadyFinished as e:
+                # While its result is being published and acked, a request is finished by us: the
+                # renewal meets our own finish. Dropping it then logged a lost lease, recorded a
+                # "fenced" event in its provenance and forgot it before its ack.
+                if not a.finishing:
+                    await self._drop_fenced(a, e)
+            except LeaseLost as e:
                 await self._drop_fenced(a, e)
 
     async def _heartbeat(self, state: str) -> None:
