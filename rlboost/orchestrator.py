@@ -39,7 +39,9 @@ Rollout modes (`[rollout] mode`):
   segments of several versions (`Segment.policy_version`). The version move is the workers'
   version floor (`wire.version_floor_key`): raised to the new version at the step boundary, a
   worker hands its older requests back and resumes them, from the checkpoint, under the new
-  version. Requests of a group are trained together when the group is complete.
+  version. Requests of a group are trained together when the group is complete. Every step
+  trains `prompts` groups and draws as many, so the draw sizes do not depend on timing; a
+  resumed run hands the groups its checkpoint carried over to `carry()`.
 - `async` with `max_staleness = k`: the requests of the next k steps are published ahead, so
   workers never wait for a step boundary; a request is published under the version current at
   the time and generated with it, and step s trains its own groups only: every token it trains
@@ -187,6 +189,10 @@ class Orchestrator:
         self._scoring: set[asyncio.Task] = set()
         self._collectors: dict[int, asyncio.Task] = {}
         self._published: dict[int, int] = {}  # step -> requests published
+        # published and not trained yet (complete, being scored, or still generating): partial keeps
+        # prompts + overprovision of them in flight, and a checkpoint carries them over
+        self._untrained: dict[GroupKey, None] = {}
+        self._carry: list[tuple[int, list[wire.RolloutRequest]]] = []  # a resumed partial run's (see carry)
         self._on_reserved: set[str] = set()  # request ids on the reserved queue, not finished yet
         self._last_result = 0.0
         self._floor = 0
@@ -205,6 +211,7 @@ class Orchestrator:
         self._on_reserved |= {q.request_id for q in reserved}
         for q in requests:
             self._expected[(step, q.group)] = self._expected.get((step, q.group), 0) + 1
+            self._untrained[(step, q.group)] = None
         await self.manager.publish_step(reserved, self.engines.reserved_pool, republish=republish)
         if len(reserved) < len(requests):
             await self.manager.publish_step([q for i, q in enumerate(requests) if i not in mine], republish=republish)
@@ -279,8 +286,12 @@ class Orchestrator:
                 if s not in self._published:
                     await self._publish(s, requests(s, version, prompts), live, republish)  # resumed: all of them
         elif self.mode == "partial":
-            in_flight = len(self._expected) + len(self._ready)  # groups published, not trained yet
-            groups = prompts + math.ceil(prompts * self.overprovision) - in_flight
+            for s, carried in self._carry:  # a resumed run: what its previous life had in flight
+                await self._publish(s, carried, live, republish=True)
+            self._carry.clear()
+            # every step trains `prompts` groups, so this is `prompts` after the first step whatever
+            # the timing: a resumed life draws what its previous life drew, under the same ids
+            groups = prompts + math.ceil(prompts * self.overprovision) - len(self._untrained)
             await self._publish(step, requests(step, version, max(groups, 0)), live, republish)
         else:
             await self._publish(step, requests(step, version, prompts), live, republish)
@@ -336,6 +347,7 @@ class Orchestrator:
             out.staleness += [staleness(r, version) for r in results]
             free_at = await self.trainer.train_group(key, results, scored, max(free_at, ready_at))
             out.trained.append((key, results))
+            self._untrained.pop(key, None)
         out.rollout_s = self._last_result - t_start
         out.report = await self.trainer.finish_step(step)
         self._reap_collectors()
@@ -349,6 +361,20 @@ class Orchestrator:
         self.handoffs += out.handoffs
         out.step_s = time.monotonic() - t_start
         return out
+
+    def untrained(self) -> dict[int, list[int]]:
+        """Groups published and not trained yet, by step: what a partial run's checkpoint carries."""
+        by_step: dict[int, list[int]] = defaultdict(list)
+        for s, g in self._untrained:
+            by_step[s].append(g)
+        return {s: sorted(gs) for s, gs in sorted(by_step.items())}
+
+    def carry(self, step: int, requests: list[wire.RolloutRequest]) -> None:
+        """A resumed partial run: the requests of groups its previous life published in `step`
+        and had not trained. The next step publishes them again under their ids (a worker goes on
+        from each one's checkpoint; what the previous life finished is taken from the results
+        stream) and trains them like the groups in flight they were."""
+        self._carry.append((step, requests))
 
     def _take(self, eligible: Callable[[GroupKey], bool]):
         for i, item in enumerate(self._ready):

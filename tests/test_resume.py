@@ -174,22 +174,79 @@ def test_sigkill_of_an_async_run_then_resume_trains_the_steps_published_ahead_on
         assert rollouts[rid.removeprefix(run_id + "-")]["tokens"] == r.token_ids
 
 
-def test_resume_of_a_partial_run_is_refused_with_a_way_forward(tmp_path):
-    """A partial run's groups carried over from earlier steps would be generated and never
-    collected by a resumed life: refused up front (sync and async resume as above)."""
+@pytest.mark.slow
+def test_sigkill_of_a_partial_run_then_resume_trains_its_carried_groups_once(services, tmp_path, model_dir):
+    """A partial run keeps prompts + overprovision groups in flight; its checkpoint carries the
+    ones not trained yet (from earlier steps). Killed in step 2, it resumes from its step-1
+    checkpoint: it draws the same prompts again under the same ids, publishes the carried groups
+    with step 2 (workers go on from their checkpoints; what the dead life finished comes from
+    the results stream) and trains every group once, the carried ones included."""
+    nats_url, redis_url = services
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    args = ["--model-dir", str(model_dir), "--run-dir", str(run_dir), "--steps", "4", "--prompts", "8",
+            "--samples", "4", "--workers", "2", "--slots", "8", "--eval-every", "100", "--save-rollouts",
+            "--mode", "partial", "--t-seed", "0.5", "--t-seed-floor", "0.5",
+            "run.checkpoint_every=1", "rollout.overprovision=0.5", f"rollout.checkpoint_tokens={K}"]
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "run", *args], stdout=log, stderr=log, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "step-000001").exists():  # steps 0 and 1 are done
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+        asyncio.run(_kill_at_first_result(nats_url, 2, run_id, first, deadline))
+        first.wait()
+    finally:
+        if first.poll() is None:
+            first.kill()
+    time.sleep(1.0)
+    done_before = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert done_before in ([0, 1], [0, 1, 2])  # killed in step 2, or in 3 if 2 was quick
+    state = json.loads((run_dir / "checkpoints" / f"step-{done_before[-1]:06d}" / "trainer_state.json").read_text())
+    carried = {(int(s), g) for s, gs in state["carried"].items() for g in gs}
+    assert len(carried) == 4  # 8 + 4 groups in flight, 8 trained per step
+    finished = {rid: r for s in range(done_before[-1] + 2) for rid, r in asyncio.run(_results(nats_url, s, run_id)).items()}
+
+    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--resume", str(run_dir)],
+                       capture_output=True, text=True, env=env, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["run_id"] == run_id and out["steps"] == 4
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(r["prompts"] == 8 for r in rows)
+    rollouts = {r["id"]: r for r in map(json.loads, (run_dir / "rollouts.jsonl").read_text().splitlines())}
+    ids = [json.loads(line)["id"] for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert len(ids) == len(set(ids)) == 4 * 8 * 4  # every trained request once, over both lives
+    trained_groups = {(int(i[1:6]), int(i.split("-p")[1][:5])) for i in ids}
+    assert carried <= trained_groups  # the carried groups were trained by the resumed life
+    # what the previous life finished was taken from the results stream, never generated again
+    for rid, r in finished.items():
+        if rid.removeprefix(run_id + "-") in rollouts:
+            assert rollouts[rid.removeprefix(run_id + "-")]["tokens"] == r.token_ids
+
+
+def test_resume_of_a_partial_run_keeps_its_mode_prompts_and_overprovision(tmp_path):
+    """A resumed partial run draws its groups in flight again under the same ids: the draws
+    must have the same sizes, so a resume that changes the mode, prompts or overprovision is
+    refused (in either direction)."""
     from rlboost.config import ConfigError, Settings, dump_toml
     from trainer.run import parse
 
     s = Settings()
     s.rollout.mode = "partial"
     (tmp_path / "settings.toml").write_text(dump_toml(s))
-    with pytest.raises(ConfigError, match="rollout.mode = 'partial' cannot be resumed.*--model-dir"):
-        parse(["--resume", str(tmp_path)], False, Settings())
-    with pytest.raises(ConfigError, match="rollout.mode = 'partial' cannot be resumed"):  # not by switching modes
-        parse(["--resume", str(tmp_path), "--mode", "sync"], False, Settings())
+    assert parse(["--resume", str(tmp_path)], False, Settings()).settings.rollout.mode == "partial"
+    for switch in (["--mode", "sync"], ["--prompts", "7"], ["rollout.overprovision=0.5"]):
+        with pytest.raises(ConfigError, match="rollout.mode = 'partial'.*keeps all three"):
+            parse(["--resume", str(tmp_path), *switch], False, Settings())
     s.rollout.mode = "sync"
     (tmp_path / "settings.toml").write_text(dump_toml(s))
     assert parse(["--resume", str(tmp_path)], False, Settings()).resume
+    with pytest.raises(ConfigError, match="rollout.mode = 'sync'"):  # nor into partial
+        parse(["--resume", str(tmp_path), "--mode", "partial"], False, Settings())
 
 
 def test_resume_of_an_async_run_keeps_its_mode_and_staleness(tmp_path):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -58,7 +59,7 @@ from rlboost.orchestrator import Orchestrator
 from rlboost.services import running_services
 from rlboost.weights import WeightCache
 from rlboost.weights.source import StoreWeights
-from rlboost.weights import VersionPointer, WeightPublisher, open_store, published_versions
+from rlboost.weights import Manifest, StoreError, VersionPointer, WeightPublisher, open_store, published_versions
 from trainer.data import (DataError, DataExhausted, FieldMap, FileData, GeneratedData, PromptBudget, Sample,
                           encode_prompt)
 from trainer import checkpoint as ckpt
@@ -199,7 +200,10 @@ class Run:
             self.log.warning("rollout.mode trains stale tokens: algorithm.off_policy = \"tis\" corrects them "
                              "with the behaviour logprobs (none only clips around them)", mode=ro.mode)
         self._samples: dict[tuple[int, int], Sample] = {}  # (step, group) -> its prompt, until trained
-        self._drawn_from: dict[int, tuple[dict, int]] = {}  # step -> (data position, filtered) before its draw
+        # step -> (data position, filtered, groups drawn, version published under), the first two from
+        # before its draw: what a checkpoint needs to make a resumed life draw the same prompts
+        self._drawn_from: dict[int, tuple[dict, int, int, int]] = {}
+        self._resumed_draws: tuple[dict[int, list[int]], dict[int, list[int]]] = ({}, {})  # see restore()
         self._batch_position = 0
         self.handoffs_total = 0
         self.filtered_total = 0
@@ -256,11 +260,20 @@ class Run:
             # async: the requests published ahead name up to max_staleness older versions
             kept = await published_versions(store)
             self.weights_digest |= {int(v): d for v, d in resumed.get("recent", {}).items() if int(v) in kept}
+            if self.orchestrator.mode != "sync":
+                # a previous life that ran past its last checkpoint published newer versions, and
+                # requests it had in flight were generated with them (their results come back):
+                # versions of this run's own store, trusted as its own
+                for v in (v for v in kept if v > resumed["version"]):
+                    with contextlib.suppress(StoreError):
+                        self.weights_digest[v] = Manifest.decode(
+                            await store.read_all(wire.weights_manifest_key(v))).digest()
         else:
             # a resumed trainer already counts its steps: the next version is still a new one
             self.base_version = (0 if latest is None else latest + 1) - self.trainer.version
             pub = await self.publisher.publish(await self._weights_to_publish(), version=self.version)
             self.weights_digest = {self.version: pub.manifest_digest}  # what results' segments must name
+        self._carry_over()
         if isinstance(self.seeding, ProcessSeeding):
             await self.seeding.start(timeout_s=90.0)
         if self.cfg.policy != "colocated" and self.cfg.workers:
@@ -269,6 +282,23 @@ class Run:
             deadline = time.monotonic() + 90.0  # torch import + model load take a while
             while len(await self.manager.live_workers()) < self.cfg.workers and time.monotonic() < deadline:
                 await asyncio.sleep(0.25)
+
+    def _carry_over(self) -> None:
+        """A resumed partial run: draw again what its previous life drew from the checkpoint's
+        data position on (the same prompts under the same request ids) and hand the groups it had
+        not trained to the orchestrator, which publishes and collects them with the next step."""
+        draws, carried = self._resumed_draws
+        for s in sorted(draws):
+            (groups, version), keep = draws[s], set(carried.get(s, ()))
+            requests = self._make_requests(s, self.version, groups)  # the floor is this version anyway
+            self._drawn_from[s] = (*self._drawn_from[s][:3], version)  # what its tokens may be as old as
+            for g in set(range(groups)) - keep:
+                self._samples.pop((s, g), None)  # trained before the checkpoint
+            if keep:
+                self.orchestrator.carry(s, [q for q in requests if q.group in keep])
+        if carried:
+            self.log.info("carried over from the checkpoint", groups=sum(map(len, carried.values())),
+                          steps=sorted(carried))
 
     async def _weights_to_publish(self) -> dict[str, torch.Tensor]:
         """The full weights in the publish dtype, gathered tensor by tensor (every rank takes part)."""
@@ -385,7 +415,7 @@ class Run:
         """The orchestrator asks for a step's requests (`groups` prompts, under `version`)."""
         # where the data stood before the step's draw: an async run publishes steps ahead, and a
         # checkpoint keeps the position of its first untrained step (`checkpoint_meta`)
-        self._drawn_from.setdefault(step, (self.data.state(), self.filtered_total))
+        self._drawn_from.setdefault(step, (self.data.state(), self.filtered_total, groups, version))
         samples, prompt_ids, filtered = self._prompts(step, groups)
         self.filtered_total += filtered
         if hasattr(self, "_step_counts"):
@@ -466,17 +496,27 @@ class Run:
 
     def checkpoint_meta(self, eval_first: float | None, step: int) -> dict:
         """The run's state after `step`. An async run has drawn and published the prompts of the
-        steps after it already: the data position saved is the one before the next step's draw,
-        so a resumed life draws the same prompts under the same request ids; and the digests of
-        the versions those requests were published under are saved with the newest one."""
+        steps after it already; a partial run holds groups of earlier steps in flight (`carried`).
+        The data position saved is the one before the first draw whose groups are not all trained,
+        with each draw's size since (`draws`), so a resumed life draws the same prompts under the
+        same request ids; and the digests of the versions those requests may name are saved with
+        the newest one."""
         w = self.window
-        for s in [s for s in self._drawn_from if s <= step]:
+        carried = self.orchestrator.untrained() if self.orchestrator.mode == "partial" else {}
+        first = min(carried, default=step + 1)
+        for s in [s for s in self._drawn_from if s < first]:
             del self._drawn_from[s]
-        data_state, filtered_total = self._drawn_from.get(step + 1, (self.data.state(), self.filtered_total))
-        oldest = self.version - self.orchestrator.max_staleness
+        data_state, filtered_total, _, _ = self._drawn_from.get(
+            first, (self.data.state(), self.filtered_total, 0, self.version))
+        if carried:  # partial: a carried response may hold tokens of every version since its draw
+            oldest = min(self._drawn_from[s][3] for s in carried)
+        else:
+            oldest = self.version - self.orchestrator.max_staleness
         return {"run_id": self.run_id, "eval_first": eval_first, "handoffs_total": self.handoffs_total,
                 "published": {"version": self.version, "digest": self.weights_digest.get(self.version, ""),
                               "recent": {str(v): d for v, d in self.weights_digest.items() if oldest <= v < self.version}},
+                "carried": {str(s): gs for s, gs in carried.items()},
+                "draws": {str(s): list(self._drawn_from[s][2:]) for s in range(first, step + 1)} if carried else {},
                 "filtered_total": filtered_total, "dollars": self.dollars, "data_state": data_state,
                 "seed_window": {"t_seed": w.t_seed, "memory": {str(k): v for k, v in w.memory.items()},
                                 "workers": w._workers}}
@@ -487,6 +527,8 @@ class Run:
             self.data.load_state(state["data_state"])
         self.resumed_weights = state.get("published")
         self.resumed_step = state["step"] + 1
+        self._resumed_draws = ({int(s): n for s, n in (state.get("draws") or {}).items()},
+                               {int(s): gs for s, gs in (state.get("carried") or {}).items()})
         w = state.get("seed_window") or {}
         if w:
             self.window.t_seed = w["t_seed"]
@@ -728,12 +770,13 @@ def parse(argv: list[str], demo: bool = False, s: Settings | None = None) -> Run
             raise ConfigError(f"--resume {a.resume}: no settings.toml there (not a run folder)")
         s = load_settings(saved, overrides=overrides)
         saved_ro = load_settings(saved).rollout
-        if saved_ro.mode == "partial" or s.rollout.mode == "partial":
-            # Not yet: a partial run's groups carried over from earlier steps would be generated
-            # and never collected by the resumed life (it knows only the steps it publishes).
-            raise ConfigError(f"--resume {a.resume}: a run in rollout.mode = 'partial' cannot be resumed "
-                              "yet (sync and async runs can); start a new run from its last checkpoint's weights "
-                              f"instead: --model-dir {a.resume}/checkpoints/step-NNNNNN/model")
+        ro, kept = s.rollout, ("mode", "prompts", "overprovision")
+        if "partial" in (saved_ro.mode, ro.mode) and any(getattr(ro, k) != getattr(saved_ro, k) for k in kept):
+            # a resumed life draws again what its previous one drew since the checkpoint and carries
+            # its groups in flight over (`Run._carry_over`): the same draws need the same sizes
+            raise ConfigError(f"--resume {a.resume}: the run is in rollout.mode = '{saved_ro.mode}' with prompts = "
+                              f"{saved_ro.prompts} and overprovision = {saved_ro.overprovision:g}; a partial run's "
+                              "resume keeps all three (it draws its groups in flight again under the same ids)")
         if saved_ro.mode == "async" and (s.rollout.mode, s.rollout.max_staleness) != ("async", saved_ro.max_staleness):
             # the steps it published ahead are republished as they were: same mode, same k
             raise ConfigError(f"--resume {a.resume}: the run is in rollout.mode = 'async' with max_staleness = "
