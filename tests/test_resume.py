@@ -175,19 +175,22 @@ def test_sigkill_of_an_async_run_then_resume_trains_the_steps_published_ahead_on
 
 
 @pytest.mark.slow
-def test_sigkill_of_a_partial_run_then_resume_trains_its_carried_groups_once(services, tmp_path, model_dir):
+@pytest.mark.parametrize("every,kill_in", [(1, 2), (2, 3)])
+def test_sigkill_of_a_partial_run_then_resume_trains_its_carried_groups_once(services, tmp_path, model_dir, every,
+                                                                            kill_in):
     """A partial run keeps prompts + overprovision groups in flight; its checkpoint carries the
-    ones not trained yet (from earlier steps). Killed in step 2, it resumes from its step-1
-    checkpoint: it draws the same prompts again under the same ids, publishes the carried groups
-    with step 2 (workers go on from their checkpoints; what the dead life finished comes from
-    the results stream) and trains every group once, the carried ones included."""
+    ones not trained yet (from earlier steps). Killed in step 2 (or in 3, having checkpointed
+    only after step 1), it resumes from its step-1 checkpoint: it draws the same prompts again
+    under the same ids, publishes the carried groups with step 2 (workers go on from their
+    checkpoints, with tokens of versions the dead life published past its checkpoint too; what
+    it finished comes from the results stream) and trains every group once from there."""
     nats_url, redis_url = services
     run_dir = tmp_path / "run"
     env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
     args = ["--model-dir", str(model_dir), "--run-dir", str(run_dir), "--steps", "4", "--prompts", "8",
             "--samples", "4", "--workers", "2", "--slots", "8", "--eval-every", "100", "--save-rollouts",
             "--mode", "partial", "--t-seed", "0.5", "--t-seed-floor", "0.5",
-            "run.checkpoint_every=1", "rollout.overprovision=0.5", f"rollout.checkpoint_tokens={K}"]
+            f"run.checkpoint_every={every}", "rollout.overprovision=0.5", f"rollout.checkpoint_tokens={K}"]
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "run", *args], stdout=log, stderr=log, env=env)
     try:
@@ -197,18 +200,24 @@ def test_sigkill_of_a_partial_run_then_resume_trains_its_carried_groups_once(ser
             assert time.monotonic() < deadline
             time.sleep(0.1)
         run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
-        asyncio.run(_kill_at_first_result(nats_url, 2, run_id, first, deadline))
+        asyncio.run(_kill_at_first_result(nats_url, kill_in, run_id, first, deadline))
         first.wait()
     finally:
         if first.poll() is None:
             first.kill()
     time.sleep(1.0)
     done_before = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert done_before in ([0, 1], [0, 1, 2])  # killed in step 2, or in 3 if 2 was quick
-    state = json.loads((run_dir / "checkpoints" / f"step-{done_before[-1]:06d}" / "trainer_state.json").read_text())
+    assert done_before in (list(range(kill_in)), list(range(kill_in + 1)))  # or one step later if quick
+    saved = [int(d.name.split("-")[1]) for d in (run_dir / "checkpoints").glob("step-*")]
+    resumed_from = max(saved)
+    assert resumed_from == (1 if every == 2 and done_before[-1] < 3 else done_before[-1])
+    lines_before = len((run_dir / "rollouts.jsonl").read_text().splitlines())
+    state = json.loads((run_dir / "checkpoints" / f"step-{resumed_from:06d}" / "trainer_state.json").read_text())
     carried = {(int(s), g) for s, gs in state["carried"].items() for g in gs}
     assert len(carried) == 4  # 8 + 4 groups in flight, 8 trained per step
     finished = {rid: r for s in range(done_before[-1] + 2) for rid, r in asyncio.run(_results(nats_url, s, run_id)).items()}
+    if every > 1 and resumed_from < done_before[-1]:  # the dead life published versions past its checkpoint
+        assert any(seg.policy_version > state["published"]["version"] for r in finished.values() for seg in r.segments)
 
     p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--resume", str(run_dir)],
                        capture_output=True, text=True, env=env, timeout=400)
@@ -216,9 +225,13 @@ def test_sigkill_of_a_partial_run_then_resume_trains_its_carried_groups_once(ser
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["run_id"] == run_id and out["steps"] == 4
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(r["prompts"] == 8 for r in rows)
-    rollouts = {r["id"]: r for r in map(json.loads, (run_dir / "rollouts.jsonl").read_text().splitlines())}
-    ids = [json.loads(line)["id"] for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    # (metrics.jsonl and rollouts.jsonl keep what the dead life did past its checkpoint too)
+    kept = [r for r in rows[:len(done_before)] if r["step"] <= resumed_from] + rows[len(done_before):]
+    assert [r["step"] for r in kept] == [0, 1, 2, 3] and all(r["prompts"] == 8 for r in kept)
+    lines = (run_dir / "rollouts.jsonl").read_text().splitlines()
+    lines = lines[:(resumed_from + 1) * 8 * 4] + lines[lines_before:]
+    rollouts = {r["id"]: r for r in map(json.loads, lines)}
+    ids = [json.loads(line)["id"] for line in lines]
     assert len(ids) == len(set(ids)) == 4 * 8 * 4  # every trained request once, over both lives
     trained_groups = {(int(i[1:6]), int(i.split("-p")[1][:5])) for i in ids}
     assert carried <= trained_groups  # the carried groups were trained by the resumed life

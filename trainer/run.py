@@ -210,6 +210,7 @@ class Run:
         self.dollars = 0.0
         self.resumed_weights: dict | None = None  # {"version", "digest"} of the checkpoint being resumed
         self.resumed_step = -1  # the first step after that checkpoint
+        self.republish_through = -1  # the last step a previous life may have published (see restore)
         self.run_id = run_id
         self.base_version = 0  # policy versions continue from what the weight store already holds
 
@@ -367,9 +368,9 @@ class Run:
         t_step = time.monotonic()
         self.trainer.start_step(step, policy_version=self.version)  # token staleness is counted from it
         self._step_counts = {"reward_errors": 0, "reward_timeouts": 0, "request_errors": 0, "filtered": 0}
-        # the step a dead trainer left half done goes out again under the same request ids
+        # the steps a dead trainer published past its checkpoint go out again under the same request ids
         o = await self.orchestrator.step(step, self.version, self._make_requests, cfg.prompts,
-                                         republish=step == self.resumed_step)
+                                         republish=step <= self.republish_through)
         rep, pub = o.report
         counts = {k: v for k, v in self._step_counts.items() if k != "filtered"}
         filtered = self._step_counts["filtered"]
@@ -527,6 +528,15 @@ class Run:
             self.data.load_state(state["data_state"])
         self.resumed_weights = state.get("published")
         self.resumed_step = state["step"] + 1
+        # A previous life that ran past its checkpoint (checkpoint_every > 1) published later steps
+        # too, under the same ids as this life will: up to the step after its last row in
+        # metrics.jsonl (the one it died in), plus the k steps async publishes ahead.
+        reached = self.resumed_step
+        with contextlib.suppress(OSError):
+            for line in (self.run_dir / "metrics.jsonl").read_text().splitlines():
+                with contextlib.suppress(ValueError, TypeError, KeyError):
+                    reached = max(reached, int(json.loads(line)["step"]) + 1)
+        self.republish_through = reached + self.orchestrator.max_staleness
         self._resumed_draws = ({int(s): n for s, n in (state.get("draws") or {}).items()},
                                {int(s): gs for s, gs in (state.get("carried") or {}).items()})
         w = state.get("seed_window") or {}
