@@ -260,7 +260,8 @@ async def test_a_late_joiner_whose_snapshot_is_corrupt_loads_nothing(tmp_path):
     data[-1] ^= 0xFF  # the store's copy is repaired: the same cache gets there
     shard.write_bytes(bytes(data))
     assert_exact((await late.ensure(2)).load_tensors(), truth[2])
-    assert late.cached_versions() == [0, 2]
+    # v0 was only a base: checked through v2's hashes, neither kept nor left half-written
+    assert late.cached_versions() == [2] and not list(late.shards_dir.iterdir()) and not list(late.tmp_dir.iterdir())
 
 
 @pytest.mark.parametrize("change, why", [
@@ -323,3 +324,44 @@ async def test_concurrent_pulls_of_a_snapshot_and_the_versions_built_on_it(tmp_p
         assert_exact(vv.load_tensors(), truth[vv.version])
     ms = [await manifest(store, v) for v in range(4)]
     assert cache.stats.bytes_fetched == ms[0].total_bytes + sum(m.delta.bytes for m in ms[1:])  # each blob once
+
+
+async def test_a_late_joiner_receives_a_base_snapshot_once_for_versions_pulled_together(store, tmp_path):
+    """A snapshot that is only a base is received unverified into tmp/ (the rebuilt tensors'
+    hashes check it): two versions after it pulled at once share one copy, and none is left."""
+    import asyncio
+
+    truth = await publish_chain(WeightPublisher(store, full_every=10), Policy(seed=11), range(0, 4))
+    cache = WeightCache(tmp_path / "cache", store)
+    got = await asyncio.gather(cache.ensure(3), cache.ensure(2))
+    for vv in got:
+        assert_exact(vv.load_tensors(), truth[vv.version])
+    ms = [await manifest(store, v) for v in range(4)]
+    assert cache.stats.bytes_fetched == ms[0].total_bytes + sum(m.delta.bytes for m in ms[1:])
+    assert not list(cache.tmp_dir.iterdir()) and not list(cache.shards_dir.iterdir()) and not cache._copies
+
+
+async def test_a_base_snapshot_damaged_in_transit_is_received_again(tmp_path):
+    """The base's bytes are hashed only when a rebuilt tensor does not match: the damaged shard
+    is found, refused and received again; a good base with a bad delta is the delta's fault."""
+    store = FileBlobStore(tmp_path / "store", create=True)
+    truth = await publish_chain(WeightPublisher(store, full_every=10), Policy(seed=12), range(0, 3))
+    m0 = await manifest(store, 0)
+    key = wire.weights_shard_key(m0.shards[0].sha256)
+    read, damaged = store.read, []
+
+    async def read_once_damaged(k):
+        first = k == key and not damaged
+        async for chunk in read(k):
+            if first:
+                chunk = bytearray(chunk)
+                chunk[-1] ^= 0xFF  # a tensor's last byte: used by the rebuild
+                damaged.append(k)
+                first = False
+            yield chunk
+
+    store.read = read_once_damaged
+    cache = WeightCache(tmp_path / "cache", store)
+    assert_exact((await cache.ensure(2)).load_tensors(), truth[2])
+    assert damaged == [key] and cache.stats.shards_refused == 1 and cache.stats.paths_refused == 0
+    assert not list(cache.tmp_dir.iterdir())
