@@ -9,8 +9,9 @@ What is measured, and how:
 - regenerated tokens, per worker fate: tokens the worker generated (crash-proof counter, see
   `workers.counters`) minus the tokens the final results attribute to it (result segments).
   Terminated workers must regenerate 0; killed ones at most K per request in flight;
-- killed_inflight: requests a worker had claimed and not finished or released at the kill
-  (from the lease events in RB_EVENTS);
+- killed_inflight: requests a worker had claimed and not finished or released at the kill (from
+  the lease events in RB_EVENTS, and the claims in Redis's history lines: a worker killed right
+  after claiming has not sent its claim events yet);
 - hand-off latency: SIGTERM -> the first token chunk of a handed-off request from another
   worker (an upper bound on "first token": a chunk is published after K tokens).
 """
@@ -116,11 +117,18 @@ async def chaos(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: P
         results = await read_subject(c.js, wire.result_subject(step), wire.RolloutResult)
         events = await read_subject(c.js, f"rb.evt.{step}.>", wire.LeaseEvent)
         chunks = await read_chunks(c.js, step)
-    return analyse(a, requests, results, events, chunks, actions, fleet, elapsed, reference)
+        # Who claimed what, from Redis: a worker's lease events leave in batches, so one killed
+        # right after claiming (and generating less than a chunk) loses its claim events, while
+        # the claim itself (a history line per epoch) is durable before any token is generated.
+        owners: dict[str, set[str]] = defaultdict(set)
+        for q in requests:
+            for line in await c.store.redis.lrange(wire.ckpt_history_key(q.request_id), 0, -1):
+                owners[(line.decode() if isinstance(line, bytes) else line).split(" ")[0]].add(q.request_id)
+    return analyse(a, requests, results, events, chunks, actions, fleet, elapsed, reference, owners)
 
 
 def analyse(a, requests, results, events, chunks, actions, fleet: WorkerFleet, elapsed: float,
-            reference: Reference) -> dict:
+            reference: Reference, owners: dict[str, set[str]] | None = None) -> dict:
     by_rid: dict[str, list] = defaultdict(list)
     for r in results:
         by_rid[r.request_id].append(r)
@@ -146,7 +154,7 @@ def analyse(a, requests, results, events, chunks, actions, fleet: WorkerFleet, e
     for kind, wid, t in actions:
         if kind != "kill":
             continue
-        held: set[str] = set()
+        held: set[str] = set((owners or {}).get(wid, ()))  # claimed, per Redis (before the kill: it was dead after)
         for e in sorted(ev_by_worker[wid], key=lambda e: e.ts):
             if e.ts > t:
                 break
