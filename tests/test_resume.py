@@ -49,6 +49,28 @@ async def _kill_at_first_result(nats_url: str, step: int, run_id: str, proc: sub
         await nc.close()
 
 
+def _start_then_kill(tmp_path, run_dir, args: list[str], env: dict, nats_url: str, kill_in: int) -> str:
+    """Start `rlboost run`, wait for its step-1 checkpoint, SIGKILL it at the first result of
+    step `kill_in`; returns the run id. Its workers die with it (PDEATHSIG): whatever they
+    published is in the streams once this returns."""
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "run", *args], stdout=log, stderr=log, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "step-000001").exists():  # steps 0 and 1 are done
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+        asyncio.run(_kill_at_first_result(nats_url, kill_in, run_id, first, deadline))
+        first.wait()
+    finally:
+        if first.poll() is None:
+            first.kill()
+    time.sleep(1.0)
+    return run_id
+
+
 async def _results(nats_url: str, step: int, run_id: str) -> dict[str, wire.RolloutResult]:
     """Every result of `step` of this run in the results stream now."""
     nc = await bus.connect(nats_url)
@@ -78,21 +100,7 @@ def test_sigkill_of_the_trainer_mid_step_then_resume(services, tmp_path, model_d
     args = ["--model-dir", str(model_dir), "--run-dir", str(run_dir), "--steps", "3", "--prompts", "16",
             "--samples", "8", "--workers", "2", "--slots", "8", "--eval-every", "100", "--save-rollouts",
             "--t-seed", "0.5", "--t-seed-floor", "0.5", "run.checkpoint_every=1", f"rollout.checkpoint_tokens={K}"]
-    with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "run", *args], stdout=log, stderr=log, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "checkpoints" / "step-000001").exists():  # steps 0 and 1 are done
-            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
-        asyncio.run(_kill_at_first_result(nats_url, 2, run_id, first, deadline))  # step 2 is under way
-        first.wait()
-    finally:
-        if first.poll() is None:
-            first.kill()
-    time.sleep(1.0)  # its workers die with it (PDEATHSIG); whatever they published is in the stream
+    run_id = _start_then_kill(tmp_path, run_dir, args, env, nats_url, kill_in=2)
     finished = asyncio.run(_results(nats_url, 2, run_id))
     in_flight = 16 * 8 - len(finished)
     assert 0 < in_flight and finished
@@ -138,21 +146,7 @@ def test_sigkill_of_an_async_run_then_resume_trains_the_steps_published_ahead_on
             "--samples", "4", "--workers", "2", "--slots", "8", "--eval-every", "100", "--save-rollouts",
             "--mode", "async", "--max-staleness", "1", "--t-seed", "0.5", "--t-seed-floor", "0.5",
             "run.checkpoint_every=1", f"rollout.checkpoint_tokens={K}"]
-    with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "run", *args], stdout=log, stderr=log, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "checkpoints" / "step-000001").exists():  # steps 0 and 1 are done
-            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
-        asyncio.run(_kill_at_first_result(nats_url, 2, run_id, first, deadline))
-        first.wait()
-    finally:
-        if first.poll() is None:
-            first.kill()
-    time.sleep(1.0)
+    run_id = _start_then_kill(tmp_path, run_dir, args, env, nats_url, kill_in=2)
     done_before = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert done_before in ([0, 1], [0, 1, 2])  # killed in step 2, or in 3 if 2 was quick
     finished = asyncio.run(_results(nats_url, done_before[-1] + 1, run_id))
@@ -191,21 +185,7 @@ def test_sigkill_of_a_partial_run_then_resume_trains_its_carried_groups_once(ser
             "--samples", "4", "--workers", "2", "--slots", "8", "--eval-every", "100", "--save-rollouts",
             "--mode", "partial", "--t-seed", "0.5", "--t-seed-floor", "0.5",
             f"run.checkpoint_every={every}", "rollout.overprovision=0.5", f"rollout.checkpoint_tokens={K}"]
-    with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "run", *args], stdout=log, stderr=log, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "checkpoints" / "step-000001").exists():  # steps 0 and 1 are done
-            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
-        asyncio.run(_kill_at_first_result(nats_url, kill_in, run_id, first, deadline))
-        first.wait()
-    finally:
-        if first.poll() is None:
-            first.kill()
-    time.sleep(1.0)
+    run_id = _start_then_kill(tmp_path, run_dir, args, env, nats_url, kill_in=kill_in)
     done_before = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert done_before in (list(range(kill_in)), list(range(kill_in + 1)))  # or one step later if quick
     saved = [int(d.name.split("-")[1]) for d in (run_dir / "checkpoints").glob("step-*")]
