@@ -71,6 +71,16 @@ def _start_then_kill(tmp_path, run_dir, args: list[str], env: dict, nats_url: st
     return run_id
 
 
+def _resume(run_dir, env: dict, run_id: str, steps: int) -> list[dict]:
+    """`rlboost run --resume` to the end: the same run, all its steps; returns metrics.jsonl's rows."""
+    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--resume", str(run_dir)],
+                       capture_output=True, text=True, env=env, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["run_id"] == run_id and out["steps"] == steps
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 async def _results(nats_url: str, step: int, run_id: str) -> dict[str, wire.RolloutResult]:
     """Every result of `step` of this run in the results stream now."""
     nc = await bus.connect(nats_url)
@@ -152,12 +162,7 @@ def test_sigkill_of_an_async_run_then_resume_trains_the_steps_published_ahead_on
     finished = asyncio.run(_results(nats_url, done_before[-1] + 1, run_id))
     assert finished  # the kill came once results of the step resumed were in
 
-    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--resume", str(run_dir)],
-                       capture_output=True, text=True, env=env, timeout=400)
-    assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["run_id"] == run_id and out["steps"] == 4
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = _resume(run_dir, env, run_id, steps=4)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(r["staleness_max"] is None or r["staleness_max"] <= 1 for r in rows)
     ids = [json.loads(line)["id"] for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
@@ -199,12 +204,7 @@ def test_sigkill_of_a_partial_run_then_resume_trains_its_carried_groups_once(ser
     if every > 1 and resumed_from < done_before[-1]:  # the dead life published versions past its checkpoint
         assert any(seg.policy_version > state["published"]["version"] for r in finished.values() for seg in r.segments)
 
-    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--resume", str(run_dir)],
-                       capture_output=True, text=True, env=env, timeout=400)
-    assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["run_id"] == run_id and out["steps"] == 4
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = _resume(run_dir, env, run_id, steps=4)
     # (metrics.jsonl and rollouts.jsonl keep what the dead life did past its checkpoint too)
     kept = [r for r in rows[:len(done_before)] if r["step"] <= resumed_from] + rows[len(done_before):]
     assert [r["step"] for r in kept] == [0, 1, 2, 3] and all(r["prompts"] == 8 for r in kept)
