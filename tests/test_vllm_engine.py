@@ -254,6 +254,34 @@ async def test_reload_from_the_weight_cache_with_split_tensors(engine, model_dir
     await engine.load_weights(model_dir, version=0)
 
 
+
+async def test_reload_from_a_version_rebuilt_from_deltas(engine, model_dir, other_weights, js, tmp_path):
+    """A late joiner's version rebuilt from a snapshot and a delta (files the cache writes itself)
+    loads exactly like the same weights published whole."""
+    _, v0_state = other_weights
+    v1_state = {k: v.clone() for k, v in v0_state.items()}
+    for t in v1_state.values():  # a small update: about 1% of the elements move
+        if t.is_floating_point():
+            t.view(-1)[::97] += 1e-3
+    store = await JetStreamBlobStore.open(js, f"rbw-{uuid.uuid4().hex[:10]}")
+    pub = WeightPublisher(store, full_every=10)
+    await pub.publish(v0_state, 0)
+    await pub.publish(v1_state, 1)
+    rebuilt = await WeightCache(tmp_path / "late", store).ensure(1)
+    assert rebuilt.manifest.delta is not None and not rebuilt.manifest.shards  # a delta version, rebuilt
+    whole_store = await JetStreamBlobStore.open(js, f"rbw-{uuid.uuid4().hex[:10]}")
+    await WeightPublisher(whole_store).publish(v1_state, 1)
+    whole = await WeightCache(tmp_path / "whole", whole_store).ensure(1)
+    seqs = _requests(3, random.Random(9), temperature=1.0)
+    await engine.load_weights(whole.path, version=1)
+    expect = await _one_go(engine, seqs)
+    await engine.load_weights(model_dir, version=0)
+    await engine.load_weights(rebuilt.path, version=1)
+    got = await _one_go(engine, seqs)
+    assert [(g.token_ids, g.logprobs) for g in got] == [(g.token_ids, g.logprobs) for g in expect]
+    await engine.load_weights(model_dir, version=0)
+
+
 # ---------------------------------------------------------------- a worker on the vLLM engine
 
 
