@@ -497,7 +497,8 @@ class WeightCache:
         """Stream the shard into a temp file through a worker thread that hashes and writes
         each chunk as it comes (hashlib and file writes release the GIL, so this overlaps with
         receiving; the event loop only hands over references). Only a file of the right size
-        and hash is renamed into the cache; refused copies are fetched again, up to a limit."""
+        and hash is renamed into the cache; refused copies are fetched again, up to a limit.
+        `verify=False` (`_receive`): the right size is enough, the tmp/ file itself is returned."""
         key = (wire.weights_delta_key if delta else wire.weights_shard_key)(shard.sha256)
         loop = asyncio.get_running_loop()
         for _attempt in range(self.corrupt_retries):

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from rlboost import bus, wire
+from rlboost.checkpoint import parse_segment
 from rlboost.cli import print_result
 from rlboost.clients import open_clients
 from rlboost.config import Settings
@@ -121,9 +122,13 @@ async def chaos(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: P
         # right after claiming (and generating less than a chunk) loses its claim events, while
         # the claim itself (a history line per epoch) is durable before any token is generated.
         owners: dict[str, set[str]] = defaultdict(set)
-        for q in requests:
-            for line in await c.store.redis.lrange(wire.ckpt_history_key(q.request_id), 0, -1):
-                owners[(line.decode() if isinstance(line, bytes) else line).split(" ")[0]].add(q.request_id)
+        async with c.store.redis.pipeline(transaction=False) as pipe:  # one round trip
+            for q in requests:
+                pipe.lrange(wire.ckpt_history_key(q.request_id), 0, -1)
+            histories = await pipe.execute()
+        for q, lines in zip(requests, histories, strict=True):
+            for line in lines:  # every epoch's line, a claim that generated nothing durable included
+                owners[parse_segment(line).worker_id].add(q.request_id)
     return analyse(a, requests, results, events, chunks, actions, fleet, elapsed, reference, owners)
 
 
