@@ -22,7 +22,12 @@ A step (policy `hybrid`, mode `sync`):
    optimizer step once the batch is in;
 4. T_seed moves by (trainer waiting − preemptible waiting) / 3. Trainer waiting: the time the
    trainer had trained everything it had and waited for the next group. Preemptible waiting:
-   the time the live preemptible workers had nothing at all in flight (mean over workers).
+   the time the live preemptible workers had nothing at all in flight (mean over workers). In
+   `partial` and `async` the pool always has later work (extra groups, steps published ahead)
+   and is never seen idle, so its waiting is also taken as the time the rollout was ahead: from
+   the moment the step's last trained group was in to the step's end, the time a sync pool
+   would have sat idle waiting for the trainer. Without it T_seed could only grow there, and
+   the trainer would sit out a seeding window while its batch was already in.
 
 `colocated`: the seeding engines generate the whole step, then the trainer trains on it.
 `disaggregated`: training streams from the start (T_seed = 0) while rollout engines generate:
@@ -136,6 +141,7 @@ class StepOutcome:
     fallback: bool = False
     trainer_wait_s: float = 0.0
     spot_waiting_s: float = 0.0
+    rollout_ahead_s: float = 0.0  # partial / async: from the batch being in to the step's end
     rollout_s: float = 0.0  # step start to the batch's last result
     step_s: float = 0.0
     trained: list[tuple[GroupKey, list[wire.RolloutResult]]] = field(default_factory=list)
@@ -318,7 +324,7 @@ class Orchestrator:
         pool_has_work = handed_off or (live > 0 and self.policy != "colocated")
         # 4. train on complete groups as they come; one optimizer step per batch. The trainer
         # waits when it is free and no group is in: from `free_at` to the next group's arrival.
-        free_at = time.monotonic()
+        free_at, batch_in_at = time.monotonic(), t_start
         while len(out.trained) < prompts:
             item = self._take(eligible)
             while item is None:
@@ -340,6 +346,7 @@ class Orchestrator:
                 break
             key, results, scored, ready_at = item
             out.trainer_wait_s += max(0.0, ready_at - free_at)
+            batch_in_at = max(batch_in_at, ready_at)
             worst = max((staleness(r, version) for r in results), default=0)
             if self.mode != "partial" and worst > self.max_staleness:
                 raise StalenessExceeded(f"step {step}: group {key} has tokens {worst} versions behind "
@@ -355,8 +362,10 @@ class Orchestrator:
         if waiting is not None:
             stop_waiting.set()
             out.spot_waiting_s = await waiting
+            if self.mode != "sync":  # step 4: the pool never idles here, it runs ahead
+                out.rollout_ahead_s = time.monotonic() - batch_in_at
             if self.policy == "hybrid":
-                self.window.update(live, out.trainer_wait_s, out.spot_waiting_s)
+                self.window.update(live, out.trainer_wait_s, max(out.spot_waiting_s, out.rollout_ahead_s))
         out.carried_groups = len(self._expected)
         self.handoffs += out.handoffs
         out.step_s = time.monotonic() - t_start

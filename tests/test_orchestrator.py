@@ -48,15 +48,17 @@ def settings(pool: str, handoff_pool: str = "") -> WorkerSettings:
 
 
 class Clock:
-    """A trainer that takes no time and makes a new policy version per step."""
+    """A trainer that takes `train_s` per group (none by default) and makes a new policy
+    version per step."""
 
-    def __init__(self) -> None:
-        self.version = 0
+    def __init__(self, train_s: float = 0.0) -> None:
+        self.version, self.train_s = 0, train_s
 
     async def score(self, key, results):
         return None
 
     async def train_group(self, key, results, scored, start: float) -> float:
+        await asyncio.sleep(self.train_s)
         return time.monotonic()
 
     async def finish_step(self, step: int) -> int:
@@ -73,7 +75,8 @@ def requests_of(run: str):
 
 
 async def drive(services, mode: str, steps: int, preemptible: int = 0, policy: str = "hybrid", t_seed: float = 0.2,
-                after_handoff=None, prompts: int = 6, max_staleness: int = 1, overprovision: float = 0.5):
+                after_handoff=None, prompts: int = 6, max_staleness: int = 1, overprovision: float = 0.5,
+                train_s: float = 0.0):
     """`steps` steps of `policy` in `mode`, with `preemptible` in-process workers on the pool."""
     nats_url, redis_url = services
     run = wire.new_run_id()
@@ -90,7 +93,7 @@ async def drive(services, mode: str, steps: int, preemptible: int = 0, policy: s
                 after_handoff(workers)
                 return n
             seeding.hand_off = hand_off_then
-        clock = Clock()
+        clock = Clock(train_s)
         o = orch.Orchestrator(c, pool, seeding, clock, policy=policy, window=SeedWindow(initial_s=t_seed, floor_s=0.1),
                               mode=mode, max_staleness=max_staleness, overprovision=overprovision, samples=4)
         deadline = time.monotonic() + 10
@@ -147,14 +150,15 @@ def reference(r: wire.RolloutResult) -> tuple[list[int], list[float]]:
 
 
 class KillWhenBusy(threading.Thread):
-    """SIGKILLs a worker process the moment its crash-proof counters say it holds leases on at
-    least 3 requests, has checkpointed a few flushes of each, and is mid-generation (tokens made,
-    not durable yet: what a kill costs): chosen by state, and by a thread, so a busy event loop
-    in the test cannot make it miss the moment."""
+    """SIGKILLs (`how="kill"`) or SIGTERMs (`"terminate"`: a notice) a worker process the moment
+    its crash-proof counters say it holds leases on at least 3 requests, has checkpointed a few
+    flushes of each, and is mid-generation (tokens made, not durable yet: what a kill costs):
+    chosen by state, and by a thread, so a busy event loop in the test cannot make it miss the
+    moment."""
 
-    def __init__(self, fleet: WorkerFleet, victim) -> None:
+    def __init__(self, fleet: WorkerFleet, victim, how: str = "kill") -> None:
         super().__init__(daemon=True)
-        self.fleet, self.victim = fleet, victim
+        self.fleet, self.victim, self.how = fleet, victim, how
         self.killed, self.stop = threading.Event(), threading.Event()
 
     def run(self) -> None:
@@ -162,16 +166,17 @@ class KillWhenBusy(threading.Thread):
             c = self.victim.counters()
             if (c["claims"] - c["results"] >= 3 and c["checkpointed"] >= 2 * K * c["claims"]
                     and c["generated"] > c["checkpointed"]):
-                self.fleet.kill(self.victim)
+                getattr(self.fleet, self.how)(self.victim)
                 self.killed.set()
                 return
             time.sleep(0.002)
 
 
-async def drive_with_a_kill(services, tmp_path, mode: str, steps: int):
+async def drive_with_a_kill(services, tmp_path, mode: str, steps: int, how: str = "kill"):
     """`steps` steps of the hybrid policy in `mode` with one preemptible worker, a real
-    `rlboost worker` process, SIGKILLed mid-step; an in-process worker replaces it (the spot
-    capacity comes back) and resumes its requests from their checkpoints after ack_wait."""
+    `rlboost worker` process, SIGKILLed (or SIGTERMed: `how`) mid-step; an in-process worker
+    replaces it (the spot capacity comes back) and resumes its requests from their checkpoints
+    (after ack_wait; at once from the resume lane after a SIGTERM's hand-off)."""
     nats_url, redis_url = services
     run = wire.new_run_id()
     pool, reserved = f"orch-{run}", f"orch-{run}-reserved"
@@ -188,7 +193,7 @@ async def drive_with_a_kill(services, tmp_path, mode: str, steps: int):
         deadline = time.monotonic() + 30
         while await o.live() < 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        killer = KillWhenBusy(fleet, victim)
+        killer = KillWhenBusy(fleet, victim, how)
         killer.start()
         replacement: list[tuple[RolloutWorker, asyncio.Task]] = []
 
@@ -220,16 +225,18 @@ async def drive_with_a_kill(services, tmp_path, mode: str, steps: int):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill", "terminate"])
 @pytest.mark.parametrize("mode", orch.MODES)
-def test_a_preemptible_worker_sigkilled_mid_step_loses_duplicates_and_corrupts_nothing_in_every_mode(
-        services, tmp_path, mode):
-    """The SIGKILL invariants in every rollout mode: the step completes with every request
-    trained exactly once, every token the one an undisturbed engine makes under the version its
-    segment names, at most K tokens regenerated per request the killed worker had in flight,
-    and the mode's staleness bound held. `partial` runs without over-provisioning and `async`
-    two steps, so that every request the killed worker held is trained and checked here."""
+def test_a_preemptible_worker_sigkilled_or_sigtermed_mid_step_loses_duplicates_and_corrupts_nothing_in_every_mode(
+        services, tmp_path, mode, how):
+    """The SIGKILL and SIGTERM invariants in every rollout mode: the step completes with every
+    request trained exactly once, every token the one an undisturbed engine makes under the
+    version its segment names, at most K tokens regenerated per request the killed worker had
+    in flight (none after a SIGTERM: its notice), and the mode's staleness bound held. `partial`
+    runs without over-provisioning and `async` two steps, so that every request the stopped
+    worker held is trained and checked here."""
     outs, killed, victim, published = asyncio.run(drive_with_a_kill(services, tmp_path, mode,
-                                                                     steps=2 if mode == "async" else 1))
+                                                                     steps=2 if mode == "async" else 1, how=how))
     assert killed, "the worker process was never busy enough to be killed"
     trained = [r for o in outs for _, results in o.trained for r in results]
     assert len(trained) == 24 * len(outs) and len({r.request_id for r in trained}) == len(trained)
@@ -243,7 +250,7 @@ def test_a_preemptible_worker_sigkilled_mid_step_loses_duplicates_and_corrupts_n
     kept = sum(end - s.offset for r in trained
                for s, end in zip(r.segments, [s.offset for s in r.segments[1:]] + [len(r.token_ids)], strict=True)
                if s.worker_id == victim.worker_id)
-    assert 0 <= victim.counters()["generated"] - kept <= K * len(held)
+    assert 0 <= victim.counters()["generated"] - kept <= (K * len(held) if how == "kill" else 0)
     for o in outs:
         assert o.staleness == [orch.staleness(r, o.step) for _, results in o.trained for r in results]
         assert mode == "partial" or max(o.staleness) <= (0 if mode == "sync" else 1)
@@ -282,6 +289,26 @@ def test_async_staleness_never_exceeds_k_on_any_trained_sample(services, k):
                 assert 0 <= lag <= k
                 seen.append(lag)
     assert max(seen) == k  # the bound is reached (steps published ahead), never passed
+
+
+@pytest.mark.parametrize("mode", orch.MODES)
+def test_a_pool_running_ahead_of_the_trainer_counts_as_waiting_in_the_seeding_rule(services, mode):
+    """In partial and async the pool always has later work (extra groups, steps published
+    ahead), so it is never seen idle; the time it ran ahead (the step's batch in, the trainer
+    still at it) is its waiting in the rule, or T_seed could only grow and a trainer that is the
+    bottleneck would sit out a seeding window with its batch in. Sync keeps the sampled idle time."""
+    floor = 0.1
+    outs, _ = asyncio.run(drive(services, mode, steps=4, preemptible=1, t_seed=1.0, train_s=0.1))
+    for o, nxt in zip(outs, outs[1:]):
+        if mode == "sync":
+            assert o.rollout_ahead_s == 0.0
+        else:
+            assert o.rollout_ahead_s >= 0.1  # at least the last group's training: the batch was in
+        waiting = max(o.spot_waiting_s, o.rollout_ahead_s)
+        assert nxt.t_seed == pytest.approx(max(floor, o.t_seed + (o.trainer_wait_s - waiting) / 3))
+    if mode != "sync":
+        assert any(o.rollout_ahead_s > o.spot_waiting_s for o in outs)  # the pool ran ahead, unseen idle
+        assert outs[-1].t_seed < outs[0].t_seed
 
 
 def test_the_trace_bench_runs_the_products_orchestration(services, tmp_path, monkeypatch):

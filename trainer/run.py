@@ -396,6 +396,7 @@ class Run:
                "reward": round(rep.reward_mean, 4), "eval_acc": eval_acc,
                "tokens": rep.tokens, "step_s": round(step_s, 3), "tokens_per_s": round(rep.tokens / step_s, 1),
                "trainer_wait_s": round(o.trainer_wait_s, 3), "spot_idle_s": round(o.spot_waiting_s, 3),
+               "rollout_ahead_s": round(o.rollout_ahead_s, 3),
                "handoffs": o.handoffs, "fallback": o.fallback, "mean_response_tokens":
                round(rep.mean_response_tokens, 2), "max_response_tokens": rep.max_response_tokens,
                "truncation_rate": round(rep.truncation_rate, 4), "reward_std": round(rep.reward_std, 4),

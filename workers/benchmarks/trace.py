@@ -319,7 +319,8 @@ class Emulation:
         self.staleness += o.staleness
         return {"tokens": tokens, "live": o.live, "handoffs": o.handoffs,
                 "t_seed": None if o.t_seed is None else round(o.t_seed * S, 1),
-                "trainer_wait_s": round(o.trainer_wait_s * S, 1), "rollout_s": round(o.rollout_s * S, 1),
+                "trainer_wait_s": round(o.trainer_wait_s * S, 1), "spot_waiting_s": round(o.spot_waiting_s * S, 1),
+                "rollout_ahead_s": round(o.rollout_ahead_s * S, 1), "rollout_s": round(o.rollout_s * S, 1),
                 "step_s": round(o.step_s * S, 1), "carried_groups": o.carried_groups}
 
     # ------------------------------------------------------------------ a whole run
