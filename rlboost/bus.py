@@ -304,6 +304,30 @@ async def follow(js: JetStreamContext, subject: str, within_s: float = 30.0) -> 
             await asyncio.sleep(0.5)
 
 
+async def hand_back_buffered(psub: JetStreamContext.PullSubscription) -> int:
+    """Nak every message a pull subscription holds that no fetch took; returns how many.
+
+    nats-py's `fetch(n)` returns when its timeout runs out even if the server is still sending
+    the rest of its batch, and leaves those in the subscription for the next fetch. A worker at
+    capacity makes no next fetch, and one that stops pulling never will: delivered and never
+    acknowledged, they would wait out ack_wait (10 s by default) unclaimed. Call before
+    unsubscribing. (The subscription's buffer is nats-py's own; pinned < 3 in pyproject.)"""
+    sub = getattr(psub, "_sub", None)
+    queue = getattr(sub, "_pending_queue", None)
+    if queue is None:
+        return 0
+    n = 0
+    while not queue.empty():
+        msg = queue.get_nowait()
+        sub._pending_size -= len(msg.data)
+        if JetStreamContext.is_status_msg(msg):  # the end of some fetch's batch, not a message
+            continue
+        with contextlib.suppress(Exception):
+            await msg.nak()
+            n += 1
+    return n
+
+
 async def dead_letter(js: JetStreamContext, msg: Msg, reason: str, stream: str, ack: bool = True) -> None:
     """Copy the raw message to the DLQ with the reason, then ack it so it is not redelivered.
     `ack=False` for a message read from a limits stream (results), which nobody acks."""

@@ -183,6 +183,68 @@ async def test_a_drain_leaves_nothing_its_last_pull_brought_waiting_for_ack_wait
     assert all([s.worker_id for s in r.segments] == [second.worker_id] for r in got.values())
 
 
+class OverDelivered:
+    """A worker's real pull subscription to which the server delivers 3 more requests than its
+    first fetch took, after that fetch returned: what nats-py's `fetch(n)` leaves in the
+    subscription when its timeout cuts a batch short (the rest is for the next fetch). The
+    extra pull is the one nats-py's fetch sends, to the same inbox."""
+
+    def __init__(self, psub) -> None:
+        self.psub, self.delivered = psub, asyncio.Event()
+
+    async def fetch(self, batch: int, timeout: float):
+        msgs = await self.psub.fetch(batch=batch, timeout=timeout)
+        if not self.delivered.is_set():
+            await self.psub._nc.publish(self.psub._nms, b'{"batch": 3, "no_wait": true}', self.psub._deliver)
+            self.delivered.set()
+        return msgs
+
+    def __getattr__(self, name):
+        return getattr(self.psub, name)
+
+
+async def test_requests_delivered_to_a_worker_at_capacity_go_back_at_its_drain(clients, monkeypatch):
+    """A worker at capacity makes no next fetch, so what the server delivered to its
+    subscription beyond the last fetch waits there. At its drain (a seeding engine's hand-off,
+    a notice) those requests go back to the pool at once: the next worker takes them long
+    before ack_wait (they used to sit it out unclaimed: a 10 s stall of a whole step)."""
+    js, step, pool, ack_wait = clients.js, 113, "overdelivered", 30.0
+    first = _worker(clients, pool, speed=2.0, name="first")  # 40 tokens take 20 s: stays busy
+    first.cfg.ack_wait_s, first.cfg.slots = ack_wait, 2
+    bind, pulls = js.pull_subscribe_bind, []
+
+    async def over_bind(*args, **kw):
+        psub = await bind(*args, **kw)
+        if kw.get("durable") == wire.consumer_name(pool):  # its fresh lane
+            pulls.append(OverDelivered(psub))
+            return pulls[-1]
+        return psub
+
+    monkeypatch.setattr(js, "pull_subscribe_bind", over_bind)
+    task = asyncio.create_task(first.run())
+    try:
+        for i in range(5):
+            await js.publish(wire.request_subject(pool), wire.encode(_req(step, i)))
+        deadline = time.monotonic() + 10
+        while not (first.counters.get("claims") == 2 and pulls and pulls[0].delivered.is_set()
+                   and pulls[0].pending_msgs >= 3) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert first.counters.get("claims") == 2 and pulls[0].pending_msgs >= 3  # at capacity, 3 waiting
+        monkeypatch.undo()
+    finally:
+        first.request_drain("spot notice")
+        await asyncio.wait_for(task, timeout=5.0)
+    t0 = time.monotonic()
+    second = _worker(clients, pool, name="second")
+    second.cfg.ack_wait_s = ack_wait
+    task = asyncio.create_task(second.run())
+    got = await step_results(js, step, 5, timeout=ack_wait / 3)
+    second.request_drain("test over")
+    await task
+    assert len(got) == 5 and time.monotonic() - t0 < ack_wait / 3  # long before ack_wait
+    assert first.counters.get("claims") == 2  # the 3 were never its own
+
+
 async def test_a_request_is_never_generated_with_another_policy_version(clients):
     """A worker that cannot load the version a request needs hands the request back."""
     js, step = clients.js, 104

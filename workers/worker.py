@@ -226,10 +226,13 @@ class RolloutWorker:
         try:
             await self._generate_loop()
             # Stop pulling before handing back, or our own parked pull requests would be
-            # handed the very requests we put on the resume lane.
+            # handed the very requests we put on the resume lane. What the server delivered
+            # to us that no fetch took goes back first, or it would sit out ack_wait.
             feeder.cancel()
             for sub in (fresh, resume):
                 with contextlib.suppress(Exception):
+                    if n := await bus.hand_back_buffered(sub):
+                        self.log.info("handed back requests delivered and not taken", requests=n)
                     await sub.unsubscribe()
             await asyncio.gather(*self._admissions, *self._finishing, return_exceptions=True)
             await self._hand_back_all()
