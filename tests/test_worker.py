@@ -203,9 +203,12 @@ class OverDelivered:
         return getattr(self.psub, name)
 
 
-async def _over_delivered(clients, monkeypatch, pool: str, step: int, ack_wait: float):
-    """A worker at capacity (2 slots, 2 slow requests) to which the server delivered 3 more."""
-    js = clients.js
+async def test_requests_delivered_to_a_worker_at_capacity_go_back_at_its_drain(clients, monkeypatch):
+    """A worker at capacity makes no next fetch, so what the server delivered to its
+    subscription beyond the last fetch waits there. At its drain (a seeding engine's hand-off,
+    a notice) those requests go back to the pool at once: the next worker takes them long
+    before ack_wait (they used to sit it out unclaimed: a 10 s stall of a whole step)."""
+    js, step, pool, ack_wait = clients.js, 113, "overdelivered", 30.0
     first = _worker(clients, pool, speed=2.0, name="first")  # 40 tokens take 20 s: stays busy
     first.cfg.ack_wait_s, first.cfg.slots = ack_wait, 2
     bind, pulls = js.pull_subscribe_bind, []
@@ -219,44 +222,27 @@ async def _over_delivered(clients, monkeypatch, pool: str, step: int, ack_wait: 
 
     monkeypatch.setattr(js, "pull_subscribe_bind", over_bind)
     task = asyncio.create_task(first.run())
-    for i in range(5):
-        await js.publish(wire.request_subject(pool), wire.encode(_req(step, i)))
-    deadline = time.monotonic() + 10
-    while not (first.counters.get("claims") == 2 and pulls and pulls[0].delivered.is_set()) \
-            and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    monkeypatch.undo()
-    assert first.counters.get("claims") == 2 and pulls[0].delivered.is_set()  # at capacity, 3 delivered
-    return first, task
-
-
-@pytest.mark.parametrize("drain", [False, True])
-async def test_requests_delivered_to_a_worker_at_capacity_go_back_to_the_pool_at_once(clients, monkeypatch, drain):
-    """A worker at capacity makes no next fetch, so what the server delivered to its
-    subscription past its last fetch would wait there, unclaimed and unacknowledged, until
-    ack_wait (in bench modes: a seeding engine drained at its hand-off so, a 7.5 s stall of a
-    whole step). Busy or draining, it hands them back at once: another worker takes them long
-    before ack_wait."""
-    step, ack_wait = 113 + drain, 30.0
-    first, task = await _over_delivered(clients, monkeypatch, f"overdelivered{int(drain)}", step, ack_wait)
-    if drain:
+    try:
+        for i in range(5):
+            await js.publish(wire.request_subject(pool), wire.encode(_req(step, i)))
+        deadline = time.monotonic() + 10
+        while not (first.counters.get("claims") == 2 and pulls and pulls[0].delivered.is_set()
+                   and pulls[0].pending_msgs >= 3) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert first.counters.get("claims") == 2 and pulls[0].pending_msgs >= 3  # at capacity, 3 waiting
+        monkeypatch.undo()
+    finally:
         first.request_drain("spot notice")
         await asyncio.wait_for(task, timeout=5.0)
     t0 = time.monotonic()
-    second = _worker(clients, first.pool, name="second")
+    second = _worker(clients, pool, name="second")
     second.cfg.ack_wait_s = ack_wait
-    task2 = asyncio.create_task(second.run())
-    got = await step_results(clients.js, step, 5 if drain else 3, timeout=ack_wait / 3)
-    assert time.monotonic() - t0 < ack_wait / 3  # long before ack_wait
-    assert first.counters.get("claims") == 2  # the 3 were never its own
-    if not drain:
-        assert all(r.worker_id == second.worker_id for r in got.values())  # while the first is still busy
-        first.request_drain("test over")
-        await task
-        got = await step_results(clients.js, step, 5, timeout=ack_wait / 3)
-    assert len(got) == 5
+    task = asyncio.create_task(second.run())
+    got = await step_results(js, step, 5, timeout=ack_wait / 3)
     second.request_drain("test over")
-    await task2
+    await task
+    assert len(got) == 5 and time.monotonic() - t0 < ack_wait / 3  # long before ack_wait
+    assert first.counters.get("claims") == 2  # the 3 were never its own
 
 
 async def test_a_request_is_never_generated_with_another_policy_version(clients):

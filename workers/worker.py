@@ -266,9 +266,6 @@ class RolloutWorker:
         while not self.draining.is_set():
             free = capacity - len(self.active) - self.admitting
             if free <= 0 or self.stalled():  # a worker making no progress takes no more work
-                # nor holds what the server delivered past its last fetch (the rest of a batch the
-                # fetch's timeout cut short): back to the pool, for a worker with room
-                await bus.hand_back_buffered(psub)
                 slot_freed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(slot_freed.wait(), timeout=0.5)
