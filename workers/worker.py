@@ -768,7 +768,10 @@ class RolloutWorker:
                     msgs = await sub.fetch(batch=256, timeout=0.05)
                 except (TimeoutError, asyncio.TimeoutError):
                     msgs = []
-                if not msgs and not (await sub.consumer_info()).num_pending:
+                # done when nothing is queued, nor delivered to us past a fetch (the rest of a
+                # batch its timeout cut short: the next fetch takes those first)
+                if not msgs and not sub.pending_msgs and not (await sub.consumer_info()).num_pending:
+                    await bus.hand_back_buffered(sub)  # what arrived since: back to our own queue
                     return
                 rids = [(m.headers or {}).get(wire.HDR_MSG_ID) or f"forwarded-{uuid.uuid4().hex}" for m in msgs]
                 outcomes = await bus.publish_batch(
