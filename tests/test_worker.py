@@ -122,6 +122,22 @@ async def test_drain_hands_every_request_back_with_nothing_to_regenerate(clients
     assert all(r.segments[0].worker_id == slow.worker_id and r.segments[1].offset > 0 for r in got.values())
 
 
+def wrap_fresh_lane(js, monkeypatch, pool: str, wrap) -> list:
+    """Workers of `pool` that start from now on get `wrap(psub)` for their fresh lane's real
+    pull subscription; returns the wrappers, in order (undo with `monkeypatch.undo()`)."""
+    bind, pulls = js.pull_subscribe_bind, []
+
+    async def wrapped_bind(*args, **kw):
+        psub = await bind(*args, **kw)
+        if kw.get("durable") == wire.consumer_name(pool):
+            pulls.append(wrap(psub))
+            return pulls[-1]
+        return psub
+
+    monkeypatch.setattr(js, "pull_subscribe_bind", wrapped_bind)
+    return pulls
+
+
 class HeldPull:
     """A worker's real pull subscription whose fetch, once the server delivered requests to it,
     returns them only after the worker started draining: a notice landing while a fetch holds
@@ -149,16 +165,7 @@ async def test_a_drain_leaves_nothing_its_last_pull_brought_waiting_for_ack_wait
     js, step, pool, ack_wait = clients.js, 112, "lastpull", 30.0
     first = _worker(clients, pool, name="first")
     first.cfg.ack_wait_s = ack_wait
-    bind, pulls = js.pull_subscribe_bind, []
-
-    async def held_bind(*args, **kw):
-        psub = await bind(*args, **kw)
-        if kw.get("durable") == wire.consumer_name(pool):  # its fresh lane
-            pulls.append(HeldPull(psub, first))
-            return pulls[-1]
-        return psub
-
-    monkeypatch.setattr(js, "pull_subscribe_bind", held_bind)
+    pulls = wrap_fresh_lane(js, monkeypatch, pool, lambda psub: HeldPull(psub, first))
     task = asyncio.create_task(first.run())
     try:
         for i in range(3):
@@ -211,16 +218,7 @@ async def test_requests_delivered_to_a_worker_at_capacity_go_back_at_its_drain(c
     js, step, pool, ack_wait = clients.js, 113, "overdelivered", 30.0
     first = _worker(clients, pool, speed=2.0, name="first")  # 40 tokens take 20 s: stays busy
     first.cfg.ack_wait_s, first.cfg.slots = ack_wait, 2
-    bind, pulls = js.pull_subscribe_bind, []
-
-    async def over_bind(*args, **kw):
-        psub = await bind(*args, **kw)
-        if kw.get("durable") == wire.consumer_name(pool):  # its fresh lane
-            pulls.append(OverDelivered(psub))
-            return pulls[-1]
-        return psub
-
-    monkeypatch.setattr(js, "pull_subscribe_bind", over_bind)
+    pulls = wrap_fresh_lane(js, monkeypatch, pool, OverDelivered)
     task = asyncio.create_task(first.run())
     try:
         for i in range(5):
