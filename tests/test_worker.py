@@ -268,6 +268,28 @@ async def test_a_request_is_never_generated_with_another_policy_version(clients)
     await task
 
 
+async def test_a_request_of_the_next_version_waits_for_the_switch_without_spending_deliveries(clients):
+    """An async run's request published a step ahead meets a worker still generating the
+    previous version: it waits in that worker, kept alive, and is admitted when the engine can
+    switch. It used to go back to the pool every 0.5 s, each time one more delivery: through
+    a long step's tail it would reach max_deliver and be dead-lettered."""
+    js, step, pool = clients.js, 115, "nextver"
+    w = _worker(clients, pool, speed=20.0)  # 40 tokens take ~2 s
+    task = asyncio.create_task(w.run())
+    await js.publish(wire.request_subject(pool), wire.encode(_req(step, 0, version=0)))
+    deadline = time.monotonic() + 10
+    while w.counters.get("claims") < 1 and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    await js.publish(wire.request_subject(pool), wire.encode(_req(step, 1, version=1)))
+    got = await step_results(js, step, 2, timeout=15)
+    w.request_drain("test over")
+    await task
+    assert sorted(r.segments[0].policy_version for r in got.values()) == [0, 1]
+    info = await js.consumer_info(wire.STREAM_REQUESTS, wire.consumer_name(pool))
+    assert info.delivered.consumer_seq == 2  # one delivery each (before: one more per 0.5 s of the first)
+    assert got[wire.request_id(step, 1, 0)].ts >= got[wire.request_id(step, 0, 0)].ts
+
+
 def test_chaos_with_real_processes_loses_duplicates_and_corrupts_nothing(services, tmp_path):
     """SIGKILL, SIGTERM, SIGSTOP/SIGCONT and restarts of real worker processes."""
     nats_url, redis_url = services

@@ -59,6 +59,7 @@ from workers.engines.base import Engine, RequestError, Sequence
 
 T = TypeVar("T")
 JOIN_COALESCE_S = 0.05  # hand-offs arriving together interrupt the engine once per this
+VERSION_WAIT_ACK_WAITS = 2  # how long a request waits for the engine to switch versions, in ack_waits
 
 _ORPHANS: set[asyncio.Task] = set()  # fetches drained workers stopped waiting for (RolloutWorker._feed)
 
@@ -154,6 +155,7 @@ class RolloutWorker:
         # version only when no request of another version is admitted, not just when none is
         # active yet, or a request still claiming would be generated with the new weights.
         self._version_users: collections.Counter[int] = collections.Counter()
+        self._version_free = asyncio.Event()  # set (and replaced) when a version's last user leaves
         self._outbox: list[bus.Outgoing] = []  # token chunks and lease events to publish at the next flush
         self._publishing: asyncio.Task | None = None  # the outbox publish in flight (_publish_outbox_soon)
         self._progress_at = time.monotonic()  # the generate loop's (or the engine's) last sign of life
@@ -190,6 +192,7 @@ class RolloutWorker:
             self.draining.set()
             self.stop_engine.set()
             self._wake.set()
+            self._versions_changed()  # requests waiting for a version switch go back now
 
     def request_handoff(self, reason: str = "seeding window over") -> None:
         """Hand every request off like a drain, but the process serves on afterwards (`serve`
@@ -318,9 +321,8 @@ class RolloutWorker:
             if req.policy_version < self._floor:  # continued from its checkpoint under the floor's version
                 req = msgspec.structs.replace(req, policy_version=self._floor)
             log = self.log.bind(request_id=req.request_id, step=req.step, policy_version=req.policy_version)
-            if not await self._ensure_version(req.policy_version):
-                await msg.nak(delay=0.5)  # never generate with another version: hand it back
-                return
+            if not await self._wait_for_version(msg, req.policy_version):
+                return  # handed back: never generated with another version
             reserved = req.policy_version  # released below unless the request becomes active
             try:
                 claim = await self.c.store.claim(req.request_id, self.worker_id, req.policy_version,
@@ -363,7 +365,7 @@ class RolloutWorker:
                 await msg.nak(delay=1.0)
         finally:
             if reserved is not None:
-                self._version_users[reserved] -= 1
+                self._unreserve(reserved)
             self.admitting -= 1
             self._wake.set()
             self._notify_slots()
@@ -392,6 +394,41 @@ class RolloutWorker:
         weights from the model dir are unnamed: the version is pulled once to name them)."""
         return version == self.engine.policy_version and (
             self.weights is None or self.weights.virtual or bool(self.engine.weights_id))
+
+    def _unreserve(self, version: int) -> None:
+        self._version_users[version] -= 1
+        if self._version_users[version] <= 0:
+            self._versions_changed()
+
+    def _versions_changed(self) -> None:
+        """Wake every request waiting for the engine to switch versions (`_wait_for_version`)."""
+        self._version_free.set()
+        self._version_free = asyncio.Event()
+
+    async def _wait_for_version(self, msg: Msg, version: int) -> bool:
+        """Reserve `version` for a request (`_ensure_version`), waiting while requests of another
+        version hold the engine: the request stays here, its message kept alive (in_progress),
+        and is admitted the moment the engine can switch. Handed back to the pool (one nak) if
+        that takes longer than VERSION_WAIT_ACK_WAITS x ack_wait, on a drain, or when the
+        version cannot be loaded at all.
+
+        Bouncing it back instead (a nak every 0.5 s, as before) spent a delivery each time: an
+        async run's requests published a step ahead meet workers still on the previous version
+        for that step's whole tail, and would reach max_deliver and be dead-lettered."""
+        deadline = time.monotonic() + VERSION_WAIT_ACK_WAITS * self.cfg.ack_wait_s
+        while True:
+            if await self._ensure_version(version):
+                return True
+            busy = any(n > 0 for v, n in self._version_users.items() if v != version)
+            if not busy or self.draining.is_set() or time.monotonic() > deadline:
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=0.5)
+                return False
+            freed = self._version_free
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(freed.wait(), timeout=self.cfg.ack_wait_s / 4)
 
     async def _ensure_version(self, version: int) -> bool:
         """Serve one policy version at a time. On True the caller holds a reservation of
@@ -714,7 +751,7 @@ class RolloutWorker:
     def _forget(self, a: Active) -> None:
         if self.active.get(a.req.request_id) is a:  # not a newer claim of the same request
             del self.active[a.req.request_id]
-            self._version_users[a.req.policy_version] -= 1
+            self._unreserve(a.req.policy_version)
         self._notify_slots()
         self._wake.set()
 
@@ -755,6 +792,7 @@ class RolloutWorker:
         await self._publish_outbox()
         self.active.clear()
         self._version_users.clear()
+        self._versions_changed()
 
     async def _forward_own_queue(self) -> None:
         """A seeding engine (its own queue, another hand-off pool) hands off its whole share:
