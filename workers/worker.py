@@ -156,6 +156,7 @@ class RolloutWorker:
         # active yet, or a request still claiming would be generated with the new weights.
         self._version_users: collections.Counter[int] = collections.Counter()
         self._version_free = asyncio.Event()  # set (and replaced) when a version's last user leaves
+        self._version_waiting = 0  # requests waiting for the engine to switch versions
         self._outbox: list[bus.Outgoing] = []  # token chunks and lease events to publish at the next flush
         self._publishing: asyncio.Task | None = None  # the outbox publish in flight (_publish_outbox_soon)
         self._progress_at = time.monotonic()  # the generate loop's (or the engine's) last sign of life
@@ -268,7 +269,10 @@ class RolloutWorker:
         self._slot_events.append(slot_freed)
         while not self.draining.is_set():
             free = capacity - len(self.active) - self.admitting
-            if free <= 0 or self.stalled():  # a worker making no progress takes no more work
+            # a worker making no progress takes no more work, nor one holding requests until its
+            # engine can switch versions (those wait here; more would be hoarded from workers
+            # that switched already)
+            if free <= 0 or self.stalled() or self._version_waiting:
                 slot_freed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(slot_freed.wait(), timeout=0.5)
@@ -408,27 +412,37 @@ class RolloutWorker:
     async def _wait_for_version(self, msg: Msg, version: int) -> bool:
         """Reserve `version` for a request (`_ensure_version`), waiting while requests of another
         version hold the engine: the request stays here, its message kept alive (in_progress),
-        and is admitted the moment the engine can switch. Handed back to the pool (one nak) if
-        that takes longer than VERSION_WAIT_ACK_WAITS x ack_wait, on a drain, or when the
-        version cannot be loaded at all.
+        and is admitted the moment the engine can switch; meanwhile the worker fetches nothing
+        more (it would hoard requests from workers that switched). Handed back to the pool (one
+        nak) if that takes longer than VERSION_WAIT_ACK_WAITS x ack_wait, on a drain, or when
+        the version cannot be loaded at all.
 
         Bouncing it back instead (a nak every 0.5 s, as before) spent a delivery each time: an
         async run's requests published a step ahead meet workers still on the previous version
         for that step's whole tail, and would reach max_deliver and be dead-lettered."""
         deadline = time.monotonic() + VERSION_WAIT_ACK_WAITS * self.cfg.ack_wait_s
-        while True:
-            if await self._ensure_version(version):
-                return True
-            busy = any(n > 0 for v, n in self._version_users.items() if v != version)
-            if not busy or self.draining.is_set() or time.monotonic() > deadline:
+        waiting = False
+        try:
+            while True:
+                if await self._ensure_version(version):
+                    return True
+                busy = any(n > 0 for v, n in self._version_users.items() if v != version)
+                if not busy or self.draining.is_set() or time.monotonic() > deadline:
+                    with contextlib.suppress(Exception):
+                        await msg.nak(delay=0.5)
+                    return False
+                if not waiting:
+                    waiting = True
+                    self._version_waiting += 1  # and the feeders pause (`_feed`)
+                freed = self._version_free
                 with contextlib.suppress(Exception):
-                    await msg.nak(delay=0.5)
-                return False
-            freed = self._version_free
-            with contextlib.suppress(Exception):
-                await msg.in_progress()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(freed.wait(), timeout=self.cfg.ack_wait_s / 4)
+                    await msg.in_progress()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(freed.wait(), timeout=self.cfg.ack_wait_s / 4)
+        finally:
+            if waiting:
+                self._version_waiting -= 1
+                self._notify_slots()
 
     async def _ensure_version(self, version: int) -> bool:
         """Serve one policy version at a time. On True the caller holds a reservation of
