@@ -176,6 +176,7 @@ class Emulation:
         self.notice_exceeded = 0
         self.provision_s: list[float] = []
         self.killed_at: dict[str, float] = {}  # worker id -> wall time of its SIGKILL
+        self.taken_over: dict[str, tuple[str, str]] = {}  # request id -> (preempted worker, next worker)
         self.migrated_from_preempted = 0
         self.rows: list[dict] = []
         self.mode = mode
@@ -273,15 +274,21 @@ class Emulation:
     async def _migration_latency(self) -> dict:
         """Modelled seconds from a request leaving a worker to its claim by the next (read back
         from the lease events): after a release (a seeding engine's hand-off at T_seed, a
-        preempted node's within its notice), or after the SIGKILL of a node that left none."""
+        preempted node's within its notice), or after the SIGKILL of a node that left none.
+        A takeover is read from the results' segments (the checkpoint's history): lease events
+        leave a worker in batches, so one killed right after claiming never sent those claims."""
         events = [e for e in await read_subject(self.c.js, "rb.evt.>", wire.LeaseEvent, idle_s=1.0)
                   if e.request_id.startswith(self.run_id)]
         handoff, takeover = [], []
         for left, claimed in migrations(events):
             if left.kind == "release":
                 handoff.append((claimed.ts - left.ts) * self.S)
-            elif left.worker_id in self.killed_at:
-                takeover.append((claimed.ts - self.killed_at[left.worker_id]) * self.S)
+        claims = sorted((e.ts, e.request_id, e.worker_id) for e in events if e.kind == "claim")
+        for rid, (killed, nxt) in self.taken_over.items():
+            if killed in self.killed_at:  # its first claim by the next holder after the kill
+                at = next((ts for ts, r, w in claims if r == rid and w == nxt and ts >= self.killed_at[killed]), None)
+                if at is not None:
+                    takeover.append((at - self.killed_at[killed]) * self.S)
 
         def summary(xs: list[float]) -> dict:
             return {"n": len(xs), "p50": percentile(xs, 0.5), "p95": percentile(xs, 0.95), "max": percentile(xs, 1.0)}
@@ -299,6 +306,9 @@ class Emulation:
     def _on_result(self, r: wire.RolloutResult, arrived: int, total: int) -> None:
         if any(s.worker_id in self.preempted for s in r.segments[:-1]):
             self.migrated_from_preempted += 1
+            for a, b in zip(r.segments, r.segments[1:]):
+                if a.worker_id in self.preempted and b.worker_id != a.worker_id:
+                    self.taken_over[r.request_id] = (a.worker_id, b.worker_id)
 
     def _requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
         R = self.a.token_scale
