@@ -59,7 +59,6 @@ from workers.engines.base import Engine, RequestError, Sequence
 
 T = TypeVar("T")
 JOIN_COALESCE_S = 0.05  # hand-offs arriving together interrupt the engine once per this
-VERSION_WAIT_ACK_WAITS = 2  # how long a request waits for the engine to switch versions, in ack_waits
 
 _ORPHANS: set[asyncio.Task] = set()  # fetches drained workers stopped waiting for (RolloutWorker._feed)
 
@@ -155,8 +154,7 @@ class RolloutWorker:
         # version only when no request of another version is admitted, not just when none is
         # active yet, or a request still claiming would be generated with the new weights.
         self._version_users: collections.Counter[int] = collections.Counter()
-        self._version_free = asyncio.Event()  # set (and replaced) when a version's last user leaves
-        self._version_waiting = 0  # requests waiting for the engine to switch versions
+        self._switch_wanted = 0.0  # when a request was handed back for its version (`_switch_pending`)
         self._outbox: list[bus.Outgoing] = []  # token chunks and lease events to publish at the next flush
         self._publishing: asyncio.Task | None = None  # the outbox publish in flight (_publish_outbox_soon)
         self._progress_at = time.monotonic()  # the generate loop's (or the engine's) last sign of life
@@ -193,7 +191,6 @@ class RolloutWorker:
             self.draining.set()
             self.stop_engine.set()
             self._wake.set()
-            self._versions_changed()  # requests waiting for a version switch go back now
 
     def request_handoff(self, reason: str = "seeding window over") -> None:
         """Hand every request off like a drain, but the process serves on afterwards (`serve`
@@ -269,10 +266,9 @@ class RolloutWorker:
         self._slot_events.append(slot_freed)
         while not self.draining.is_set():
             free = capacity - len(self.active) - self.admitting
-            # a worker making no progress takes no more work, nor one holding requests until its
-            # engine can switch versions (those wait here; more would be hoarded from workers
-            # that switched already)
-            if free <= 0 or self.stalled() or self._version_waiting:
+            # a worker making no progress takes no more work, nor one waiting for its engine to
+            # be free to switch versions
+            if free <= 0 or self.stalled() or self._switch_pending():
                 slot_freed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(slot_freed.wait(), timeout=0.5)
@@ -325,8 +321,11 @@ class RolloutWorker:
             if req.policy_version < self._floor:  # continued from its checkpoint under the floor's version
                 req = msgspec.structs.replace(req, policy_version=self._floor)
             log = self.log.bind(request_id=req.request_id, step=req.step, policy_version=req.policy_version)
-            if not await self._wait_for_version(msg, req.policy_version):
-                return  # handed back: never generated with another version
+            if not await self._ensure_version(req.policy_version):
+                if any(n > 0 for v, n in self._version_users.items() if v != req.policy_version):
+                    self._switch_wanted = time.monotonic()  # and fetch nothing until it can switch
+                await msg.nak(delay=0.5)  # never generate with another version: hand it back
+                return
             reserved = req.policy_version  # released below unless the request becomes active
             try:
                 claim = await self.c.store.claim(req.request_id, self.worker_id, req.policy_version,
@@ -401,48 +400,20 @@ class RolloutWorker:
 
     def _unreserve(self, version: int) -> None:
         self._version_users[version] -= 1
-        if self._version_users[version] <= 0:
-            self._versions_changed()
+        if self._version_users[version] <= 0 and self._switch_wanted:
+            self._switch_wanted = 0.0  # the engine can switch: fetch again
+            self._notify_slots()
 
-    def _versions_changed(self) -> None:
-        """Wake every request waiting for the engine to switch versions (`_wait_for_version`)."""
-        self._version_free.set()
-        self._version_free = asyncio.Event()
-
-    async def _wait_for_version(self, msg: Msg, version: int) -> bool:
-        """Reserve `version` for a request (`_ensure_version`), waiting while requests of another
-        version hold the engine: the request stays here, its message kept alive (in_progress),
-        and is admitted the moment the engine can switch; meanwhile the worker fetches nothing
-        more (it would hoard requests from workers that switched). Handed back to the pool (one
-        nak) if that takes longer than VERSION_WAIT_ACK_WAITS x ack_wait, on a drain, or when
-        the version cannot be loaded at all.
-
-        Bouncing it back instead (a nak every 0.5 s, as before) spent a delivery each time: an
-        async run's requests published a step ahead meet workers still on the previous version
-        for that step's whole tail, and would reach max_deliver and be dead-lettered."""
-        deadline = time.monotonic() + VERSION_WAIT_ACK_WAITS * self.cfg.ack_wait_s
-        waiting = False
-        try:
-            while True:
-                if await self._ensure_version(version):
-                    return True
-                busy = any(n > 0 for v, n in self._version_users.items() if v != version)
-                if not busy or self.draining.is_set() or time.monotonic() > deadline:
-                    with contextlib.suppress(Exception):
-                        await msg.nak(delay=0.5)
-                    return False
-                if not waiting:
-                    waiting = True
-                    self._version_waiting += 1  # and the feeders pause (`_feed`)
-                freed = self._version_free
-                with contextlib.suppress(Exception):
-                    await msg.in_progress()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(freed.wait(), timeout=self.cfg.ack_wait_s / 4)
-        finally:
-            if waiting:
-                self._version_waiting -= 1
-                self._notify_slots()
+    def _switch_pending(self) -> bool:
+        """This worker handed a request back because its engine serves another version: it
+        fetches nothing until that version's last request leaves (`_unreserve`), at most
+        ack_wait. Each hand-back is a delivery: a worker that kept pulling through a long tail of
+        the old version would bounce the next version's requests every 0.5 s, towards
+        max_deliver (20) and the dead-letter queue (an async run's requests published ahead, on
+        GPUs through minutes of tail). Handed back at once, they go to workers that switched."""
+        if self._switch_wanted and time.monotonic() - self._switch_wanted > self.cfg.ack_wait_s:
+            self._switch_wanted = 0.0
+        return bool(self._switch_wanted)
 
     async def _ensure_version(self, version: int) -> bool:
         """Serve one policy version at a time. On True the caller holds a reservation of
@@ -806,7 +777,7 @@ class RolloutWorker:
         await self._publish_outbox()
         self.active.clear()
         self._version_users.clear()
-        self._versions_changed()
+        self._switch_wanted = 0.0
 
     async def _forward_own_queue(self) -> None:
         """A seeding engine (its own queue, another hand-off pool) hands off its whole share:
