@@ -83,6 +83,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 from rlboost import wire
@@ -283,12 +284,15 @@ class Emulation:
         for left, claimed in migrations(events):
             if left.kind == "release":
                 handoff.append((claimed.ts - left.ts) * self.S)
-        claims = sorted((e.ts, e.request_id, e.worker_id) for e in events if e.kind == "claim")
+        claims: dict[tuple[str, str], list[float]] = defaultdict(list)  # (request, worker) -> claim times
+        for e in events:
+            if e.kind == "claim":
+                claims[(e.request_id, e.worker_id)].append(e.ts)
         for rid, (killed, nxt) in self.taken_over.items():
             if killed in self.killed_at:  # its first claim by the next holder after the kill
-                at = next((ts for ts, r, w in claims if r == rid and w == nxt and ts >= self.killed_at[killed]), None)
-                if at is not None:
-                    takeover.append((at - self.killed_at[killed]) * self.S)
+                after = [ts for ts in claims.get((rid, nxt), ()) if ts >= self.killed_at[killed]]
+                if after:
+                    takeover.append((min(after) - self.killed_at[killed]) * self.S)
 
         def summary(xs: list[float]) -> dict:
             return {"n": len(xs), "p50": percentile(xs, 0.5), "p95": percentile(xs, 0.95), "max": percentile(xs, 1.0)}
