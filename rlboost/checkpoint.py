@@ -56,9 +56,11 @@ from rlboost.errors import (
     AlreadyFinished,
     CheckpointError,
     CorruptCheckpoint,
+    LEASE_HELD,
     LeaseHeld,
     LeaseLost,
     OffsetMismatch,
+    REDIS_REFUSED,
     lua_error,
 )
 from rlboost.logs import get_logger
@@ -72,17 +74,19 @@ log = get_logger(component="checkpoint")
 RECORD = wire.RECORD
 MAX_APPENDS_PER_CALL = 1024  # requests per fenced-append script call (bounds how long it blocks Redis)
 
+# Every script answers with the codes of rlboost.errors.LUA_CODES (-1 stale epoch, -2 offset
+# mismatch, -3 finished, -4 Redis refused a command, -5 lease held): one meaning per code.
 _CLAIM = """
 redis.replicate_commands()  -- TIME is not deterministic: replicate the effects (Redis < 7)
 local meta, lease, hist, tok = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner, ttl, version, steal, keep = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5])
 local weights = ARGV[6]
 if redis.call('HGET', meta, 'finished') == '1' then
-  return {-1, tonumber(redis.call('HGET', meta, 'epoch') or '0'), ''}
+  return {-3, tonumber(redis.call('HGET', meta, 'epoch') or '0'), ''}
 end
 local cur = redis.call('GET', lease)
 if cur and steal ~= '1' and string.match(cur, '^(%S+)') ~= owner then
-  return {-2, redis.call('PTTL', lease), cur}
+  return {-5, redis.call('PTTL', lease), cur}
 end
 -- Hybrid logical clock: never below the server time (us), so a rolled-back meta cannot
 -- hand out an epoch issued before the rollback. Below 2^53: exact in Lua's doubles.
@@ -267,7 +271,7 @@ class CheckpointStore:
                 raise
             raise CorruptCheckpoint(f"{rid}: claim refused by Redis: {e}") from None
         status = int(status)
-        if status == -2:
+        if status == LEASE_HELD:
             holder = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
             raise LeaseHeld(rid, holder, max(extra, 0) / 1000)
         if (err := lua_error("claim", status, rid)) is not None:
@@ -597,7 +601,7 @@ def _append_replies(reply: object, n: int) -> list[object]:
     if len(out) != n:
         return [CheckpointError(f"{len(out)} outcomes for {n} appends")] * n
     errors.reverse()
-    return [errors.pop() if c == -4 and errors else c for c in out]
+    return [errors.pop() if c == REDIS_REFUSED and errors else c for c in out]
 
 
 def _append_outcome(rid: str, epoch: int, offset: int, reply: object) -> int | CheckpointError:

@@ -51,27 +51,40 @@ class CorruptCheckpoint(CheckpointError):
     is dead-lettered at once with this reason."""
 
 
-# Script name -> return code -> (error type, what it means). Codes >= 0 are successes.
-LUA_CODES: dict[str, dict[int, tuple[type[CheckpointError], str]]] = {
-    "claim": {-1: (AlreadyFinished, "the request is finished"),
-              -2: (LeaseHeld, "another owner holds a live lease")},
-    "append": {-1: (LeaseLost, "stale epoch"),
-               -2: (OffsetMismatch, "append does not continue the checkpoint"),
-               -3: (AlreadyFinished, "the request is finished")},
-    "finish": {-1: (LeaseLost, "stale epoch"),
-               -2: (OffsetMismatch, "token count does not match the checkpoint")},
-    "renew": {-1: (LeaseLost, "stale epoch"),
-              -3: (AlreadyFinished, "the request is finished")},
-    "release": {-1: (LeaseLost, "stale epoch")},
+# One vocabulary for every script: a code means the same thing whichever script answers it.
+# Codes >= 0 are successes (a new length, an epoch, 1).
+STALE_EPOCH, OFFSET_MISMATCH, FINISHED, REDIS_REFUSED, LEASE_HELD = -1, -2, -3, -4, -5
+
+
+class RedisRefused(CheckpointError):
+    """Redis refused a command inside a script (a key of the wrong type); its message follows."""
+
+
+LUA_CODES: dict[int, tuple[type[CheckpointError], str]] = {
+    STALE_EPOCH: (LeaseLost, "stale epoch"),
+    OFFSET_MISMATCH: (OffsetMismatch, "the tokens do not continue (or total) the checkpoint"),
+    FINISHED: (AlreadyFinished, "the request is finished"),
+    REDIS_REFUSED: (RedisRefused, "Redis refused a command of the script"),
+    LEASE_HELD: (LeaseHeld, "another owner holds a live lease"),
+}
+# What each script can answer (a reader of a script checks its returns against this).
+SCRIPT_CODES: dict[str, frozenset[int]] = {
+    "claim": frozenset({FINISHED, LEASE_HELD}),
+    "append": frozenset({STALE_EPOCH, OFFSET_MISMATCH, FINISHED, REDIS_REFUSED}),
+    "finish": frozenset({STALE_EPOCH, OFFSET_MISMATCH}),
+    "renew": frozenset({STALE_EPOCH, FINISHED}),
+    "release": frozenset({STALE_EPOCH}),
 }
 
 
 def lua_error(script: str, code: int, detail: str) -> CheckpointError | None:
     """The error a script's reply stands for (None: a success). `detail` names the request."""
-    hit = LUA_CODES[script].get(int(code))
-    if hit is None:
+    code = int(code)
+    if code >= 0:
         return None
-    kind, meaning = hit
-    if kind is LeaseHeld:  # carries holder and wait time: built by the caller
+    if code not in SCRIPT_CODES[script]:
+        return CheckpointError(f"{detail}: {script} answered {code}, a code it never returns")
+    kind, meaning = LUA_CODES[code]
+    if kind is LeaseHeld:  # carries holder and wait time: built by the claim caller
         raise ValueError("LeaseHeld is built by the claim caller")
     return kind(f"{detail}: {meaning}")

@@ -157,3 +157,21 @@ async def test_on_a_redis_cluster_a_flush_is_grouped_by_slot_and_stays_fenced(tm
     finally:
         await store.close()
         svc.stop_recorded()
+
+
+def test_every_lua_reply_code_means_one_thing_in_every_script():
+    """A script's negative replies are all in the one table, and each script answers only codes
+    its Python caller maps (a -1 is a stale epoch whichever script says it)."""
+    import re
+
+    from rlboost import checkpoint, errors
+    scripts = {"claim": checkpoint._CLAIM, "append": checkpoint._APPEND_MANY, "finish": checkpoint._FINISH,
+               "renew": checkpoint._RENEW, "release": checkpoint._RELEASE}
+    for name, source in scripts.items():
+        said = {int(c) for c in re.findall(r"(?:return \{?|codes\[i\] = ')(-\d+)", source)}
+        assert said, name
+        assert said == set(errors.SCRIPT_CODES[name]), name
+        assert said <= set(errors.LUA_CODES), name
+    assert isinstance(errors.lua_error("claim", errors.FINISHED, "r"), errors.AlreadyFinished)
+    assert isinstance(errors.lua_error("append", errors.STALE_EPOCH, "r"), errors.LeaseLost)
+    assert isinstance(errors.lua_error("release", errors.FINISHED, "r"), errors.CheckpointError)  # never said there
