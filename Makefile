@@ -26,7 +26,8 @@ demo: $(STAMP)
 
 # pyflakes first: unused imports and undefined names fail the build before the slow part.
 # Then the docs, --strict: the CLI and settings pages are generated from the code at build time
-# (docs/gen_reference.py), so a renamed flag or a dead link fails here. No -q: it hides the
+# (docs/gen_reference.py), and a flag the hand-written pages or the README name after
+# `rlboost COMMAND` must exist: a renamed flag or a dead link fails here. No -q: it hides the
 # warnings that --strict counts, and the build would pass with them.
 test: $(STAMP)
 	$(BIN)/python -m pyflakes rlboost workers trainer tests infra docs

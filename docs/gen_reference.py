@@ -2,8 +2,10 @@
 
 A MkDocs hook (`hooks:` in mkdocs.yml), so every `mkdocs build` writes them from the code as it
 is: a page holds a marker such as `<!-- rlboost:generate cli -->` and the build replaces it with
-the tables below. Nothing generated is committed, so a renamed flag or key changes the page
-(and a flag the docs name as a link anchor that no longer exists breaks `--strict`).
+the tables below. Nothing generated is committed, so a renamed flag or key changes the page.
+The hand-written pages and the README name flags too (`rlboost run --resume RUN_DIR`): every
+`rlboost COMMAND --flag` there is checked against that command's parser, and every
+`--section.key` against the settings, so a renamed flag fails the build.
 
 Sources:
 
@@ -357,6 +359,56 @@ def metrics_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- flags named in the prose
+
+# `rlboost ...` as a command (also `~/venv/bin/rlboost`, `-m rlboost.cli`), not `rlboost/wire.py`
+_INVOCATION = re.compile(r"(?<![\w.-])(?:[\w.~-]*/)?rlboost(?:\.cli)?(?=[ \t])([^`\n]*)")
+_GLOBAL_WITH_VALUE = {"--config", "--data-dir"}
+_SHELL_STOP = {"#", "&&", "||", ";", "|", "(=", "="}
+
+
+def _options_of(p: argparse.ArgumentParser) -> set[str]:
+    return {o for a in p._actions for o in a.option_strings}
+
+
+def unknown_flags(text: str) -> list[str]:
+    """Each `rlboost COMMAND --flag` in `text` (code blocks, inline code, prose) whose flag the
+    command's parser does not have, or whose `--section.key` / `section.key=` is no setting:
+    the docs name flags by hand, so a renamed flag must fail the build here."""
+    parsers = _cached("parsers", command_parsers)
+    keys = set(_cached("keys", settings_keys))
+    bad = []
+    for m in _INVOCATION.finditer(text.replace("\\\n", " ")):
+        tokens = [t.strip("[](),'\"") for t in m.group(1).split()]
+        i = 0
+        while i < len(tokens) and tokens[i].startswith("-"):
+            i += 2 if tokens[i] in _GLOBAL_WITH_VALUE else 1
+        if i >= len(tokens):
+            continue
+        command = f"rlboost {tokens[i]}"
+        i += 1
+        if command == "rlboost bench" and i < len(tokens):
+            command, i = f"rlboost bench {tokens[i]}", i + 1
+        if command not in parsers:
+            continue  # `rlboost COMMAND ...`, `rlboost run: error: ...`: not an invocation
+        options = _options_of(parsers[command])
+        for tok in tokens[i:]:
+            if tok in _SHELL_STOP or tok.startswith("#"):
+                break
+            name = tok.split("=", 1)[0]
+            if name.startswith("--") and "." in name and command in ("rlboost run", "rlboost demo"):
+                ok = name[2:].replace("-", "_") in keys  # --trainer.lr 1e-5
+            elif name.startswith("-"):
+                ok = name in options
+            elif "=" in tok and re.fullmatch(r"[a-z_]+(\.[a-z_]+)+", name) and command in ("rlboost run", "rlboost demo"):
+                ok = name in keys  # run.checkpoint_every=1
+            else:
+                continue
+            if not ok:
+                bad.append(f"{command} {name}  (in: {m.group(0).strip()[:100]})")
+    return bad
+
+
 # ---------------------------------------------------------------- the hook
 
 GENERATORS: dict[str, Callable[[], str]] = {
@@ -365,7 +417,13 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "wire": wire_markdown,
     "metrics": metrics_markdown,
 }
-_cache: dict[str, str] = {}
+_cache: dict[str, Any] = {}
+
+
+def _cached(name: str, make: Callable[[], Any]) -> Any:
+    if name not in _cache:
+        _cache[name] = make()
+    return _cache[name]
 
 
 def expand(markdown: str) -> str:
@@ -375,24 +433,33 @@ def expand(markdown: str) -> str:
         name = m.group(1)
         if name not in GENERATORS:
             raise ValueError(f"unknown generated section {name!r}; known: {', '.join(GENERATORS)}")
-        if name not in _cache:
-            _cache[name] = GENERATORS[name]()
-        return _cache[name]
+        return _cached(f"page:{name}", GENERATORS[name])
 
     return MARKER.sub(one, markdown)
 
 
+def _fail(where: str, what: str) -> None:
+    from mkdocs.exceptions import PluginError
+
+    raise PluginError(f"{where}: {what}")
+
+
 def on_pre_build(config, **kwargs) -> None:
     _cache.clear()  # `mkdocs serve` rebuilds: regenerate from the code as it is now
+    bad = unknown_flags((ROOT / "README.md").read_text())  # the README is no page, but names flags too
+    if bad:
+        _fail("README.md", "flags no parser has: " + "; ".join(bad))
 
 
 def on_page_markdown(markdown: str, page, config, files, **kwargs) -> str:
+    bad = unknown_flags(markdown)  # the hand-written text only, before the generated parts go in
+    if bad:
+        _fail(page.file.src_uri, "flags no parser has: " + "; ".join(bad))
     try:
         return expand(markdown)
     except Exception as e:  # one line naming the page, and the build fails
-        from mkdocs.exceptions import PluginError
-
-        raise PluginError(f"{page.file.src_uri}: generating the reference failed: {type(e).__name__}: {e}") from e
+        _fail(page.file.src_uri, f"generating the reference failed: {type(e).__name__}: {e}")
+        raise
 
 
 if __name__ == "__main__":  # print a generated section: python docs/gen_reference.py cli

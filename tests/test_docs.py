@@ -86,3 +86,18 @@ def test_an_unknown_marker_fails_the_build():
     with pytest.raises(ValueError, match="unknown generated section 'clii'"):
         gen.expand("<!-- rlboost:generate clii -->")
     assert "rlboost_worker_tokens_generated_total" in gen.expand("<!-- rlboost:generate metrics -->")
+
+
+@pytest.mark.slow
+def test_a_flag_the_docs_name_that_no_parser_has_fails_the_build():
+    gen = _gen()
+    readme = (ROOT / "README.md").read_text()
+    pages = [readme] + [p.read_text() for p in (ROOT / "docs").rglob("*.md")]
+    assert [gen.unknown_flags(text) for text in pages] == [[]] * len(pages)
+    assert "--max-prompt-tokens 256" in readme  # the first run's flags are checked, continuation lines too
+    renamed = readme.replace("--max-prompt-tokens 256", "--max-prompt-len 256")
+    assert [b.split("  ")[0] for b in gen.unknown_flags(renamed)] == ["rlboost run --max-prompt-len"]
+    text = ("`rlboost bench trace --max-instances 0 --hostz 2`, `rlboost run --trainer.lrr 1e-5 run.stepz=3`, "
+            "`rlboost/wire.py --nope`, `rlboost COMMAND --whatever`")
+    assert [b.split("  ")[0] for b in gen.unknown_flags(text)] == [
+        "rlboost bench trace --hostz", "rlboost run --trainer.lrr", "rlboost run run.stepz"]
