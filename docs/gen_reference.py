@@ -49,19 +49,29 @@ class _Captured(Exception):
 
 
 def _capture(fn: Callable[[], Any]) -> argparse.ArgumentParser | None:
-    """The first parser `fn` asks to parse (None if it never does)."""
+    """The first parser `fn` asks to parse (None if it never does). A command that would start
+    an event loop or a process before parsing anything is stopped there: a docs build runs no
+    benchmark."""
+    import asyncio
+    import subprocess
 
     def grab(self, *args, **kwargs):
         raise _Captured(self)
 
-    saved = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+    def refuse(*args, **kwargs):
+        raise RuntimeError("the command got past where its parser should be without parsing")
+
+    saved = (argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args, asyncio.run,
+             subprocess.Popen)
     argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = grab  # type: ignore[method-assign]
+    asyncio.run = subprocess.Popen = refuse  # type: ignore[assignment, misc]
     try:
         fn()
     except _Captured as c:
         return c.parser
     finally:
-        argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = saved  # type: ignore[method-assign]
+        (argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args, asyncio.run,
+         subprocess.Popen) = saved  # type: ignore[method-assign, misc]
     return None
 
 

@@ -101,3 +101,20 @@ def test_a_flag_the_docs_name_that_no_parser_has_fails_the_build():
             "`rlboost/wire.py --nope`, `rlboost COMMAND --whatever`")
     assert [b.split("  ")[0] for b in gen.unknown_flags(text)] == [
         "rlboost bench trace --hostz", "rlboost run --trainer.lrr", "rlboost run run.stepz"]
+
+
+def test_reading_a_parser_runs_nothing_past_it():
+    gen = _gen()
+
+    def main_without_a_parser():
+        import asyncio
+
+        asyncio.run(asyncio.sleep(0))  # a bench that would start working before it parses
+
+    with pytest.raises(RuntimeError, match="without parsing"):
+        gen._capture(main_without_a_parser)
+    import argparse
+    import asyncio
+
+    assert asyncio.run(asyncio.sleep(0, "restored")) == "restored"  # nothing stays patched
+    assert argparse.ArgumentParser().parse_args([]) == argparse.Namespace()
