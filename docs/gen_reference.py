@@ -59,6 +59,9 @@ def _capture(fn: Callable[[], Any]) -> argparse.ArgumentParser | None:
         raise _Captured(self)
 
     def refuse(*args, **kwargs):
+        for a in args:
+            if asyncio.iscoroutine(a):
+                a.close()  # never awaited, by design: no warning for it
         raise RuntimeError("the command got past where its parser should be without parsing")
 
     saved = (argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args, asyncio.run,
