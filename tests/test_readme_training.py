@@ -1,4 +1,5 @@
-"""The CPU commands of README "Training at scale" run as written and do what it says."""
+"""The CPU commands of the docs page "Training at scale" (docs/guides/training.md) run as written and do
+what it says."""
 
 from __future__ import annotations
 
@@ -14,13 +15,11 @@ import pytest
 from trainer.model import init_model_dir
 from trainer.tasks import get_task
 
-README = Path(__file__).parents[1] / "README.md"
+PAGE = Path(__file__).parents[1] / "docs" / "guides" / "training.md"
 
 
 def _commands() -> list[str]:
-    text = README.read_text()
-    section = text[text.index("## Training at scale"): text.index("## Running on a cluster")]
-    block = re.findall(r"```sh\n(.*?)```", section, re.S)[-1]
+    block = re.findall(r"```sh\n(.*?)```", PAGE.read_text(), re.S)[-1]
     joined = re.sub(r"\\\n\s*", "", block)  # line continuations
     return [re.sub(r"\s+#.*$", "", line).strip() for line in joined.splitlines() if line.strip()]
 
