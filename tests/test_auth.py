@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import time
 import uuid
 from pathlib import Path
 from urllib.parse import quote
@@ -394,3 +395,62 @@ async def test_a_default_worker_serves_over_mutual_tls(tls_default, tmp_path):
         log.close()
     text = (tmp_path / "worker.log").read_text()
     assert "ermission" not in text, text[-3000:]
+
+
+# ---------------------------------------------------------------- issue 30: what a worker credential can still do
+
+
+async def _wait_for_line(path: Path, text: str, proc, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = path.read_text(errors="replace")
+        if text in log:
+            return log
+        assert proc.poll() is None, f"the worker exited ({proc.returncode}):\n{log[-3000:]}"
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no {text!r} in the worker's log:\n{path.read_text(errors='replace')[-3000:]}")
+
+
+@pytest.mark.slow
+async def test_a_worker_with_other_settings_waits_for_and_serves_its_pool(secured, trainer, tmp_path):
+    """`rlboost worker --ack-wait 3` under the worker identity, started before the trainer has
+    provisioned its pool: it waits (one log line), then serves with the consumer the trainer
+    provisioned (the default ack_wait) and says once that its own setting differs (main: it
+    tried to create/reconfigure the consumer, which it may not, and died on `nats: timeout`)."""
+    import subprocess
+    import sys
+
+    from rlboost.clients import open_clients
+    from rlboost.manager import RolloutManager
+
+    _, st = secured
+    for durable in (wire.consumer_name(POOL), wire.resume_consumer_name(POOL)):  # the pool is not provisioned yet
+        await trainer.delete_consumer(wire.STREAM_REQUESTS, durable)
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url(st, "worker", WORKER_PW),
+           "RLBOOST_REDIS_URL": redis_url(st, "worker", WORKER_PW), "OMP_NUM_THREADS": "1"}
+    path = tmp_path / "worker.log"
+    with open(path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "worker", "--pool", POOL, "--speed", "0",
+                                 "--ack-wait", "3", "--lease-ttl", "2", "--worker-id", "spot-late-1"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        await _wait_for_line(path, "waiting for the trainer to provision this pool", proc)
+        async with open_clients(nats_url(st, "trainer", TRAINER_PW), redis_url(st, "trainer", TRAINER_PW),
+                                "test-trainer-late", pools=(POOL,)) as c:  # the default ack_wait (10 s)
+            reqs = [wire.RolloutRequest(request_id=wire.request_id(31, i, 0, run="late"), step=31, policy_version=0,
+                                        prompt_ids=[3, 4], max_new_tokens=8, seed=i, group=i) for i in range(4)]
+            manager = RolloutManager(c, POOL)
+            await manager.publish_step(reqs)
+            got = [r async for r in manager.results(31, reqs, timeout_s=60)]
+        assert sorted(r.request_id for r in got) == sorted(q.request_id for q in reqs)
+        assert {r.worker_id for r in got} == {"spot-late-1"}
+        assert proc.poll() is None, "the worker exited"
+        info = await trainer.consumer_info(wire.STREAM_REQUESTS, wire.consumer_name(POOL))
+        assert info.config.ack_wait == wire.ConsumerSpec().ack_wait_s  # the trainer's setting stands
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    log = path.read_text(errors="replace")
+    assert log.count("differ from its pool's consumer") == 1 and "ack_wait_s: pool 10.0, worker 3.0" in log, log[-3000:]
+    assert log.count("waiting for the trainer to provision") == 1, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]

@@ -207,8 +207,13 @@ class RolloutWorker:
     async def run(self) -> None:
         """Serve until drained. Returns after every in-flight request was handed back."""
         js = self.c.js
-        await bus.ensure_pool_consumer(js, self.pool, wire.ConsumerSpec(ack_wait_s=self.cfg.ack_wait_s,
-                                                                       max_deliver=self.cfg.max_deliver))
+        # the pool's consumers as the trainer provisioned them (waits for them if they are not yet)
+        pool_cfg = await bus.join_pool(js, self.pool, wire.ConsumerSpec(ack_wait_s=self.cfg.ack_wait_s,
+                                                                       max_deliver=self.cfg.max_deliver),
+                                       stop=self.draining)
+        if pool_cfg is None:
+            self.log.info("drained before the pool was provisioned", reason=self.drain_reason)
+            return
         self.registry = await js.key_value(wire.BUCKET_WORKERS)
         self.control = await js.key_value(wire.BUCKET_CONTROL)
         fresh = await js.pull_subscribe_bind(durable=wire.consumer_name(self.pool), stream=wire.STREAM_REQUESTS)
