@@ -166,7 +166,12 @@ class RolloutManager:
     async def verify_result(self, step: int, r: wire.RolloutResult, req: wire.RolloutRequest | None) -> str:
         """Why `r` is not the genuine result of its request ('' if it is): it must match the
         request, and Redis must say the request is finished under the lease the result names
-        (worker id and epoch) with exactly these tokens and logprobs."""
+        (worker id and epoch) with exactly these tokens and logprobs and this provenance (the
+        segments, from the checkpoint's history, which fencing decides). What Redis does not
+        hold is checked against the request: the finish reason (an `error` result must be an
+        incomplete response). A forgery with the genuine tokens and false provenance is refused
+        here, not by the trainer's weights check, and the genuine result (another message id,
+        `wire.result_msg_id`) is taken when it comes."""
         if r.step != step:
             return f"step {r.step}, expected {step}"
         if req is not None:
@@ -174,9 +179,14 @@ class RolloutManager:
                 return "group or prompt differ from the request"
             if len(r.token_ids) > req.max_new_tokens:
                 return f"{len(r.token_ids)} tokens, more than the {req.max_new_tokens} asked for"
+            if r.finish_reason == "error" and wire.is_complete(req, r.token_ids):
+                return "an error result with a complete response"
+            if r.finish_reason != "error" and r.finish_reason != wire.finish_reason(req, r.token_ids):
+                return f"finish reason {r.finish_reason}, the tokens say {wire.finish_reason(req, r.token_ids)}"
         try:
             owner, epoch, finished = await self.c.store.owner(r.request_id)
             tokens, logprobs = await self.c.store.read(r.request_id)
+            segments = await self.c.store.segments(r.request_id)
         except CheckpointError as e:
             return f"checkpoint unreadable: {e}"
         if not finished:
@@ -185,6 +195,8 @@ class RolloutManager:
             return f"lease is {owner}/{epoch}, the result names {r.worker_id}/{r.epoch}"
         if tokens != r.token_ids or np.float32(logprobs).tobytes() != np.float32(r.logprobs).tobytes():
             return "tokens or logprobs differ from the checkpoint"
+        if list(r.segments) != segments:
+            return "segments (who generated which tokens, with which weights) differ from the checkpoint's history"
         return ""
 
     async def _refuse(self, msg, reason: str) -> None:

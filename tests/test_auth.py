@@ -454,3 +454,62 @@ async def test_a_worker_with_other_settings_waits_for_and_serves_its_pool(secure
     assert log.count("differ from its pool's consumer") == 1 and "ack_wait_s: pool 10.0, worker 3.0" in log, log[-3000:]
     assert log.count("waiting for the trainer to provision") == 1, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+async def test_a_forged_result_cannot_pre_empt_the_genuine_one(secured, trainer):
+    """A client with the worker credential watches Redis and, as each request is finished,
+    publishes a result first with the genuine tokens, lease and tokens' digest but false
+    provenance (other weights) or a false finish reason. The genuine result still counts, at
+    once (main: the forgery took the genuine result's message id, the stream dropped the
+    genuine one as a duplicate and the manager handed the forgery to the trainer, whose weights
+    check then failed the step)."""
+    import time
+
+    import msgspec
+
+    from rlboost.clients import open_clients
+    from rlboost.manager import RolloutManager, check_weights
+
+    _, st = secured
+    step, weights = 32, "emulated-v0"
+    reqs = [wire.RolloutRequest(request_id=wire.request_id(step, i, 0, run=f"forge{uuid.uuid4().hex[:6]}"), step=step,
+                                policy_version=0, prompt_ids=[3, 4], max_new_tokens=4, seed=i, group=i)
+            for i in range(2)]
+    wnc = await bus.connect(nats_url(st, "worker", WORKER_PW), name="test-forger")
+    wjs = wnc.jetstream()
+    store = CheckpointStore(redis_url(st, "worker", WORKER_PW))
+    try:
+        async with open_clients(nats_url(st, "trainer", TRAINER_PW), redis_url(st, "trainer", TRAINER_PW),
+                                "test-trainer-forge", pools=(POOL,)) as c:
+            manager = RolloutManager(c, POOL)
+            await manager.publish_step(reqs)
+            genuine = {}
+            for i, q in enumerate(reqs):  # what a worker does: claim, append, finish, then publish
+                claim = await store.claim(q.request_id, "spot-honest", 0, ttl_s=10, weights=weights)
+                await store.append(q.request_id, "spot-honest", claim.epoch, 0, [7, 8, 9, 5], [-0.5] * 4, 10.0)
+                (segments,) = await store.finish_many([(q.request_id, claim.epoch, 4)])
+                genuine[q.request_id] = wire.RolloutResult(
+                    request_id=q.request_id, step=step, group=q.group, prompt_ids=[3, 4], token_ids=[7, 8, 9, 5],
+                    logprobs=[-0.5] * 4, segments=segments, finish_reason="length", worker_id="spot-honest",
+                    ts=time.time(), epoch=claim.epoch)
+                # the forger: finished in Redis, so it reads the tokens and the lease and goes first
+                tokens, logprobs = await store.read(q.request_id)
+                owner, epoch, _ = await store.owner(q.request_id)
+                forged = msgspec.structs.replace(genuine[q.request_id], token_ids=tokens, logprobs=logprobs,
+                                                 worker_id=owner, epoch=epoch)
+                forged = (msgspec.structs.replace(forged, segments=[msgspec.structs.replace(s, weights="evil-v0")
+                                                                    for s in segments]) if i == 0
+                          else msgspec.structs.replace(forged, finish_reason="stop"))
+                await wjs.publish(wire.result_subject(step), wire.encode(forged),
+                                  headers={wire.HDR_MSG_ID: wire.result_msg_id(forged)})
+            for r in genuine.values():
+                await wjs.publish(wire.result_subject(step), wire.encode(r), headers={wire.HDR_MSG_ID: wire.result_msg_id(r)})
+            t0 = time.monotonic()
+            got = {r.request_id: r async for r in manager.results(step, reqs, timeout_s=20)}
+            assert time.monotonic() - t0 < 10
+        assert got == genuine
+        for r in got.values():
+            check_weights(r, 0, weights)  # what the trainer checks: it would not have failed the step
+    finally:
+        await store.close()
+        await wnc.close()

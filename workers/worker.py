@@ -108,14 +108,7 @@ def pack_flush(dirty: list[Active]) -> tuple[list[bytes], list[list[float]]]:
     return records, logprobs
 
 
-def finish_reason(req: wire.RolloutRequest, tokens: list[int]) -> str:
-    if tokens and tokens[-1] in req.stops():
-        return "stop"
-    return "length" if len(tokens) >= req.max_new_tokens else "stop"
-
-
-def is_complete(req: wire.RolloutRequest, tokens: list[int]) -> bool:
-    return len(tokens) >= req.max_new_tokens or (bool(tokens) and tokens[-1] in req.stops())
+finish_reason, is_complete = wire.finish_reason, wire.is_complete  # (the manager checks results with them)
 
 
 def make_sequence(req: wire.RolloutRequest, token_ids: list[int]) -> Sequence:
