@@ -500,3 +500,16 @@ async def worker_keys(js: JetStreamContext) -> list[str]:
     prefix = f"$KV.{wire.BUCKET_WORKERS}."
     info = await js.stream_info(f"KV_{wire.BUCKET_WORKERS}", subjects_filter=f"{prefix}>")
     return [subject[len(prefix):] for subject in (info.state.subjects or {})]
+
+
+async def registry_entry(js: JetStreamContext, key: str) -> tuple[bytes, float, int] | None:
+    """A worker registry entry: (value, the server's time of the put in unix seconds, revision),
+    or None if the key is gone. The time is the NATS server's, which a writer cannot choose: a
+    heartbeat's own `ts` is whatever the worker credential put there."""
+    try:
+        msg = await js.get_msg(f"KV_{wire.BUCKET_WORKERS}", subject=f"$KV.{wire.BUCKET_WORKERS}.{key}")
+    except NotFoundError:
+        return None
+    if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or msg.time is None:
+        return None
+    return msg.data or b"", msg.time.timestamp(), int(msg.seq or 0)

@@ -15,10 +15,15 @@ from collections.abc import AsyncIterator, Iterable
 
 import numpy as np
 
-from rlboost import bus, wire
+from rlboost import bus, metrics, wire
 from rlboost.checkpoint import CheckpointError
 from rlboost.clients import Clients
 from rlboost.logs import get_logger
+
+
+# How far a heartbeat's own time may be from the NATS server's time of its put: clock skew
+# between a worker and the server (NTP keeps it to well under a second). Only a lie is further.
+REGISTRY_SKEW_S = 30.0
 
 
 class WrongWeights(RuntimeError):
@@ -54,6 +59,8 @@ class RolloutManager:
         self.pool = wire.check_name("pool", pool)
         self.log = get_logger(component="manager", pool=pool)
         self._results_after: dict[int, int] = {}  # step -> results stream sequence before it was published
+        self.ignored: dict[str, int] = {}  # registry entries not counted as workers, by reason (`live_workers`)
+        self._ignored_seen: set[tuple[str, int]] = set()
 
     async def publish_step(self, requests: list[wire.RolloutRequest], pool: str | None = None,
                            deadline_s: float = 60.0, batch: int = 1024, republish: bool = False) -> None:
@@ -205,26 +212,54 @@ class RolloutManager:
         self.log.warning("result refused", reason=reason)
 
     async def live_workers(self, exclude: set[str] = frozenset(), max_age_s: float = 5.0) -> list[wire.WorkerHeartbeat]:
-        """Workers of this pool whose heartbeat is fresh and who are not draining."""
-        kv = await self.c.js.key_value(wire.BUCKET_WORKERS)
+        """Workers of this pool whose heartbeat is fresh and who are not draining.
+
+        Any worker credential can put any entry in the registry, so an entry counts only if it
+        is what a worker writes: filed under its own worker id, with a `ts` within
+        `REGISTRY_SKEW_S` of the NATS server's time of the put. Freshness is the server's time
+        of the put (a writer cannot choose it; main trusted the payload's `ts`, and one entry
+        stamped a day ahead was a live worker for a day). Other entries are ignored, each
+        revision logged and counted once (`rlboost_registry_entries_ignored_total`)."""
         try:
             keys = await bus.worker_keys(self.c.js)
         except Exception as e:
             self.log.warning("cannot list workers", error=str(e))
             return []
         out = []
-        now = time.time()
         for key in keys:
             if key in exclude:
                 continue
             try:
-                entry = await kv.get(key)
-                hb = wire.decode(wire.WorkerHeartbeat, entry.value)
+                entry = await bus.registry_entry(self.c.js, key)
             except Exception:
                 continue
-            if hb.pool == self.pool and hb.state == "running" and now - hb.ts <= max_age_s:
+            if entry is None:
+                continue
+            value, put_at, revision = entry
+            try:
+                hb = wire.decode(wire.WorkerHeartbeat, value)
+            except wire.WireError:
+                self._ignore(key, revision, "undecodable")
+                continue
+            if hb.worker_id != key:
+                self._ignore(key, revision, "filed under another worker id")
+                continue
+            if abs(hb.ts - put_at) > REGISTRY_SKEW_S:
+                self._ignore(key, revision, "heartbeat time disagrees with the server's")
+                continue
+            if hb.pool == self.pool and hb.state == "running" and time.time() - put_at <= max_age_s:
                 out.append(hb)
         return out
+
+    def _ignore(self, key: str, revision: int, reason: str) -> None:
+        if (key, revision) in self._ignored_seen:
+            return
+        if len(self._ignored_seen) > 10_000:  # bounded: a flood of entries costs memory once
+            self._ignored_seen.clear()
+        self._ignored_seen.add((key, revision))
+        self.ignored[reason] = self.ignored.get(reason, 0) + 1
+        metrics.REGISTRY_IGNORED.labels(reason).inc()
+        self.log.warning("registry entry ignored", key=key[:128], revision=revision, reason=reason)
 
     async def sample_idle(self, stop: asyncio.Event, period_s: float = 0.25) -> float:
         """Preemptible waiting: the idle share of live workers' slots, integrated over time

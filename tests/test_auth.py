@@ -513,3 +513,42 @@ async def test_a_forged_result_cannot_pre_empt_the_genuine_one(secured, trainer)
     finally:
         await store.close()
         await wnc.close()
+
+
+async def test_phantom_workers_are_not_counted(secured, worker):
+    """With the worker credential: an entry stamped a day ahead and one filed under another
+    worker's id. Neither counts as a live worker (main: the first counted for a day, the second
+    doubled a worker), each is counted and logged once; a genuine heartbeat counts."""
+    from rlboost.clients import open_clients
+    from rlboost.manager import RolloutManager
+
+    _, st = secured
+    _, js, _ = worker
+    tag = uuid.uuid4().hex[:6]
+    real, phantom = f"spot-real-{tag}", f"spot-phantom-{tag}"
+
+    def heartbeat(worker_id: str, ts: float) -> bytes:
+        return wire.encode(wire.WorkerHeartbeat(worker_id=worker_id, pool=POOL, engine="emulated", pid=1, host="h",
+                                                state="running", policy_version=0, inflight=0, slots=8,
+                                                tokens_generated=0, ts=ts))
+
+    kv = await js.key_value(wire.BUCKET_WORKERS)
+    await kv.put(phantom, heartbeat(phantom, time.time() + 86400))
+    await kv.put(f"spot-alias-{tag}", heartbeat(real, time.time()))
+    await kv.put(real, heartbeat(real, time.time()))
+    async with open_clients(nats_url(st, "trainer", TRAINER_PW), redis_url(st, "trainer", TRAINER_PW),
+                            "test-trainer-registry") as c:
+        manager = RolloutManager(c, POOL)
+        for _ in range(3):  # sampled every 0.25 s in a step: each entry is reported once
+            live = [hb.worker_id for hb in await manager.live_workers()]
+            assert live.count(real) == 1 and phantom not in live, live
+    ignored = {key for key, _ in manager._ignored_seen}
+    assert {phantom, f"spot-alias-{tag}"} <= ignored
+    assert manager.ignored["heartbeat time disagrees with the server's"] >= 1
+    assert manager.ignored["filed under another worker id"] >= 1
+    assert sum(manager.ignored.values()) == len(manager._ignored_seen)
+    from rlboost.status import gather_status  # `rlboost status`: ages by the server's clock, no aliases
+
+    shown = [w for w in (await gather_status(nats_url(st, "trainer", TRAINER_PW)))["workers"] if tag in w["worker_id"]]
+    assert sorted(w["worker_id"] for w in shown) == [phantom, real]
+    assert all(0 <= w["age_s"] < 60 for w in shown), shown
