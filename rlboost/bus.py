@@ -276,6 +276,7 @@ async def ensure_pool_consumer(js: JetStreamContext, pool: str, spec: wire.Consu
 # no responders / no leader while a server starts or restarts read the same to a joiner: wait.
 _REFUSED = (nats.errors.TimeoutError, nats.errors.NoRespondersError, ServiceUnavailableError)
 JOIN_API_TIMEOUT_S = 2.0  # a (re)configure call the worker identity may not make is not answered at all
+_REFUSED_POOLS: set[str] = set()  # pools whose consumers this process was refused to reconfigure
 
 
 async def join_pool(js: JetStreamContext, pool: str, spec: wire.ConsumerSpec, *,
@@ -297,12 +298,15 @@ async def join_pool(js: JetStreamContext, pool: str, spec: wire.ConsumerSpec, *,
         try:
             have = [await _consumer_config(js, cfg.durable_name) for cfg in wanted]
             for cfg, got in zip(wanted, have, strict=True):
-                if (got is None and may_create) or (got is not None and not _same_consumer(got, cfg)):
+                if got is None and may_create:
+                    await js.add_consumer(wire.STREAM_REQUESTS, cfg, timeout=JOIN_API_TIMEOUT_S)
+                elif got is not None and not _same_consumer(got, cfg):
                     try:
+                        if pool in _REFUSED_POOLS:  # refused before: asking again costs a timeout each time
+                            raise nats.errors.TimeoutError
                         await js.add_consumer(wire.STREAM_REQUESTS, cfg, timeout=JOIN_API_TIMEOUT_S)
                     except (*_REFUSED, BadRequestError) as e:
-                        if got is None:
-                            raise
+                        _REFUSED_POOLS.add(pool)
                         if not told:
                             _log_differences(pool, got, cfg, e)
                         told = True

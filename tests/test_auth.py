@@ -414,7 +414,7 @@ async def _wait_for_line(path: Path, text: str, proc, timeout: float = 60.0) -> 
 @pytest.mark.slow
 async def test_a_worker_with_other_settings_waits_for_and_serves_its_pool(secured, trainer, tmp_path):
     """`rlboost worker --ack-wait 3` under the worker identity, started before the trainer has
-    provisioned its pool: it waits (one log line), then serves with the consumer the trainer
+    provisioned the streams and its pool: it waits (one log line each), then serves with the consumer the trainer
     provisioned (the default ack_wait) and says once that its own setting differs (main: it
     tried to create/reconfigure the consumer, which it may not, and died on `nats: timeout`)."""
     import subprocess
@@ -426,6 +426,7 @@ async def test_a_worker_with_other_settings_waits_for_and_serves_its_pool(secure
     _, st = secured
     for durable in (wire.consumer_name(POOL), wire.resume_consumer_name(POOL)):  # the pool is not provisioned yet
         await trainer.delete_consumer(wire.STREAM_REQUESTS, durable)
+    await trainer.delete_stream(wire.STREAM_DLQ)  # nor all of the streams
     env = {**os.environ, "RLBOOST_NATS_URL": nats_url(st, "worker", WORKER_PW),
            "RLBOOST_REDIS_URL": redis_url(st, "worker", WORKER_PW), "OMP_NUM_THREADS": "1"}
     path = tmp_path / "worker.log"
@@ -434,6 +435,8 @@ async def test_a_worker_with_other_settings_waits_for_and_serves_its_pool(secure
                                  "--ack-wait", "3", "--lease-ttl", "2", "--worker-id", "spot-late-1"],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
+        await _wait_for_line(path, "waiting for the trainer to provision the streams", proc)
+        await bus.provision(trainer)  # the streams and buckets, not yet the pool
         await _wait_for_line(path, "waiting for the trainer to provision this pool", proc)
         async with open_clients(nats_url(st, "trainer", TRAINER_PW), redis_url(st, "trainer", TRAINER_PW),
                                 "test-trainer-late", pools=(POOL,)) as c:  # the default ack_wait (10 s)
@@ -452,7 +455,8 @@ async def test_a_worker_with_other_settings_waits_for_and_serves_its_pool(secure
         proc.wait(timeout=30)
     log = path.read_text(errors="replace")
     assert log.count("differ from its pool's consumer") == 1 and "ack_wait_s: pool 10.0, worker 3.0" in log, log[-3000:]
-    assert log.count("waiting for the trainer to provision") == 1, log[-3000:]
+    assert log.count("waiting for the trainer to provision the streams") == 1, log[-3000:]
+    assert log.count("waiting for the trainer to provision this pool") == 1, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
 
 
