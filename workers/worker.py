@@ -207,6 +207,9 @@ class RolloutWorker:
         if pool_cfg is None:
             self.log.info("drained before the pool was provisioned", reason=self.drain_reason)
             return
+        if pool_cfg.ack_wait and self.cfg.lease_ttl_s >= pool_cfg.ack_wait:
+            self.log.warning("lease_ttl_s is not shorter than the pool's ack_wait: a redelivered request waits "
+                             "for its lease to expire", lease_ttl_s=self.cfg.lease_ttl_s, ack_wait_s=pool_cfg.ack_wait)
         self.registry = await js.key_value(wire.BUCKET_WORKERS)
         self.control = await js.key_value(wire.BUCKET_CONTROL)
         fresh = await js.pull_subscribe_bind(durable=wire.consumer_name(self.pool), stream=wire.STREAM_REQUESTS)
