@@ -271,6 +271,122 @@ async def ensure_pool_consumer(js: JetStreamContext, pool: str, spec: wire.Consu
         await js.add_consumer(wire.STREAM_REQUESTS, cfg)
 
 
+# What a refused JetStream API call looks like to nats-py: the server drops a request its
+# permissions deny (the client only hears a timeout, the violation goes to the error callback);
+# no responders / no leader while a server starts or restarts read the same to a joiner: wait.
+_REFUSED = (nats.errors.TimeoutError, nats.errors.NoRespondersError, ServiceUnavailableError)
+JOIN_API_TIMEOUT_S = 2.0  # a (re)configure call the worker identity may not make is not answered at all
+_REFUSED_POOLS: set[str] = set()  # pools whose consumers this process was refused to reconfigure
+
+
+async def join_pool(js: JetStreamContext, pool: str, spec: wire.ConsumerSpec, *,
+                    stop: asyncio.Event | None = None, cap_s: float = 5.0) -> ConsumerConfig | None:
+    """A worker joining `pool`: its consumers as provisioned, ready to pull from. Returns the
+    fresh lane's configuration (whoever set it), or None if `stop` was set while waiting.
+
+    The pool's consumers are the trainer's (the trainer identity provisions them; a worker's may
+    not create or reconfigure one, rlboost/auth.py). Where this process may (no auth, a dev
+    setup), a missing consumer is created and one with other settings updated, as before. Where
+    it may not, the call is refused and the worker serves with the consumers the trainer
+    provisioned (logging once which of its own settings differ), or, before the trainer has
+    provisioned the pool, waits for it with bounded back-off instead of crash-looping (asking
+    once: while it waits it only reads, so the server logs one refusal, not one per retry)."""
+    wire.check_name("pool", pool)
+    wanted = pool_consumer_configs(pool, spec)
+    delay, may_create, told = 0.5, True, False
+    while True:
+        try:
+            have = [await _consumer_config(js, cfg.durable_name) for cfg in wanted]
+            for cfg, got in zip(wanted, have, strict=True):
+                if got is None and may_create:
+                    await js.add_consumer(wire.STREAM_REQUESTS, cfg, timeout=JOIN_API_TIMEOUT_S)
+                elif got is not None and not _same_consumer(got, cfg):
+                    try:
+                        if pool in _REFUSED_POOLS:  # refused before: asking again costs a timeout each time
+                            raise nats.errors.TimeoutError
+                        await js.add_consumer(wire.STREAM_REQUESTS, cfg, timeout=JOIN_API_TIMEOUT_S)
+                    except (*_REFUSED, BadRequestError) as e:
+                        _REFUSED_POOLS.add(pool)
+                        if not told:
+                            _log_differences(pool, got, cfg, e)
+                        told = True
+            if all(got is not None for got in have) or may_create:
+                return await _consumer_config(js, wanted[0].durable_name) or wanted[0]
+        except (*_REFUSED, NotFoundError, BadRequestError) as e:
+            if may_create:
+                log.warning("waiting for the trainer to provision this pool's consumers (the trainer's identity "
+                            "provisions them; this one may not)", pool=pool, error=type(e).__name__)
+        may_create = False
+        if not await _pause(stop, delay):
+            return None
+        delay = min(cap_s, delay * 2)
+
+
+async def _consumer_config(js: JetStreamContext, durable: str) -> ConsumerConfig | None:
+    try:
+        return (await js.consumer_info(wire.STREAM_REQUESTS, durable)).config
+    except NotFoundError:
+        return None
+
+
+async def _pause(stop: asyncio.Event | None, delay: float) -> bool:
+    """Sleep `delay`; False if `stop` was set (then at once)."""
+    if stop is None:
+        await asyncio.sleep(delay)
+        return True
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=delay)
+    return not stop.is_set()
+
+
+def _log_differences(pool: str, have: ConsumerConfig, want: ConsumerConfig, refused: Exception) -> None:
+    """Once per join: the pool's consumer differs from this worker's settings and it may not
+    change it. The provisioned settings stand (every worker of the pool shares the consumer)."""
+    diffs = {k: (a, b) for k, a, b in (
+        ("ack_wait_s", float(have.ack_wait or 0), float(want.ack_wait or 0)),
+        ("max_deliver", have.max_deliver, want.max_deliver),
+        ("max_ack_pending", have.max_ack_pending, want.max_ack_pending),
+        ("filter_subject", have.filter_subject, want.filter_subject)) if a != b}
+    log.warning("this worker's settings differ from its pool's consumer, which the trainer provisions; "
+                "serving with the pool's", pool=pool, consumer=have.durable_name,
+                differs=", ".join(f"{k}: pool {a}, worker {b}" for k, (a, b) in diffs.items()),
+                refused=type(refused).__name__)
+
+
+async def provision_or_wait(js: JetStreamContext, stop: asyncio.Event | None = None, cap_s: float = 5.0,
+                            **kwargs: Any) -> bool:
+    """`provision`, for a process whose identity may not create streams or buckets (a worker):
+    before the trainer has provisioned the servers, wait for it with bounded back-off and a
+    log line instead of failing. While waiting it only reads (stream info), and provisions
+    again once everything is there (which then needs no forbidden call). False if `stop` was
+    set while waiting."""
+    delay, first = 0.5, True
+    while True:
+        try:
+            if first or await _provisioned(js):
+                await provision(js, **kwargs)
+                return True
+        except (*_REFUSED, BadRequestError, NotFoundError) as e:
+            if first:
+                log.warning("waiting for the trainer to provision the streams and buckets (the trainer's "
+                            "identity provisions them; this one may not)", error=type(e).__name__)
+        first = False
+        if not await _pause(stop, delay):
+            return False
+        delay = min(cap_s, delay * 2)
+
+
+async def _provisioned(js: JetStreamContext) -> bool:
+    names = [s.name for s in wire.STREAMS] + [f"KV_{b}" for b in (wire.BUCKET_WORKERS, wire.BUCKET_POLICY,
+                                                                  wire.BUCKET_CONTROL)]
+    for name in names:
+        try:
+            await js.stream_info(name)
+        except NotFoundError:
+            return False
+    return True
+
+
 def _same_consumer(have: ConsumerConfig, want: ConsumerConfig) -> bool:
     return (have.filter_subject == want.filter_subject and have.max_deliver == want.max_deliver
             and have.max_ack_pending == want.max_ack_pending and abs(float(have.ack_wait or 0) - float(want.ack_wait or 0)) < 1e-3)
@@ -388,3 +504,16 @@ async def worker_keys(js: JetStreamContext) -> list[str]:
     prefix = f"$KV.{wire.BUCKET_WORKERS}."
     info = await js.stream_info(f"KV_{wire.BUCKET_WORKERS}", subjects_filter=f"{prefix}>")
     return [subject[len(prefix):] for subject in (info.state.subjects or {})]
+
+
+async def registry_entry(js: JetStreamContext, key: str) -> tuple[bytes, float, int] | None:
+    """A worker registry entry: (value, the server's time of the put in unix seconds, revision),
+    or None if the key is gone. The time is the NATS server's, which a writer cannot choose: a
+    heartbeat's own `ts` is whatever the worker credential put there."""
+    try:
+        msg = await js.get_msg(f"KV_{wire.BUCKET_WORKERS}", subject=f"$KV.{wire.BUCKET_WORKERS}.{key}")
+    except NotFoundError:
+        return None
+    if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or msg.time is None:
+        return None
+    return msg.data or b"", msg.time.timestamp(), int(msg.seq or 0)

@@ -23,8 +23,9 @@ class Clients:
 
 @asynccontextmanager
 async def open_clients(nats_url: str, redis_url: str, name: str, settings: Settings | None = None,
-                       pools: tuple[str, ...] = ()) -> AsyncIterator[Clients]:
-    """Connect, provision (idempotent), and close everything on the way out."""
+                       pools: tuple[str, ...] = (), wait_provisioned: bool = False) -> AsyncIterator[Clients]:
+    """Connect, provision (idempotent), and close everything on the way out. `wait_provisioned`:
+    an identity that may not provision (a worker) waits for the trainer to do it (`bus.provision_or_wait`)."""
     nc = await bus.connect(nats_url, name=name, services=settings.services if settings else None)
     store = CheckpointStore(redis_url)
     try:
@@ -36,8 +37,11 @@ async def open_clients(nats_url: str, redis_url: str, name: str, settings: Setti
         js = nc.jetstream()
         w = settings.worker if settings else None
         spec = wire.ConsumerSpec(ack_wait_s=w.ack_wait_s, max_deliver=w.max_deliver) if w else wire.ConsumerSpec()
-        await bus.provision(js, pools=pools, consumer=spec,
-                            replicas=settings.services.nats_replicas if settings else 1)
+        replicas = settings.services.nats_replicas if settings else 1
+        if wait_provisioned:
+            await bus.provision_or_wait(js, pools=pools, consumer=spec, replicas=replicas)
+        else:
+            await bus.provision(js, pools=pools, consumer=spec, replicas=replicas)
         yield Clients(nc=nc, js=js, store=store)
     finally:
         await store.close()

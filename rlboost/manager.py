@@ -15,10 +15,15 @@ from collections.abc import AsyncIterator, Iterable
 
 import numpy as np
 
-from rlboost import bus, wire
+from rlboost import bus, metrics, wire
 from rlboost.checkpoint import CheckpointError
 from rlboost.clients import Clients
 from rlboost.logs import get_logger
+
+
+# How far a heartbeat's own time may be from the NATS server's time of its put: clock skew
+# between a worker and the server (NTP keeps it to well under a second). Only a lie is further.
+REGISTRY_SKEW_S = 30.0
 
 
 class WrongWeights(RuntimeError):
@@ -54,6 +59,8 @@ class RolloutManager:
         self.pool = wire.check_name("pool", pool)
         self.log = get_logger(component="manager", pool=pool)
         self._results_after: dict[int, int] = {}  # step -> results stream sequence before it was published
+        self.ignored: dict[str, int] = {}  # registry entries not counted as workers, by reason (`live_workers`)
+        self._ignored_seen: set[tuple[str, int]] = set()
 
     async def publish_step(self, requests: list[wire.RolloutRequest], pool: str | None = None,
                            deadline_s: float = 60.0, batch: int = 1024, republish: bool = False) -> None:
@@ -166,7 +173,12 @@ class RolloutManager:
     async def verify_result(self, step: int, r: wire.RolloutResult, req: wire.RolloutRequest | None) -> str:
         """Why `r` is not the genuine result of its request ('' if it is): it must match the
         request, and Redis must say the request is finished under the lease the result names
-        (worker id and epoch) with exactly these tokens and logprobs."""
+        (worker id and epoch) with exactly these tokens and logprobs and this provenance (the
+        segments, from the checkpoint's history, which fencing decides). What Redis does not
+        hold is checked against the request: the finish reason (an `error` result must be an
+        incomplete response). A forgery with the genuine tokens and false provenance is refused
+        here, not by the trainer's weights check, and the genuine result (another message id,
+        `wire.result_msg_id`) is taken when it comes."""
         if r.step != step:
             return f"step {r.step}, expected {step}"
         if req is not None:
@@ -174,9 +186,14 @@ class RolloutManager:
                 return "group or prompt differ from the request"
             if len(r.token_ids) > req.max_new_tokens:
                 return f"{len(r.token_ids)} tokens, more than the {req.max_new_tokens} asked for"
+            if r.finish_reason == "error" and wire.is_complete(req, r.token_ids):
+                return "an error result with a complete response"
+            if r.finish_reason != "error" and r.finish_reason != wire.finish_reason(req, r.token_ids):
+                return f"finish reason {r.finish_reason}, the tokens say {wire.finish_reason(req, r.token_ids)}"
         try:
             owner, epoch, finished = await self.c.store.owner(r.request_id)
             tokens, logprobs = await self.c.store.read(r.request_id)
+            segments = await self.c.store.segments(r.request_id)
         except CheckpointError as e:
             return f"checkpoint unreadable: {e}"
         if not finished:
@@ -185,6 +202,8 @@ class RolloutManager:
             return f"lease is {owner}/{epoch}, the result names {r.worker_id}/{r.epoch}"
         if tokens != r.token_ids or np.float32(logprobs).tobytes() != np.float32(r.logprobs).tobytes():
             return "tokens or logprobs differ from the checkpoint"
+        if list(r.segments) != segments:
+            return "segments (who generated which tokens, with which weights) differ from the checkpoint's history"
         return ""
 
     async def _refuse(self, msg, reason: str) -> None:
@@ -193,26 +212,54 @@ class RolloutManager:
         self.log.warning("result refused", reason=reason)
 
     async def live_workers(self, exclude: set[str] = frozenset(), max_age_s: float = 5.0) -> list[wire.WorkerHeartbeat]:
-        """Workers of this pool whose heartbeat is fresh and who are not draining."""
-        kv = await self.c.js.key_value(wire.BUCKET_WORKERS)
+        """Workers of this pool whose heartbeat is fresh and who are not draining.
+
+        Any worker credential can put any entry in the registry, so an entry counts only if it
+        is what a worker writes: filed under its own worker id, with a `ts` within
+        `REGISTRY_SKEW_S` of the NATS server's time of the put. Freshness is the server's time
+        of the put (a writer cannot choose it; main trusted the payload's `ts`, and one entry
+        stamped a day ahead was a live worker for a day). Other entries are ignored, each
+        revision logged and counted once (`rlboost_registry_entries_ignored_total`)."""
         try:
             keys = await bus.worker_keys(self.c.js)
         except Exception as e:
             self.log.warning("cannot list workers", error=str(e))
             return []
         out = []
-        now = time.time()
         for key in keys:
             if key in exclude:
                 continue
             try:
-                entry = await kv.get(key)
-                hb = wire.decode(wire.WorkerHeartbeat, entry.value)
+                entry = await bus.registry_entry(self.c.js, key)
             except Exception:
                 continue
-            if hb.pool == self.pool and hb.state == "running" and now - hb.ts <= max_age_s:
+            if entry is None:
+                continue
+            value, put_at, revision = entry
+            try:
+                hb = wire.decode(wire.WorkerHeartbeat, value)
+            except wire.WireError:
+                self._ignore(key, revision, "undecodable")
+                continue
+            if hb.worker_id != key:
+                self._ignore(key, revision, "filed under another worker id")
+                continue
+            if abs(hb.ts - put_at) > REGISTRY_SKEW_S:
+                self._ignore(key, revision, "heartbeat time disagrees with the server's")
+                continue
+            if hb.pool == self.pool and hb.state == "running" and time.time() - put_at <= max_age_s:
                 out.append(hb)
         return out
+
+    def _ignore(self, key: str, revision: int, reason: str) -> None:
+        if (key, revision) in self._ignored_seen:
+            return
+        if len(self._ignored_seen) > 10_000:  # bounded: a flood of entries costs memory once
+            self._ignored_seen.clear()
+        self._ignored_seen.add((key, revision))
+        self.ignored[reason] = self.ignored.get(reason, 0) + 1
+        metrics.REGISTRY_IGNORED.labels(reason).inc()
+        self.log.warning("registry entry ignored", key=key[:128], revision=revision, reason=reason)
 
     async def sample_idle(self, stop: asyncio.Event, period_s: float = 0.25) -> float:
         """Preemptible waiting: the idle share of live workers' slots, integrated over time

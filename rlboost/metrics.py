@@ -83,6 +83,10 @@ COST_DOLLARS = Counter("rlboost_cost_dollars_total", "Accumulated compute cost (
                        ["pool"], registry=REGISTRY)
 WORKERS_LIVE = Gauge("rlboost_workers_live", "Workers with a fresh heartbeat (set by the trainer each step)",
                      ["pool"], registry=REGISTRY)
+REGISTRY_IGNORED = Counter("rlboost_registry_entries_ignored_total",
+                           "Worker registry entries the trainer did not count as workers (each revision once): "
+                           "a heartbeat whose time disagrees with the server's, filed under another id, or undecodable",
+                           ["reason"], registry=REGISTRY)
 
 # ---------------------------------------------------------------- training (the trainer, per step)
 TRAINER_STEP = Gauge("rlboost_trainer_step", "Last completed training step", registry=REGISTRY)

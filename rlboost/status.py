@@ -37,13 +37,18 @@ async def gather_status(nats_url: str, services: ServicesSettings | None = None)
             pass
         workers = []
         try:
-            kv = await js.key_value(wire.BUCKET_WORKERS)
             for key in await bus.worker_keys(js):
                 try:  # one bad heartbeat (a worker credential can write any) hides only itself
-                    hb = wire.decode(wire.WorkerHeartbeat, (await kv.get(key)).value)
+                    entry = await bus.registry_entry(js, key)
+                    if entry is None:
+                        continue
+                    hb = wire.decode(wire.WorkerHeartbeat, entry[0])
                 except Exception:
                     continue
-                workers.append({**msgspec.to_builtins(hb), "age_s": round(time.time() - hb.ts, 1)})
+                if hb.worker_id != key:  # filed under another worker's id: not what a worker writes
+                    continue
+                # the age by the server's time of the put, not the entry's own (any writer's) `ts`
+                workers.append({**msgspec.to_builtins(hb), "age_s": round(time.time() - entry[1], 1)})
         except Exception:
             pass  # no keys yet, or bucket missing
         return {"streams": streams, "consumers": consumers, "workers": workers}

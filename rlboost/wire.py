@@ -366,11 +366,27 @@ class RolloutResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def result_msg_id(r: RolloutResult) -> str:
-    """The result's de-duplication id: the request, the lease epoch and a digest of the tokens.
-    A republished result (same checkpoint) gets the same id; a forged one published first
-    under the request id alone can no longer make the stream drop the genuine one."""
-    digest = hashlib.sha256(_encoder.encode((r.token_ids, r.logprobs))).hexdigest()[:16]
+    """The result's de-duplication id: the request, the lease epoch and a digest of everything
+    the result says but its timestamp. A republished result (same checkpoint, same lease) gets
+    the same id, so the stream stores it once; a forgery published first can only take the id
+    of a byte-identical result, which is the genuine one: any field it changes (segments,
+    finish reason, worker, group ...) changes the id, and the genuine result is stored beside
+    it for the manager to verify (issue 30: with a digest of the tokens alone, a forgery with
+    the genuine tokens and false provenance made the stream drop the genuine result)."""
+    digest = hashlib.sha256(_encoder.encode(msgspec.structs.replace(r, ts=0.0))).hexdigest()[:16]
     return f"{r.request_id}-e{r.epoch}-{digest}"
+
+
+def finish_reason(req: RolloutRequest, tokens: list[int]) -> str:
+    """Why a (non-error) response of `req` with `tokens` ended: what the worker writes and the
+    manager checks (a result cannot say otherwise)."""
+    if tokens and tokens[-1] in req.stops():
+        return "stop"
+    return "length" if len(tokens) >= req.max_new_tokens else "stop"
+
+
+def is_complete(req: RolloutRequest, tokens: list[int]) -> bool:
+    return len(tokens) >= req.max_new_tokens or (bool(tokens) and tokens[-1] in req.stops())
 
 
 def token_versions(segments: list[Segment], n_tokens: int) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import time
 import uuid
 from pathlib import Path
 from urllib.parse import quote
@@ -394,3 +395,164 @@ async def test_a_default_worker_serves_over_mutual_tls(tls_default, tmp_path):
         log.close()
     text = (tmp_path / "worker.log").read_text()
     assert "ermission" not in text, text[-3000:]
+
+
+# ---------------------------------------------------------------- issue 30: what a worker credential can still do
+
+
+async def _wait_for_line(path: Path, text: str, proc, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = path.read_text(errors="replace")
+        if text in log:
+            return log
+        assert proc.poll() is None, f"the worker exited ({proc.returncode}):\n{log[-3000:]}"
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no {text!r} in the worker's log:\n{path.read_text(errors='replace')[-3000:]}")
+
+
+@pytest.mark.slow
+async def test_a_worker_with_other_settings_waits_for_and_serves_its_pool(secured, trainer, tmp_path):
+    """`rlboost worker --ack-wait 3` under the worker identity, started before the trainer has
+    provisioned the streams and its pool: it waits (one log line each), then serves with the consumer the trainer
+    provisioned (the default ack_wait) and says once that its own setting differs (main: it
+    tried to create/reconfigure the consumer, which it may not, and died on `nats: timeout`)."""
+    import subprocess
+    import sys
+
+    from rlboost.clients import open_clients
+    from rlboost.manager import RolloutManager
+
+    _, st = secured
+    for durable in (wire.consumer_name(POOL), wire.resume_consumer_name(POOL)):  # the pool is not provisioned yet
+        await trainer.delete_consumer(wire.STREAM_REQUESTS, durable)
+    await trainer.delete_stream(wire.STREAM_DLQ)  # nor all of the streams
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url(st, "worker", WORKER_PW),
+           "RLBOOST_REDIS_URL": redis_url(st, "worker", WORKER_PW), "OMP_NUM_THREADS": "1"}
+    path = tmp_path / "worker.log"
+    with open(path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "worker", "--pool", POOL, "--speed", "0",
+                                 "--ack-wait", "3", "--lease-ttl", "2", "--worker-id", "spot-late-1"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        await _wait_for_line(path, "waiting for the trainer to provision the streams", proc)
+        await bus.provision(trainer)  # the streams and buckets, not yet the pool
+        await _wait_for_line(path, "waiting for the trainer to provision this pool", proc)
+        async with open_clients(nats_url(st, "trainer", TRAINER_PW), redis_url(st, "trainer", TRAINER_PW),
+                                "test-trainer-late", pools=(POOL,)) as c:  # the default ack_wait (10 s)
+            reqs = [wire.RolloutRequest(request_id=wire.request_id(31, i, 0, run="late"), step=31, policy_version=0,
+                                        prompt_ids=[3, 4], max_new_tokens=8, seed=i, group=i) for i in range(4)]
+            manager = RolloutManager(c, POOL)
+            await manager.publish_step(reqs)
+            got = [r async for r in manager.results(31, reqs, timeout_s=60)]
+        assert sorted(r.request_id for r in got) == sorted(q.request_id for q in reqs)
+        assert {r.worker_id for r in got} == {"spot-late-1"}
+        assert proc.poll() is None, "the worker exited"
+        info = await trainer.consumer_info(wire.STREAM_REQUESTS, wire.consumer_name(POOL))
+        assert info.config.ack_wait == wire.ConsumerSpec().ack_wait_s  # the trainer's setting stands
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    log = path.read_text(errors="replace")
+    assert log.count("differ from its pool's consumer") == 1 and "ack_wait_s: pool 10.0, worker 3.0" in log, log[-3000:]
+    assert log.count("waiting for the trainer to provision the streams") == 1, log[-3000:]
+    assert log.count("waiting for the trainer to provision this pool") == 1, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+
+
+async def test_a_forged_result_cannot_pre_empt_the_genuine_one(secured, trainer):
+    """A client with the worker credential watches Redis and, as each request is finished,
+    publishes a result first with the genuine tokens, lease and tokens' digest but false
+    provenance (other weights) or a false finish reason. The genuine result still counts, at
+    once (main: the forgery took the genuine result's message id, the stream dropped the
+    genuine one as a duplicate and the manager handed the forgery to the trainer, whose weights
+    check then failed the step)."""
+    import time
+
+    import msgspec
+
+    from rlboost.clients import open_clients
+    from rlboost.manager import RolloutManager, check_weights
+
+    _, st = secured
+    step, weights = 32, "emulated-v0"
+    reqs = [wire.RolloutRequest(request_id=wire.request_id(step, i, 0, run=f"forge{uuid.uuid4().hex[:6]}"), step=step,
+                                policy_version=0, prompt_ids=[3, 4], max_new_tokens=4, seed=i, group=i)
+            for i in range(2)]
+    wnc = await bus.connect(nats_url(st, "worker", WORKER_PW), name="test-forger")
+    wjs = wnc.jetstream()
+    store = CheckpointStore(redis_url(st, "worker", WORKER_PW))
+    try:
+        async with open_clients(nats_url(st, "trainer", TRAINER_PW), redis_url(st, "trainer", TRAINER_PW),
+                                "test-trainer-forge", pools=(POOL,)) as c:
+            manager = RolloutManager(c, POOL)
+            await manager.publish_step(reqs)
+            genuine = {}
+            for i, q in enumerate(reqs):  # what a worker does: claim, append, finish, then publish
+                claim = await store.claim(q.request_id, "spot-honest", 0, ttl_s=10, weights=weights)
+                await store.append(q.request_id, "spot-honest", claim.epoch, 0, [7, 8, 9, 5], [-0.5] * 4, 10.0)
+                (segments,) = await store.finish_many([(q.request_id, claim.epoch, 4)])
+                genuine[q.request_id] = wire.RolloutResult(
+                    request_id=q.request_id, step=step, group=q.group, prompt_ids=[3, 4], token_ids=[7, 8, 9, 5],
+                    logprobs=[-0.5] * 4, segments=segments, finish_reason="length", worker_id="spot-honest",
+                    ts=time.time(), epoch=claim.epoch)
+                # the forger: finished in Redis, so it reads the tokens and the lease and goes first
+                tokens, logprobs = await store.read(q.request_id)
+                owner, epoch, _ = await store.owner(q.request_id)
+                forged = msgspec.structs.replace(genuine[q.request_id], token_ids=tokens, logprobs=logprobs,
+                                                 worker_id=owner, epoch=epoch)
+                forged = (msgspec.structs.replace(forged, segments=[msgspec.structs.replace(s, weights="evil-v0")
+                                                                    for s in segments]) if i == 0
+                          else msgspec.structs.replace(forged, finish_reason="stop"))
+                await wjs.publish(wire.result_subject(step), wire.encode(forged),
+                                  headers={wire.HDR_MSG_ID: wire.result_msg_id(forged)})
+            for r in genuine.values():
+                await wjs.publish(wire.result_subject(step), wire.encode(r), headers={wire.HDR_MSG_ID: wire.result_msg_id(r)})
+            t0 = time.monotonic()
+            got = {r.request_id: r async for r in manager.results(step, reqs, timeout_s=20)}
+            assert time.monotonic() - t0 < 10
+        assert got == genuine
+        for r in got.values():
+            check_weights(r, 0, weights)  # what the trainer checks: it would not have failed the step
+    finally:
+        await store.close()
+        await wnc.close()
+
+
+async def test_phantom_workers_are_not_counted(secured, worker):
+    """With the worker credential: an entry stamped a day ahead and one filed under another
+    worker's id. Neither counts as a live worker (main: the first counted for a day, the second
+    doubled a worker), each is counted and logged once; a genuine heartbeat counts."""
+    from rlboost.clients import open_clients
+    from rlboost.manager import RolloutManager
+
+    _, st = secured
+    _, js, _ = worker
+    tag = uuid.uuid4().hex[:6]
+    real, phantom = f"spot-real-{tag}", f"spot-phantom-{tag}"
+
+    def heartbeat(worker_id: str, ts: float) -> bytes:
+        return wire.encode(wire.WorkerHeartbeat(worker_id=worker_id, pool=POOL, engine="emulated", pid=1, host="h",
+                                                state="running", policy_version=0, inflight=0, slots=8,
+                                                tokens_generated=0, ts=ts))
+
+    kv = await js.key_value(wire.BUCKET_WORKERS)
+    await kv.put(phantom, heartbeat(phantom, time.time() + 86400))
+    await kv.put(f"spot-alias-{tag}", heartbeat(real, time.time()))
+    await kv.put(real, heartbeat(real, time.time()))
+    async with open_clients(nats_url(st, "trainer", TRAINER_PW), redis_url(st, "trainer", TRAINER_PW),
+                            "test-trainer-registry") as c:
+        manager = RolloutManager(c, POOL)
+        for _ in range(3):  # sampled every 0.25 s in a step: each entry is reported once
+            live = [hb.worker_id for hb in await manager.live_workers()]
+            assert live.count(real) == 1 and phantom not in live, live
+    ignored = {key for key, _ in manager._ignored_seen}
+    assert {phantom, f"spot-alias-{tag}"} <= ignored
+    assert manager.ignored["heartbeat time disagrees with the server's"] >= 1
+    assert manager.ignored["filed under another worker id"] >= 1
+    assert sum(manager.ignored.values()) == len(manager._ignored_seen)
+    from rlboost.status import gather_status  # `rlboost status`: ages by the server's clock, no aliases
+
+    shown = [w for w in (await gather_status(nats_url(st, "trainer", TRAINER_PW)))["workers"] if tag in w["worker_id"]]
+    assert sorted(w["worker_id"] for w in shown) == [phantom, real]
+    assert all(0 <= w["age_s"] < 60 for w in shown), shown

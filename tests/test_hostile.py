@@ -8,6 +8,7 @@ import time
 
 import msgspec
 import pytest
+import structlog
 import torch
 from helpers import step_results
 
@@ -265,3 +266,34 @@ async def test_replay_reads_past_hostile_messages(js):
     life = await replay.life_of(js, step, rid)
     assert life.events == [ev] and not life.chunks and life.result is None
     assert set(await replay.step_lives(js, step)) == {rid}
+
+
+# ---------------------------------------------------------------- issue 30: planted manifests
+
+
+async def test_a_planted_manifest_never_stops_a_run(tmp_path):
+    """A manifest whose shard id is not a digest, above the versions this run publishes, and a
+    name that is no manifest key at all: the publisher's pointer walk and GC skip them with one
+    warning line each, its own versions stay, and reaching the planted version number replaces
+    the unreadable manifest (main: every `rlboost run` on the store exited with a traceback,
+    `StoreError: invalid shard id`, at its first publish)."""
+    from rlboost.weights import published_versions
+
+    store = FileBlobStore(tmp_path / "store", create=True)
+    await WeightPublisher(store, keep_versions=1).publish({"w": torch.ones(4)}, 1)
+    good = Manifest.decode(await store.read_all(wire.weights_manifest_key(1)))
+    bad = msgspec.structs.replace(good.shards[0], sha256="not-a-digest")
+    for v in (3, 9):
+        await store.put(wire.weights_manifest_key(v), msgspec.json.encode(msgspec.structs.replace(
+            good, version=v, shards=[bad], tensors=[msgspec.structs.replace(t, parts=[
+                msgspec.structs.replace(p, shard="not-a-digest") for p in t.parts]) for t in good.tensors])))
+    await store.put("manifests/vjunk.json", b"{}")
+    pub = WeightPublisher(store, keep_versions=2, deltas=False)
+    with structlog.testing.capture_logs() as logs:
+        for v in (2, 3, 4):
+            await pub.publish({"w": torch.full((4,), float(v))}, v)  # gc after each
+    assert await published_versions(store) == [3, 4, 9]  # 1, 2: collected; 9: not this publisher's to judge
+    assert (await WeightCache(tmp_path / "cache", store).ensure(3)).version == 3  # ours now
+    assert (await WeightCache(tmp_path / "cache2", store).ensure(4)).version == 4
+    skipped = sorted(e["key"] for e in logs if "skipping an invalid entry" in e["event"])
+    assert skipped == ["manifests/v000000000003.json", "manifests/v000000000009.json", "manifests/vjunk.json"]

@@ -92,7 +92,9 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
     gives every request away and serves on with the same engine, in a new round."""
     nats_url, redis_url = resolve_urls(s.services)
     engine = build_engine(s)
-    async with open_clients(nats_url, redis_url, f"rlboost-worker-{worker_id}", settings=s) as c:
+    # the trainer provisions the servers; a worker started first waits for it (bus.provision_or_wait)
+    async with open_clients(nats_url, redis_url, f"rlboost-worker-{worker_id}", settings=s,
+                            wait_provisioned=True) as c:
         weights = await weight_source(s, c.js, worker_id)
         if s.metrics.port:
             port = metrics.start_metrics_server(s.metrics.port, s.metrics.bind)

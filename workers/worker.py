@@ -108,14 +108,7 @@ def pack_flush(dirty: list[Active]) -> tuple[list[bytes], list[list[float]]]:
     return records, logprobs
 
 
-def finish_reason(req: wire.RolloutRequest, tokens: list[int]) -> str:
-    if tokens and tokens[-1] in req.stops():
-        return "stop"
-    return "length" if len(tokens) >= req.max_new_tokens else "stop"
-
-
-def is_complete(req: wire.RolloutRequest, tokens: list[int]) -> bool:
-    return len(tokens) >= req.max_new_tokens or (bool(tokens) and tokens[-1] in req.stops())
+finish_reason, is_complete = wire.finish_reason, wire.is_complete  # (the manager checks results with them)
 
 
 def make_sequence(req: wire.RolloutRequest, token_ids: list[int]) -> Sequence:
@@ -207,8 +200,16 @@ class RolloutWorker:
     async def run(self) -> None:
         """Serve until drained. Returns after every in-flight request was handed back."""
         js = self.c.js
-        await bus.ensure_pool_consumer(js, self.pool, wire.ConsumerSpec(ack_wait_s=self.cfg.ack_wait_s,
-                                                                       max_deliver=self.cfg.max_deliver))
+        # the pool's consumers as the trainer provisioned them (waits for them if they are not yet)
+        pool_cfg = await bus.join_pool(js, self.pool, wire.ConsumerSpec(ack_wait_s=self.cfg.ack_wait_s,
+                                                                       max_deliver=self.cfg.max_deliver),
+                                       stop=self.draining)
+        if pool_cfg is None:
+            self.log.info("drained before the pool was provisioned", reason=self.drain_reason)
+            return
+        if pool_cfg.ack_wait and self.cfg.lease_ttl_s >= pool_cfg.ack_wait:
+            self.log.warning("lease_ttl_s is not shorter than the pool's ack_wait: a redelivered request waits "
+                             "for its lease to expire", lease_ttl_s=self.cfg.lease_ttl_s, ack_wait_s=pool_cfg.ack_wait)
         self.registry = await js.key_value(wire.BUCKET_WORKERS)
         self.control = await js.key_value(wire.BUCKET_CONTROL)
         fresh = await js.pull_subscribe_bind(durable=wire.consumer_name(self.pool), stream=wire.STREAM_REQUESTS)

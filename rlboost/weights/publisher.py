@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from rlboost import wire
 from rlboost.logs import get_logger
 from rlboost.weights import deltas
 from rlboost.weights.blobstore import BlobStore, FileBlobStore, JetStreamBlobStore
-from rlboost.weights.errors import ObjectMissing
+from rlboost.weights.errors import ObjectMissing, StoreError, StoreUnavailable
 from rlboost.weights.manifest import Delta, DeltaTensor, Manifest, ShardEntry, TensorEntry, TensorPart
 
 if TYPE_CHECKING:
@@ -229,8 +230,8 @@ class WeightPublisher:
                             shards=shard_list, tensors=entries, dtype=",".join(dtypes), delta=delta,
                             meta=dict(meta or {}))
         mkey = wire.weights_manifest_key(version)
-        if await self.store.has(mkey):
-            old = Manifest.decode(await self.store.read_all(mkey))
+        old = await read_manifest(self.store, version) if await self.store.has(mkey) else None
+        if old is not None:  # (an unreadable one is nobody's weights: ours replaces it)
             if not old.same_weights(manifest):
                 raise ValueError(f"version {version} is already published with other weights; "
                                  f"publish a new version number")
@@ -249,7 +250,7 @@ class WeightPublisher:
                                changed_elements=changed, elements=sum(t.numel() for t in tensors.values()),
                                dtype=manifest.dtype)
         if gc:
-            report.gc_deleted_versions = await gc_store(self.store, self.keep_versions)
+            report.gc_deleted_versions = await gc_store(self.store, self.keep_versions, upto=version)
         log.info("weights published", version=version, kind=kind, dtype=manifest.dtype,
                  mb=round(report.total_bytes / 1e6, 1), delta_mb=round(report.delta_bytes / 1e6, 2),
                  mb_uploaded=round(report.bytes_uploaded / 1e6, 1), s=round(report.seconds, 2),
@@ -278,18 +279,58 @@ class WeightPublisher:
         return [s for s in shards if s is not None], tensors
 
     async def gc(self, keep: int | None = None) -> list[int]:
-        return await gc_store(self.store, keep or self.keep_versions)
+        return await gc_store(self.store, keep or self.keep_versions, upto=self._prev[0] if self._prev else None)
+
+
+_MANIFEST_KEY = re.compile(r"manifests/v(\d{1,18})\.json")
+_reported: set[tuple[int, str]] = set()  # invalid entries (store, key) this process reported: one line each
+
+
+def _report_invalid(store: BlobStore, key: str, why: object) -> None:
+    if (id(store), key) not in _reported:
+        _reported.add((id(store), key))
+        log.warning("weight store: skipping an invalid entry (not published by this build's publisher)",
+                    key=key[:200], reason=str(why)[:300])
 
 
 async def published_versions(store: BlobStore) -> list[int]:
-    prefix = "manifests/v"
-    return sorted(int(k[len(prefix):].split(".")[0]) for k in await store.list(prefix))
+    """The versions with a manifest in the store. A name that is not a manifest key (planted,
+    or another tool's) is skipped and reported once, never a reason to fail."""
+    out = []
+    for key in await store.list("manifests/v"):
+        m = _MANIFEST_KEY.fullmatch(key)
+        if m is None:
+            _report_invalid(store, key, "not a manifest name")
+        else:
+            out.append(int(m.group(1)))
+    return sorted(out)
 
 
-async def gc_store(store: BlobStore, keep: int) -> list[int]:
+async def read_manifest(store: BlobStore, version: int) -> Manifest | None:
+    """The version's manifest, or None if it is gone or invalid (reported once): the store is
+    shared, and a manifest nobody can load is no version of anyone's. A store that does not
+    answer (`StoreUnavailable`) still raises: that is not the manifest's fault."""
+    key = wire.weights_manifest_key(version)
+    try:
+        return Manifest.decode(await store.read_all(key))
+    except ObjectMissing:
+        return None
+    except StoreUnavailable:
+        raise
+    except StoreError as e:
+        _report_invalid(store, key, e)
+        return None
+
+
+async def gc_store(store: BlobStore, keep: int, upto: int | None = None) -> list[int]:
     """Keep the newest `keep` versions and every version they need (a delta-only version needs
     its base, back to a snapshot); delete the other manifests, then every shard and delta blob
     no kept manifest references. Returns the deleted versions.
+
+    `upto`: the version this publisher published last. Newer manifests are not its to judge
+    (and must not push its own versions out of the window): they are neither counted nor
+    deleted, nor are their blobs. Invalid manifests (`read_manifest`) are skipped and reported,
+    never counted, never deleted.
 
     Manifests go first, so a concurrent reader sees a version either whole or absent
     (`VersionUnavailable`), never a manifest pointing at deleted blobs. Run it from the one
@@ -297,23 +338,40 @@ async def gc_store(store: BlobStore, keep: int) -> list[int]:
     if keep < 1:
         raise ValueError("keep must be >= 1")
     versions = await published_versions(store)
+    newer = [v for v in versions if upto is not None and v > upto]
     needed: dict[int, Manifest] = {}
-    for v in versions[-keep:]:
+    invalid: set[int] = set()
+    kept = 0
+    for v in reversed([v for v in versions if v not in newer]):
+        if kept >= keep:
+            break
+        if v in needed:
+            kept += 1
+            continue
+        first = True
         while v not in needed:
-            try:
-                m = Manifest.decode(await store.read_all(wire.weights_manifest_key(v)))
-            except ObjectMissing:
-                log.warning("weights gc: a kept version's base is gone", version=v)
+            m = await read_manifest(store, v)
+            if m is None:
+                if first:
+                    invalid.add(v)
+                else:
+                    log.warning("weights gc: a kept version's base is gone or invalid", version=v)
                 break
+            kept += first
+            first = False
             needed[v] = m
             if m.snapshot or m.delta is None:
                 break
             v = m.delta.base
-    dropped = [v for v in versions if v not in needed]
+    others: list[Manifest] = []  # newer versions' blobs stay
+    for v in newer:
+        if (m := await read_manifest(store, v)) is not None:
+            others.append(m)
+    dropped = [v for v in versions if v not in needed and v not in invalid and v not in newer]
     for v in dropped:
         await store.delete(wire.weights_manifest_key(v))
     live: set[str] = set()
-    for m in needed.values():
+    for m in [*needed.values(), *others]:
         live.update(wire.weights_shard_key(s.sha256) for s in m.shards)
         if m.delta is not None:
             live.update(wire.weights_delta_key(b.sha256) for b in m.delta.blobs)
