@@ -25,6 +25,7 @@ import msgspec
 from rlboost import auth
 from rlboost.config import ServicesSettings
 from rlboost.errors import RlboostError
+from rlboost.procs import pid_alive
 
 
 SENTINEL_MASTER = "rb"  # the name the embedded sentinel monitors the checkpoint store under
@@ -496,28 +497,6 @@ def _spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists and has not exited (a zombie, exited but not yet reaped, is
-    dead). A process of another user is alive."""
-    if pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().split(")")[-1].split()[0] == "Z":  # zombie: exited, not yet reaped
-                return False
-    except FileNotFoundError:
-        return False
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _is_server(pid: int) -> bool:

@@ -26,14 +26,15 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer.grpo_trainer import GRPOTrainer
+if TYPE_CHECKING:  # the trainer calls this module (save_checkpoint / load_checkpoint), not the reverse
+    from trainer.grpo_trainer import GRPOTrainer
 
 STATE_FILE = "trainer_state.json"
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlboost import wire
 from rlboost.logs import get_logger
-from rlboost.services import pid_alive
+from rlboost.procs import pid_alive
 from rlboost.weights import deltas
 from rlboost.weights.blobstore import BlobStore, Buffer
 from rlboost.weights.errors import (
