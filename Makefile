@@ -30,7 +30,7 @@ demo: $(STAMP)
 # `rlboost COMMAND` must exist: a renamed flag or a dead link fails here. No -q: it hides the
 # warnings that --strict counts, and the build would pass with them.
 test: $(STAMP)
-	$(BIN)/python -m pyflakes rlboost workers trainer tests infra docs
+	$(BIN)/python -m pyflakes rlboost workers trainer benchmarks tests infra docs
 	$(BIN)/python -m mkdocs build --strict -d build/site
 	$(BIN)/python -m pytest -q
 

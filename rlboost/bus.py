@@ -33,6 +33,7 @@ from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableErr
 
 from rlboost import auth, wire
 from rlboost.config import ServicesSettings
+from rlboost.errors import RlboostError
 from rlboost.logs import get_logger
 
 log = get_logger(component="bus")
@@ -109,7 +110,7 @@ async def connect(url: str, name: str = "rlboost", services: ServicesSettings | 
     return nc
 
 
-class PublishFailed(RuntimeError):
+class PublishFailed(RlboostError, RuntimeError):
     """Some messages were not stored (no ack in time, after every retry); `ids` names them."""
 
     def __init__(self, what: str, ids: list[str], cause: str) -> None:

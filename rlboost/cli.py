@@ -2,7 +2,8 @@
 
 Subcommands that need the servers find them through the settings (external URLs) or the data
 dir (embedded servers started by `rlboost up`). Benchmarks live one per module in
-`rlboost/benchmarks/` and are dispatched by name, so adding one needs no change here.
+the top-level `benchmarks/` wing and are dispatched by name (imported by name, never by the
+product's code), so adding one needs no change here.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ import argparse
 import ast
 import importlib
 import importlib.util
-import json
 import pkgutil
 import re
 import sys
+import traceback
 
-from rlboost.config import ConfigError, Settings, load_settings
+from rlboost.config import Settings, load_settings
+from rlboost.errors import RlboostError
 from rlboost.logs import configure_logging
-from rlboost.services import EmbeddedServices, ServiceError
+from rlboost.services import EmbeddedServices
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -67,8 +69,9 @@ def cmd_status(args: argparse.Namespace, s: Settings) -> int:
 
 
 # The CLI is the composition root: it finds benchmarks and commands of every package by
-# module name. The core modules of rlboost/ never import workers/ or trainer/.
-BENCH_PACKAGES = ("rlboost.benchmarks", "workers.benchmarks", "trainer.benchmarks")
+# module name. The core modules of rlboost/ never import workers/ or trainer/, and no product
+# module imports the benchmarks wing (tests/test_imports.py).
+BENCH_PACKAGES = ("benchmarks",)
 
 
 def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
@@ -83,7 +86,7 @@ def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
 
 def _bench_names() -> dict[str, str]:
     """Benchmark name -> package, for every module of the bench packages that defines a
-    top-level `main` (a helper module such as workers.benchmarks.throughput is not a benchmark)."""
+    top-level `main` (a helper module such as benchmarks.throughput is not a benchmark)."""
     return {name: package for name, (package, _) in _benchmarks().items()}
 
 
@@ -150,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML settings file (default: $RLBOOST_CONFIG)")
     p.add_argument("--data-dir", help="state dir of the embedded servers (default: $RLBOOST_DATA_DIR)")
     p.add_argument("--log-json", action="store_true", help="JSON log lines instead of console lines")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an error, not only its one line")
     sub = p.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start embedded NATS (JetStream) and Redis on free loopback ports")
     up.add_argument("--cluster", type=int, default=0, help="N JetStream nodes (a cluster on loopback), replication 3")
@@ -203,16 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         s = _settings(args)
         return args.fn(args, s)
-    except (ConfigError, ServiceError, ConnectionError) as e:
+    except (RlboostError, ConnectionError) as e:
+        # a refusal made on purpose, with its reason: one line, exit 2 (every command's
+        # user errors); the traceback too with --debug or --log-json (a log pipeline keeps it)
+        if args.debug or args.log_json:
+            traceback.print_exc()
         print(f"rlboost: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:
         return 130
-
-
-def print_result(result: dict) -> None:
-    """Benchmarks and jobs end with exactly one JSON line on stdout."""
-    print(json.dumps(result, sort_keys=False), flush=True)
 
 
 if __name__ == "__main__":

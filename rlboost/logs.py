@@ -7,6 +7,7 @@ follows it through the whole fleet.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 
@@ -40,3 +41,9 @@ def get_logger(**ids: object) -> structlog.typing.FilteringBoundLogger:
     if not _configured:
         configure_logging()
     return structlog.get_logger(**ids)
+
+
+def print_result(result: dict) -> None:
+    """Benchmarks and jobs end with exactly one JSON line on stdout (beside the log lines,
+    which go to stderr)."""
+    print(json.dumps(result, sort_keys=False), flush=True)

@@ -18,6 +18,7 @@ import numpy as np
 from rlboost import bus, metrics, wire
 from rlboost.checkpoint import CheckpointError
 from rlboost.clients import Clients
+from rlboost.errors import RlboostError
 from rlboost.logs import get_logger
 
 
@@ -26,7 +27,7 @@ from rlboost.logs import get_logger
 REGISTRY_SKEW_S = 30.0
 
 
-class WrongWeights(RuntimeError):
+class WrongWeights(RlboostError, RuntimeError):
     """A result whose tokens were not all generated with the weights its request names."""
 
 

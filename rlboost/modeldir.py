@@ -16,11 +16,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlboost.errors import RlboostError
+
 # A tokenizer is one of these (a fast tokenizer file, a sentencepiece model, or BPE vocab+merges).
 _TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
 
 
-class ModelDirError(ValueError):
+class ModelDirError(RlboostError, ValueError):
     """A folder that is not a loadable model; the message names what is missing, on one line."""
 
 

@@ -75,6 +75,7 @@ import numpy as np
 
 from rlboost import wire
 from rlboost.clients import Clients
+from rlboost.errors import RlboostError
 from rlboost.logs import get_logger
 from rlboost.manager import RolloutManager
 from rlboost.offload import SeedWindow
@@ -85,7 +86,7 @@ MODES = ("sync", "partial", "async")
 GroupKey = tuple[int, int]  # (step the group was published in, group index in that step)
 
 
-class StalenessExceeded(RuntimeError):
+class StalenessExceeded(RlboostError, RuntimeError):
     """A result with tokens from a version further behind than the mode allows."""
 
 

@@ -120,7 +120,7 @@ def main(argv: list[str], s: Settings) -> int:
     print(f"published {out['requests']} requests; consumer finished {out['consumed']}; each result was "
           f"published twice; the results stream holds {out['results']} distinct results "
           f"({out['missing']} missing, {out['duplicated']} duplicated) in {out['seconds']} s")
-    from rlboost.cli import print_result
+    from rlboost.logs import print_result
 
     print_result(out)
     return 0 if out["missing"] == 0 and out["duplicated"] == 0 else 1

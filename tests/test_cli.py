@@ -18,7 +18,7 @@ def test_bench_help_lists_runnable_benchmarks():
     assert out.returncode == 0, out.stderr
     for name in ("dataflow", "chaos", "faults", "weights"):
         assert f"  {name} " in out.stdout, out.stdout
-    assert "throughput" not in out.stdout  # a helper module of workers.benchmarks, not a benchmark
+    assert "throughput" not in out.stdout  # a helper module of benchmarks, not a benchmark
 
 
 def test_bench_lists_only_modules_with_main():

@@ -20,7 +20,7 @@ from rlboost.clients import open_clients
 from rlboost.config import ServicesSettings, WorkerSettings
 from rlboost.manager import RolloutManager
 from rlboost.services import EmbeddedServices
-from workers.benchmarks import faults
+from benchmarks import faults
 from workers.counters import Counters
 from workers.engines.emulated import EmulatedEngine
 from workers.worker import RolloutWorker

@@ -1,4 +1,4 @@
-"""Emulated instances sharing one fleet-host process (workers/benchmarks/fleet_host.py): preempting one
+"""Emulated instances sharing one fleet-host process (benchmarks/fleet_host.py): preempting one
 reaches exactly its requests; the instance beside it in the same process serves on.
 
 The preemption moment is chosen by state (the instance holds a lease on a request with a
@@ -16,7 +16,7 @@ from rlboost import wire
 from rlboost.clients import open_clients
 from rlboost.manager import RolloutManager
 from workers.engines.emulated import reference_tokens
-from workers.benchmarks.fleet_host import HostedFleet
+from benchmarks.fleet_host import HostedFleet
 
 K, MAX_NEW = 4, 24
 

@@ -22,11 +22,11 @@ from rlboost import orchestrator as orch
 from rlboost import wire
 from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
-from rlboost.costs import Prices
+from benchmarks.costs import Prices
 from rlboost.offload import SeedWindow
 from rlboost.replay import read_subject
-from workers.benchmarks import trace as bench
-from workers.benchmarks.trace_model import MAX_NEW_TOKENS
+from benchmarks import trace as bench
+from benchmarks.trace_model import MAX_NEW_TOKENS
 from workers.counters import Counters
 from workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel, reference_tokens
 from workers.fleet import WorkerFleet

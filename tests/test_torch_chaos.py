@@ -13,7 +13,7 @@ import random
 from rlboost import wire
 from trainer.model import init_model_dir
 from trainer.tasks import get_task
-from workers.benchmarks.chaos import chaos
+from benchmarks.chaos import chaos
 from workers.engines.base import Sequence
 from workers.engines.torch_engine import TorchEngine
 

@@ -9,10 +9,10 @@ import asyncio
 import pytest
 
 from rlboost.clients import open_clients
-from rlboost.costs import Prices
-from rlboost.spot import Interval, intervals, parse_trace, rented
-from workers.benchmarks import trace as bench
-from workers.benchmarks import trace_model as model
+from benchmarks.costs import Prices
+from benchmarks.spot import Interval, intervals, parse_trace, rented
+from benchmarks import trace as bench
+from benchmarks import trace_model as model
 
 
 def args(**kw) -> argparse.Namespace:

@@ -15,7 +15,7 @@ from rlboost import bus, wire
 from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
 from rlboost.manager import RolloutManager
-from workers.benchmarks.chaos import chaos
+from benchmarks.chaos import chaos
 from workers.counters import Counters
 from workers.engines.emulated import EmulatedEngine, LengthModel, reference_tokens
 from workers.worker import RolloutWorker

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rlboost.cli import print_result
+from rlboost.logs import print_result
 from rlboost.config import Settings
 from rlboost.logs import get_logger
 from trainer import model as M

@@ -31,8 +31,10 @@ from typing import Any
 
 from trainer.tasks import Task
 
+from rlboost.errors import RlboostError
 
-class DataError(ValueError):
+
+class DataError(RlboostError, ValueError):
     """A dataset that cannot be read or mapped; the message names the file and what is wrong."""
 
 
@@ -142,7 +144,7 @@ def load_samples(path: str | Path, fields: FieldMap = FieldMap()) -> list[Sample
     return [to_sample(r, i, fields, str(path)) for i, r in enumerate(rows)]
 
 
-class DataExhausted(Exception):
+class DataExhausted(RlboostError):
     """Every epoch the run asked for has been served."""
 
 

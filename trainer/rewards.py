@@ -37,13 +37,14 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from rlboost.errors import RlboostError
 from rlboost.logs import get_logger
 
 BUILTIN = {"addition": "trainer.builtin_rewards:addition_score", "math": "trainer.builtin_rewards:math_score"}
 SAMPLE_PARAMS = {"data_source", "solution_str", "ground_truth", "extra_info", "prompt", "finish_reason", "answer"}
 
 
-class RewardError(ValueError):
+class RewardError(RlboostError, ValueError):
     """A reward spec that does not name a usable function (one line, says why)."""
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 import msgspec
 import torch
 from rlboost import metrics, wire
-from rlboost.cli import print_result
+from rlboost.logs import print_result
 from rlboost.clients import Clients, open_clients
 from rlboost.config import ConfigError, Settings, WorkerSettings, apply_overrides, dump_toml, load_settings, \
     parse_overrides

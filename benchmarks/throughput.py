@@ -15,9 +15,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis.asyncio as aioredis
 
 from rlboost import wire
-from rlboost.cli import print_result
+from rlboost.logs import print_result
+from rlboost.checkpoint import pack
 from rlboost.clients import open_clients
 from rlboost.config import Settings
 from rlboost.services import EmbeddedServices, running_services
@@ -35,15 +37,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def chunk_records(i: int, r: int, k: int) -> tuple[list[int], list[float]]:
+    return [(i * 7 + r * k + j) % 50000 for j in range(k)], [-0.5] * k
+
+
+
+async def raw_rounds(client: aioredis.Redis, rids: list[str], tokens: int, k: int, groups: int) -> float:
+    async def group(members: list[str]) -> None:
+        for r in range(tokens // k):
+            async with client.pipeline(transaction=False) as pipe:
+                for i, rid in enumerate(members):
+                    pipe.append(f"raw:{rid}", pack(*chunk_records(i, r, k)))
+                await pipe.execute()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(group(rids[g::groups]) for g in range(groups)))
+    return time.perf_counter() - t0
+
+
 async def raw_rates(nats_url: str, redis_url: str, a: argparse.Namespace, seconds: float = 2.0) -> dict:
     """The servers' own ceilings, on the same servers in the same run (after the fleet stopped):
     pipelined `APPEND` of the same packed K-token records (no fencing), from as many
     concurrent pipelines as there were workers; and JetStream `publish_async` of one
     K-token chunk per message (the old wire: one message per request per flush)."""
-    import redis.asyncio as aioredis
-
-    from workers.benchmarks.dataflow import raw_rounds
-
     raw = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(redis_url,
                                                                                 max_connections=a.workers + 2))
     try:

@@ -17,7 +17,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from rlboost.cli import print_result
+from rlboost.logs import print_result
 from rlboost.config import Settings
 from rlboost.logs import configure_logging
 from trainer import run

@@ -5,7 +5,7 @@ workers/worker.py) per preemptible instance, started when the trace says the nod
 preempted when it says it went (a drain with `--notice` modelled seconds, as on SIGTERM, then
 an abrupt stop as on SIGKILL; `--notice 0` = the abrupt stop at once), hand-offs through the
 resume lane, leases, fencing, the adaptive seeding window. The instances share `--hosts` (2)
-fleet-host processes (workers/benchmarks/fleet_host.py), each instance on its own NATS and Redis
+fleet-host processes (benchmarks/fleet_host.py), each instance on its own NATS and Redis
 connections there: a preemption reaches exactly that instance's requests (the abrupt stop cuts
 its connections, then cancels its tasks: no more acks, heartbeats or appends; its leases expire
 and its requests return after ACK_WAIT_S to resume elsewhere from their checkpoints). A real
@@ -40,7 +40,7 @@ the hybrid ~2K tokens/s against S=15. Colocated and disaggregated do not depend 
 they run `--baseline-duration` (900 s) of the segment; hybrid runs the whole segment.
 Default: 2 h at S=20 = ~8 minutes in all.
 
-Timing constants, their sources and the calibration: `workers/benchmarks/trace_model.py`.
+Timing constants, their sources and the calibration: `benchmarks/trace_model.py`.
 
 Policies (one command runs them all). The step is the product's own, `rlboost/orchestrator.py`,
 the code `rlboost run` drives: this bench only plugs emulated parts into it (the seeding engines
@@ -87,21 +87,21 @@ from collections import defaultdict
 from pathlib import Path
 
 from rlboost import wire
-from rlboost.cli import print_result
+from rlboost.logs import print_result
 from rlboost.clients import Clients, open_clients
 from rlboost.config import Settings, WorkerSettings
-from rlboost.costs import Prices, cost_efficiency, cost_per_hour, run_cost
+from benchmarks.costs import Prices, cost_efficiency, cost_per_hour, run_cost
 from rlboost.logs import configure_logging
 from rlboost.manager import RolloutManager
 from rlboost.offload import SeedWindow
 from rlboost.orchestrator import Orchestrator
 from rlboost.replay import migrations, read_subject
 from rlboost.services import running_services
-from rlboost.spot import (Interval, TraceError, available, instance_seconds, intervals, parse_trace, rented,
+from benchmarks.spot import (Interval, TraceError, available, instance_seconds, intervals, parse_trace, rented,
                           sample_nodes, static_intervals)
-from workers.benchmarks import percentile
-from workers.benchmarks.fleet_host import HostedFleet
-from workers.benchmarks.trace_model import (INSTANCE_GPUS, MAX_NEW_TOKENS, PROMPT_TOKENS, PUBLISHED, RESERVED_GPUS,
+from benchmarks import percentile
+from benchmarks.fleet_host import HostedFleet
+from benchmarks.trace_model import (INSTANCE_GPUS, MAX_NEW_TOKENS, PROMPT_TOKENS, PUBLISHED, RESERVED_GPUS,
                                             SLOTS_PER_GPU, TRAIN_S_PER_TOKEN, balanced_split, model_hybrid_throughput,
                                             model_step_s, modelled_lengths, seed_of)
 from workers.counters import Counters
@@ -148,7 +148,7 @@ class Emulation:
         self.manager = RolloutManager(c, self.pool)
         self.hb_s = 0.25  # heartbeats carry in-flight counts: the seeding rule's idle measure
         # The preemptible instances: emulated workers sharing `--hosts` fleet-host processes
-        # (workers/benchmarks/fleet_host.py), or one worker process each (`--hosts 0`, as before)
+        # (benchmarks/fleet_host.py), or one worker process each (`--hosts 0`, as before)
         hosts = getattr(a, "hosts", 0)
         fleet = (lambda *args, **kw: HostedFleet(*args, hosts=hosts, **kw)) if hosts else WorkerFleet
         self.fleet = fleet(nats_url, redis_url, workdir / label, self.pool, worker_args=[
@@ -506,7 +506,7 @@ def main(argv: list[str], s: Settings) -> int:
                    help="modelled s for colocated/disaggregated (reserved-only: independent of the trace)")
     p.add_argument("--hosts", type=int, default=2,
                    help="preemptible instances run as emulated workers in this many fleet-host processes "
-                   "(workers/benchmarks/fleet_host.py); 0 = one worker process per instance")
+                   "(benchmarks/fleet_host.py); 0 = one worker process per instance")
     p.add_argument("--static", default="", help="instead of a trace: hybrid with these many instances always up (1,2)")
     p.add_argument("--reserved-gpu-hour", type=float, default=Prices.reserved_gpu_hour)
     p.add_argument("--preemptible-gpu-hour", type=float, default=Prices.preemptible_gpu_hour)

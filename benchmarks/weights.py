@@ -33,7 +33,7 @@ import uuid
 from pathlib import Path
 
 from rlboost import bus, wire
-from rlboost.cli import print_result
+from rlboost.logs import print_result
 from rlboost.config import Settings
 from rlboost.services import running_services
 

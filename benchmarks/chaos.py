@@ -32,12 +32,12 @@ import numpy as np
 
 from rlboost import bus, wire
 from rlboost.checkpoint import parse_segment
-from rlboost.cli import print_result
+from rlboost.logs import print_result
 from rlboost.clients import open_clients
 from rlboost.config import Settings
 from rlboost.replay import read_chunks, read_subject
 from rlboost.services import running_services
-from workers.benchmarks import percentile
+from benchmarks import percentile
 from workers.engines.emulated import LengthModel, reference_tokens
 from workers.fleet import WorkerFleet
 

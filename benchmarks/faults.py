@@ -47,7 +47,7 @@ import numpy as np
 
 from rlboost import wire
 from rlboost.checkpoint import LeaseLost
-from rlboost.cli import print_result
+from rlboost.logs import print_result
 from rlboost.clients import open_clients
 from rlboost.config import ServicesSettings, Settings
 from rlboost.manager import RolloutManager

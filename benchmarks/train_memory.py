@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlboost.cli import print_result
+from rlboost.logs import print_result
 from rlboost.config import Settings
 
 

@@ -4,7 +4,7 @@ With `--workers N`: aggregate tokens/s through N real worker processes (emulated
 unlimited speed) serving 1000 concurrent requests, i.e. the whole per-token path: fenced
 appends, token-flush publishes, results; with the µs of CPU per chunk spent in the workers,
 nats-server and redis-server (/proc/<pid>/stat), and raw Redis APPEND / JetStream publish
-rates measured on the same servers in the same run (workers/benchmarks/throughput.py).
+rates measured on the same servers in the same run (benchmarks/throughput.py).
 
 1000 concurrent requests x 512 tokens, appended 16 at a time, by G groups of requests that
 each flush their requests' chunks in one pipeline per round (as a worker flushes its batch).
@@ -22,37 +22,21 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from rlboost.checkpoint import CheckpointStore, pack
-from rlboost.cli import print_result
+from rlboost.checkpoint import CheckpointStore
+from rlboost.logs import print_result
 from rlboost.config import Settings
 from rlboost.services import running_services
-
-
-def _chunk(i: int, r: int, k: int) -> tuple[list[int], list[float]]:
-    return [(i * 7 + r * k + j) % 50000 for j in range(k)], [-0.5] * k
+from benchmarks.throughput import chunk_records, raw_rounds, run_fleet
 
 
 async def store_rounds(store: CheckpointStore, rids: list[str], epochs: dict[str, int], tokens: int, k: int,
                        groups: int) -> float:
     async def group(members: list[str]) -> None:
         for r in range(tokens // k):
-            batch = [(rid, "bench", epochs[rid], r * k, *_chunk(i, r, k)) for i, rid in enumerate(members)]
+            batch = [(rid, "bench", epochs[rid], r * k, *chunk_records(i, r, k)) for i, rid in enumerate(members)]
             for out in await store.append_many(batch, ttl_s=60):
                 if isinstance(out, Exception):
                     raise out
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(group(rids[g::groups]) for g in range(groups)))
-    return time.perf_counter() - t0
-
-
-async def raw_rounds(client: aioredis.Redis, rids: list[str], tokens: int, k: int, groups: int) -> float:
-    async def group(members: list[str]) -> None:
-        for r in range(tokens // k):
-            async with client.pipeline(transaction=False) as pipe:
-                for i, rid in enumerate(members):
-                    pipe.append(f"raw:{rid}", pack(*_chunk(i, r, k)))
-                await pipe.execute()
 
     t0 = time.perf_counter()
     await asyncio.gather(*(group(rids[g::groups]) for g in range(groups)))
@@ -95,8 +79,6 @@ def main(argv: list[str], s: Settings) -> int:
                    help="measure tokens/s through N real worker processes (emulated engine) instead")
     a = p.parse_args(argv)
     if a.workers:
-        from workers.benchmarks.throughput import run_fleet
-
         return run_fleet(a, s)
     if not (s.services.nats_url and s.services.redis_url):
         s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-bench-")

@@ -18,7 +18,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from rlboost.cli import print_result
+from rlboost.logs import print_result
 from rlboost.config import Settings
 from trainer import run
 

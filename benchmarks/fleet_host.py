@@ -2,7 +2,7 @@
 
 A real process per emulated instance costs a Python interpreter, its imports and its own event
 loop; nine of them fill this 2-core box, so the trace bench could rent only 3 of the ~14
-instances a spot trace offers. Here one `python -m workers.benchmarks.fleet_host` process runs any number
+instances a spot trace offers. Here one `python -m benchmarks.fleet_host` process runs any number
 of the product's own `RolloutWorker`s (workers/worker.py, unchanged), one per instance, each
 with its own worker id, engine, counters file and NATS / Redis connections, in one asyncio loop.
 
@@ -330,7 +330,7 @@ class HostedFleet:
                **self.env}
         while len(self._procs) < max(1, self.hosts):
             log = open(self.workdir / f"host{len(self._procs)}.log", "wb")
-            proc = subprocess.Popen([sys.executable, "-m", "workers.benchmarks.fleet_host", "--pool", self.pool, *self.worker_args],
+            proc = subprocess.Popen([sys.executable, "-m", "benchmarks.fleet_host", "--pool", self.pool, *self.worker_args],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
             log.close()
             threading.Thread(target=self._read, args=(proc,), daemon=True).start()

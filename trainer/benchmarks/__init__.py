@@ -1,1 +1,0 @@
-"""Benchmarks of the RL loop: `rlboost bench reproduce`."""
