@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 # mkdocs-material prints a banner about its successor on every build: not ours to act on.
 export NO_MKDOCS_2_WARNING ?= 1
 
-.PHONY: demo test docs install clean
+.PHONY: demo test test-slow docs install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,7 +32,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pyflakes rlboost workers trainer benchmarks tests infra docs
 	$(BIN)/python -m mkdocs build --strict -d build/site
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# The process-heavy tests (`@pytest.mark.slow`: whole training runs, SIGKILL + resume, chaos,
+# server clusters). CI runs both targets (.ci/run): `make test` stays a few minutes.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
 
 # The documentation site, into site/ (open site/index.html).
 docs: $(STAMP)

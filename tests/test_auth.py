@@ -125,6 +125,7 @@ FORBIDDEN = ["fresh-lane", "delete-stream", "purge-stream", "policy-put", "other
              "weights-put"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FORBIDDEN)
 async def test_worker_is_refused(trainer, worker, case):
     nc, js, errors = worker

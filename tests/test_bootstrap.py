@@ -52,6 +52,7 @@ def test_sft_labels_cover_the_response_and_eos_only():
         assert (labels[row, :n_prompt] == -100).all()
 
 
+@pytest.mark.slow
 def test_init_model_command_runs_and_saves(tmp_path):
     """Through the real command, in its own process (as a user runs it)."""
     out = tmp_path / "model"

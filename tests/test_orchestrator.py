@@ -278,6 +278,7 @@ def test_a_partial_response_continues_under_the_next_version(services):
             assert s == [orch.staleness(r, o.step) for r in results]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2])
 def test_async_staleness_never_exceeds_k_on_any_trained_sample(services, k):
     outs, clock = asyncio.run(drive(services, "async", steps=4, preemptible=1, max_staleness=k))
@@ -291,6 +292,7 @@ def test_async_staleness_never_exceeds_k_on_any_trained_sample(services, k):
     assert max(seen) == k  # the bound is reached (steps published ahead), never passed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", orch.MODES)
 def test_a_pool_running_ahead_of_the_trainer_counts_as_waiting_in_the_seeding_rule(services, mode):
     """In partial and async the pool always has later work (extra groups, steps published
@@ -311,6 +313,7 @@ def test_a_pool_running_ahead_of_the_trainer_counts_as_waiting_in_the_seeding_ru
         assert outs[-1].t_seed < outs[0].t_seed
 
 
+@pytest.mark.slow
 def test_the_trace_bench_runs_the_products_orchestration(services, tmp_path, monkeypatch):
     """The bench has no step logic of its own: each of its steps is Orchestrator.step."""
     calls = []

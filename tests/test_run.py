@@ -36,6 +36,7 @@ def _run(services, tmp_path, model_dir, *args: str) -> tuple[dict, list[dict]]:
     return out, rows
 
 
+@pytest.mark.slow
 def test_hybrid_hands_off_at_the_end_of_the_seeding_window(services, tmp_path, model_dir):
     out, rows = _run(services, tmp_path, model_dir, "--policy", "hybrid", "--steps", "2", "--workers", "1",
                      "--t-seed", "0.5", "--t-seed-floor", "0.5", "--slots", "8", "--prompts", "16",
@@ -45,6 +46,7 @@ def test_hybrid_hands_off_at_the_end_of_the_seeding_window(services, tmp_path, m
     assert all(r["live_workers"] == 1 for r in rows)
 
 
+@pytest.mark.slow
 def test_with_no_preemptible_worker_the_run_completes_colocated(services, tmp_path, model_dir):
     out, rows = _run(services, tmp_path, model_dir, "--policy", "hybrid", "--steps", "1", "--workers", "0",
                      "--algorithm.off_policy", "tis")

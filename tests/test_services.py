@@ -33,6 +33,7 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_up_status_down_leaves_no_server_running(tmp_path):
     up = _cli(tmp_path, "up")
     assert up.returncode == 0, up.stderr

@@ -10,6 +10,8 @@ import argparse
 import asyncio
 import random
 
+import pytest
+
 from rlboost import wire
 from trainer.model import init_model_dir
 from trainer.tasks import get_task
@@ -18,6 +20,7 @@ from workers.engines.base import Sequence
 from workers.engines.torch_engine import TorchEngine
 
 
+@pytest.mark.slow
 def test_torch_workers_under_chaos_match_an_uninterrupted_engine(services, tmp_path):
     nats_url, redis_url = services
     model_dir = init_model_dir(tmp_path / "model", get_task("addition"), seed=3)

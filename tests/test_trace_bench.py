@@ -27,6 +27,7 @@ async def run(nats_url, redis_url, tmp_path, a, label, policy, ivs, duration):
         return await bench.Emulation(a, c, nats_url, redis_url, tmp_path, label, policy, ivs).run(duration)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("notice", [30.0, 0.0], ids=["sigterm-with-notice", "sigkill"])
 def test_preempted_node_requests_finish_elsewhere(services, tmp_path, notice):
     nats_url, redis_url = services
@@ -50,6 +51,7 @@ def test_preempted_node_requests_finish_elsewhere(services, tmp_path, notice):
     assert moved["after_handoff_s"]["n"] > 0  # the seeding engines' hand-offs at T_seed
 
 
+@pytest.mark.slow
 def test_no_preemptible_node_hybrid_equals_colocated(services, tmp_path):
     nats_url, redis_url = services
     empty = tmp_path / "empty.csv"

@@ -268,6 +268,7 @@ async def test_a_request_is_never_generated_with_another_policy_version(clients)
     await task
 
 
+@pytest.mark.slow
 async def test_a_request_of_the_next_version_is_handed_back_once_not_every_half_second(clients):
     """An async run's request published a step ahead meets a worker still generating the
     previous version: handed back, after which the worker fetches nothing until its engine can
@@ -292,6 +293,7 @@ async def test_a_request_of_the_next_version_is_handed_back_once_not_every_half_
     assert info.delivered.consumer_seq <= 4
 
 
+@pytest.mark.slow
 def test_chaos_with_real_processes_loses_duplicates_and_corrupts_nothing(services, tmp_path):
     """SIGKILL, SIGTERM, SIGSTOP/SIGCONT and restarts of real worker processes."""
     nats_url, redis_url = services

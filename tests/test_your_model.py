@@ -79,6 +79,7 @@ def test_qwen3_with_a_flaky_reward_trains_and_counts_failures(services, tmp_path
     assert tree_sha256(model) == before
 
 
+@pytest.mark.slow
 def test_run_on_a_folder_that_is_not_a_model_is_one_line_and_touches_nothing(tmp_path):
     """The bug this section started from: a run used to bootstrap the toy model into a user's folder."""
     user = tmp_path / "my-model"
