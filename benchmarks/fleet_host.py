@@ -158,7 +158,7 @@ class Instance:
         import copy
 
         from rlboost.clients import open_clients
-        from workers.main import build_engine
+        from workers.engines import engine_from_settings
         from workers.worker import RolloutWorker
 
         h = self.host
@@ -168,7 +168,7 @@ class Instance:
             relay = Relay(*_endpoint(url, port))
             self.relays.append(relay)
             urls.append(_relayed(url.split(",")[0].strip(), await relay.open()))
-        engine = build_engine(s)
+        engine = engine_from_settings(s.worker)
         counters = Counters(h.workdir / f"{self.worker_id}.counters")
         try:
             async with open_clients(urls[0], urls[1], f"rlboost-worker-{self.worker_id}", settings=s) as c:

@@ -84,11 +84,12 @@ def test_llama_and_qwen3_load_in_the_trainer_and_the_engine_read_only(llama, qwe
 
 def test_worker_engine_options_reach_the_torch_engine(qwen3):
     from rlboost.config import Settings
-    from workers.main import build_engine, parse_args
+    from workers.engines import engine_from_settings
+    from workers.main import parse_args
 
     s = Settings()
     parse_args(["--engine", "torch", "--model-dir", str(qwen3), "--dtype", "float32", "--max-model-len", "64",
                 "--device", "cpu"], s)
-    engine = build_engine(s)
+    engine = engine_from_settings(s.worker)
     assert {p.dtype for p in engine.model.parameters()} == {torch.float32} and engine.max_model_len == 64
     assert TorchEngine(str(qwen3)).dtype == torch.float64  # the reproducible default

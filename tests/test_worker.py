@@ -460,3 +460,18 @@ async def test_a_request_being_finished_is_not_dropped_by_its_own_lease_renewal(
     assert len(got) == len(reqs)
     assert drops == [] and w.counters.get("fenced") == 0
     assert w.counters.get("results") == len(reqs)
+
+
+def test_worker_flags_and_any_setting_land_in_the_settings_tree_validated():
+    """`rlboost worker` flags are shorthands for `[worker]` keys, any key goes as
+    --section.key, and the tree's invariants hold on the result (lease TTL < ack_wait)."""
+    from rlboost.config import Settings
+    from workers.main import parse_args
+
+    s = Settings()
+    parse_args(["--pool", "p1", "--ack-wait", "20", "--lease-ttl", "12", "--worker.fetch_batch", "4",
+                "--slots", "3"], s)
+    assert (s.worker.pool, s.worker.ack_wait_s, s.worker.lease_ttl_s, s.worker.fetch_batch, s.worker.slots) == \
+        ("p1", 20.0, 12.0, 4, 3)
+    with pytest.raises(SystemExit):
+        parse_args(["--ack-wait", "3"], Settings())  # the default lease TTL (8 s) is not < 3 s

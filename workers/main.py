@@ -9,72 +9,67 @@ from pathlib import Path
 
 from rlboost import metrics
 from rlboost.clients import open_clients
-from rlboost.config import Settings
+from rlboost.config import ConfigError, Settings, apply_overrides, parse_overrides
 from rlboost.logs import get_logger
 from rlboost.services import resolve_urls
 from rlboost.weights import VersionPointer, WeightCache, open_store
 from rlboost.weights.source import StoreWeights, WeightSource
 from workers.counters import Counters
-from workers.engines import EngineError, make_engine
+from workers.engines import EngineError, engine_from_settings
 from workers.worker import RolloutWorker, make_worker_id
 
 
+# `rlboost worker` flags: shorthands for `[worker]` keys (flag dest -> key). Any setting also
+# goes as `--section.key VALUE` (e.g. --worker.fetch_batch 4), validated with the whole tree.
+FLAGS = {"pool": "pool", "engine": "engine", "handoff_pool": "handoff_pool", "slots": "slots",
+         "checkpoint_tokens": "checkpoint_tokens", "model_dir": "model_dir", "device": "device", "dtype": "dtype",
+         "max_model_len": "max_model_len", "tensor_parallel_size": "tensor_parallel_size",
+         "gpu_memory_utilization": "gpu_memory_utilization", "enforce_eager": "enforce_eager", "speed": "speed",
+         "gpus": "gpus", "token_scale": "token_scale", "ack_wait": "ack_wait_s", "lease_ttl": "lease_ttl_s",
+         "drain_grace": "drain_grace_s"}
+
+
 def parse_args(argv: list[str], s: Settings) -> argparse.Namespace:
+    """The command line on top of the settings tree `s` (defaults < TOML < environment < this),
+    applied to `s` in place and validated there (`WorkerSettings`' invariants)."""
     w = s.worker
-    p = argparse.ArgumentParser(prog="rlboost worker", description=__doc__.splitlines()[0])
-    p.add_argument("--pool", default=w.pool, help="the pool whose work queue this worker consumes")
-    p.add_argument("--engine", default=w.engine, choices=["emulated", "torch", "vllm"])
-    p.add_argument("--handoff-pool", default=w.handoff_pool,
-                   help="hand requests off to this pool's resume lane (a reserved seeding engine; default: own pool)")
-    p.add_argument("--slots", type=int, default=w.slots, help="concurrent requests in the running batch")
-    p.add_argument("--checkpoint-tokens", type=int, default=w.checkpoint_tokens, help="K: checkpoint every K tokens")
-    p.add_argument("--model-dir", default=w.model_dir, help="torch/vllm: local Hugging Face model directory")
-    p.add_argument("--device", default=w.device, help="torch: cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default=w.dtype, help="torch: float64 (default) | float32 | bfloat16 | float16; "
+    p = argparse.ArgumentParser(prog="rlboost worker", description=__doc__.splitlines()[0],
+                                epilog="Any setting: --section.key VALUE or section.key=VALUE (e.g. --worker.fetch_batch 4).")
+    p.add_argument("--pool", help=f"the pool whose work queue this worker consumes (default: {w.pool})")
+    p.add_argument("--engine", choices=["emulated", "torch", "vllm"], help=f"default: {w.engine}")
+    p.add_argument("--handoff-pool", help="hand requests off to this pool's resume lane (a reserved seeding engine; "
+                   "default: own pool)")
+    p.add_argument("--slots", type=int, help=f"concurrent requests in the running batch (default: {w.slots})")
+    p.add_argument("--checkpoint-tokens", type=int, help=f"K: checkpoint every K tokens (default: {w.checkpoint_tokens})")
+    p.add_argument("--model-dir", help="torch/vllm: local Hugging Face model directory")
+    p.add_argument("--device", help=f"torch: cpu, cuda, cuda:1 ... (default: {w.device})")
+    p.add_argument("--dtype", help="torch: float64 (default) | float32 | bfloat16 | float16; "
                    "vllm: auto | bfloat16 | float16 | float32")
-    p.add_argument("--max-model-len", type=int, default=w.max_model_len, help="context limit (0 = the model's)")
-    p.add_argument("--tensor-parallel-size", type=int, default=w.tensor_parallel_size, help="vllm: GPUs per model")
-    p.add_argument("--gpu-memory-utilization", type=float, default=w.gpu_memory_utilization, help="vllm")
-    p.add_argument("--enforce-eager", default=w.enforce_eager, type=lambda v: {"true": True, "false": False}[v.lower()],
+    p.add_argument("--max-model-len", type=int, help="context limit (0 = the model's)")
+    p.add_argument("--tensor-parallel-size", type=int, help="vllm: GPUs per model")
+    p.add_argument("--gpu-memory-utilization", type=float, help="vllm")
+    p.add_argument("--enforce-eager", type=lambda v: {"true": True, "false": False}[v.lower()],
                    metavar="true|false", help="vllm: no CUDA graphs (default: graphs on a GPU, eager on CPU)")
-    p.add_argument("--speed", type=float, default=w.speed, help="emulated: x times the modelled GPU; 0 = unlimited")
-    p.add_argument("--gpus", type=int, default=w.gpus, help="emulated: GPUs behind this worker")
-    p.add_argument("--token-scale", type=int, default=w.token_scale,
-                   help="emulated: each emitted token stands for this many modelled tokens")
+    p.add_argument("--speed", type=float, help="emulated: x times the modelled GPU; 0 = unlimited")
+    p.add_argument("--gpus", type=int, help="emulated: GPUs behind this worker")
+    p.add_argument("--token-scale", type=int, help="emulated: each emitted token stands for this many modelled tokens")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--counters", default=None, help="file for crash-proof counters (read by benchmarks)")
-    p.add_argument("--ack-wait", type=float, default=w.ack_wait_s)
-    p.add_argument("--lease-ttl", type=float, default=w.lease_ttl_s)
-    p.add_argument("--drain-grace", type=float, default=w.drain_grace_s)
-    a = p.parse_args(argv)
-    if a.lease_ttl >= a.ack_wait:
-        p.error("--lease-ttl must be shorter than --ack-wait, or redelivered requests find the lease still held")
-    w.pool, w.engine, w.slots, w.checkpoint_tokens, w.model_dir, w.speed = (
-        a.pool, a.engine, a.slots, a.checkpoint_tokens, a.model_dir, a.speed)
-    w.ack_wait_s, w.lease_ttl_s, w.drain_grace_s, w.gpus = a.ack_wait, a.lease_ttl, a.drain_grace, a.gpus
-    w.token_scale, w.handoff_pool = a.token_scale, a.handoff_pool
-    w.device, w.dtype, w.max_model_len, w.tensor_parallel_size = a.device, a.dtype, a.max_model_len, a.tensor_parallel_size
-    w.gpu_memory_utilization, w.enforce_eager = a.gpu_memory_utilization, a.enforce_eager
+    p.add_argument("--ack-wait", type=float, help=f"seconds (default: {w.ack_wait_s})")
+    p.add_argument("--lease-ttl", type=float, help=f"seconds, < --ack-wait (default: {w.lease_ttl_s})")
+    p.add_argument("--drain-grace", type=float, help=f"seconds (default: {w.drain_grace_s})")
+    a, rest = p.parse_known_args(argv)
+    try:
+        overrides = parse_overrides(rest)
+        for name, key in FLAGS.items():
+            if (value := getattr(a, name)) is not None:
+                overrides.setdefault("worker", {})[key] = value
+        new = apply_overrides(s, overrides)
+    except ConfigError as e:  # an unknown argument, or e.g. lease_ttl_s not < ack_wait_s
+        p.error(str(e))
+    for section in s.__struct_fields__:
+        setattr(s, section, getattr(new, section))
     return a
-
-
-def build_engine(s: Settings):
-    w = s.worker
-    if w.engine == "emulated":
-        from workers.engines.emulated import TimingModel
-
-        from workers.engines.emulated import LengthModel
-
-        return make_engine("emulated", speed=w.speed, timing=TimingModel().on_gpus(w.gpus).per_emulated_token(
-            w.token_scale), lengths=LengthModel().per_emulated_token(w.token_scale))
-    if not w.model_dir:
-        raise SystemExit(f"rlboost worker: --model-dir is required for the {w.engine} engine")
-    if w.engine == "torch":
-        return make_engine("torch", model_dir=w.model_dir, device=w.device, dtype=w.dtype or "float64",
-                           max_model_len=w.max_model_len)
-    return make_engine(w.engine, model_dir=w.model_dir, dtype=w.dtype or None, max_model_len=w.max_model_len,
-                       tensor_parallel_size=w.tensor_parallel_size, gpu_memory_utilization=w.gpu_memory_utilization,
-                       enforce_eager=w.enforce_eager)
 
 
 async def weight_source(s: Settings, js, worker_id: str) -> WeightSource | None:
@@ -91,7 +86,7 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
     """Serve until drained. A hand-off (SIGUSR2: a reserved seeding engine's window is over)
     gives every request away and serves on with the same engine, in a new round."""
     nats_url, redis_url = resolve_urls(s.services)
-    engine = build_engine(s)
+    engine = engine_from_settings(s.worker)
     # the trainer provisions the servers; a worker started first waits for it (bus.provision_or_wait)
     async with open_clients(nats_url, redis_url, f"rlboost-worker-{worker_id}", settings=s,
                             wait_provisioned=True) as c:

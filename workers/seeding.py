@@ -23,6 +23,8 @@ import signal
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from rlboost.clients import Clients
 from rlboost.config import WorkerSettings
 from workers.counters import Counters
@@ -191,7 +193,7 @@ def make_seeding_engine(kind: str, model_dir: str, w: WorkerSettings, sleep: boo
     workers), vLLM (the worker's engine options) or emulated (benches). `sleep` (vLLM sleep mode,
     the engine freeing its GPU memory while the trainer trains, as verl does) is GPU-only: this
     code refuses it where it cannot work, and it has not been run here (no GPU on the CPU box)."""
-    from workers.engines import EngineError, make_engine
+    from workers.engines import EngineError, engine_from_settings
 
     if sleep:
         if kind != "vllm":
@@ -201,14 +203,7 @@ def make_seeding_engine(kind: str, model_dir: str, w: WorkerSettings, sleep: boo
         if not torch.cuda.is_available():
             raise EngineError("rollout.vllm_sleep: vLLM sleep mode frees GPU memory; this machine has no CUDA "
                               "GPU (a CPU build of vLLM cannot sleep). Leave it off here.")
+    # the emulated seeding engine runs at the modelled speed on one GPU, whatever the worker flags
     if kind == "emulated":
-        return make_engine("emulated")
-    if kind == "torch":
-        return make_engine("torch", model_dir=model_dir, device=w.device, dtype=w.dtype or "float64",
-                           max_model_len=w.max_model_len)
-    options: dict[str, object] = dict(model_dir=model_dir, dtype=w.dtype or None, max_model_len=w.max_model_len,
-                                      tensor_parallel_size=w.tensor_parallel_size,
-                                      gpu_memory_utilization=w.gpu_memory_utilization, enforce_eager=w.enforce_eager)
-    if sleep:
-        options["enable_sleep_mode"] = True
-    return make_engine("vllm", **options)
+        w = WorkerSettings()
+    return engine_from_settings(msgspec.structs.replace(w, engine=kind, model_dir=model_dir), sleep=sleep)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from workers.engines.base import Engine, EngineError, Generated, Sequence
+
+if TYPE_CHECKING:
+    from rlboost.config import WorkerSettings
 
 
 def make_engine(name: str, **options: object) -> Engine:
@@ -25,4 +30,26 @@ def make_engine(name: str, **options: object) -> Engine:
     raise EngineError(f"unknown engine {name!r}: choose emulated, torch or vllm")
 
 
-__all__ = ["Engine", "EngineError", "Generated", "Sequence", "make_engine"]
+def engine_from_settings(w: WorkerSettings, sleep: bool = False) -> Engine:
+    """The one engine factory: a worker process's engine and the reserved side's seeding engine
+    are both built here from `[worker]` settings (engine, model_dir and the engine options).
+    `sleep`: vLLM sleep mode (checked by the caller, `workers.seeding.make_seeding_engine`)."""
+    if w.engine == "emulated":
+        from workers.engines.emulated import LengthModel, TimingModel
+
+        return make_engine("emulated", speed=w.speed, timing=TimingModel().on_gpus(w.gpus).per_emulated_token(
+            w.token_scale), lengths=LengthModel().per_emulated_token(w.token_scale))
+    if not w.model_dir:
+        raise EngineError(f"the {w.engine} engine needs a model directory (--model-dir, worker.model_dir)")
+    if w.engine == "torch":
+        return make_engine("torch", model_dir=w.model_dir, device=w.device, dtype=w.dtype or "float64",
+                           max_model_len=w.max_model_len)
+    options: dict[str, object] = dict(model_dir=w.model_dir, dtype=w.dtype or None, max_model_len=w.max_model_len,
+                                      tensor_parallel_size=w.tensor_parallel_size,
+                                      gpu_memory_utilization=w.gpu_memory_utilization, enforce_eager=w.enforce_eager)
+    if sleep:
+        options["enable_sleep_mode"] = True
+    return make_engine(w.engine, **options)
+
+
+__all__ = ["Engine", "EngineError", "Generated", "Sequence", "engine_from_settings", "make_engine"]
