@@ -75,7 +75,7 @@ def requests_of(run: str):
 
 
 async def drive(services, mode: str, steps: int, preemptible: int = 0, policy: str = "hybrid", t_seed: float = 0.2,
-                after_handoff=None, prompts: int = 6, max_staleness: int = 1, overprovision: float = 0.5,
+                at_handoff=None, prompts: int = 6, max_staleness: int = 1, overprovision: float = 0.5,
                 train_s: float = 0.0):
     """`steps` steps of `policy` in `mode`, with `preemptible` in-process workers on the pool."""
     nats_url, redis_url = services
@@ -85,13 +85,14 @@ async def drive(services, mode: str, steps: int, preemptible: int = 0, policy: s
         workers = [RolloutWorker(settings(pool), engine(), c, worker_id=f"{run}-spot{i}") for i in range(preemptible)]
         tasks = [asyncio.create_task(w.run()) for w in workers]
         seeding = InProcessSeeding(c, pool, reserved, engine(), settings, Counters(), weight=1.0 if policy != "disaggregated" else 0.0)
-        if after_handoff is not None:  # e.g. the whole pool goes right after the seeding window
+        if at_handoff is not None:  # e.g. the whole pool goes as the seeding window closes
             hand_off = seeding.hand_off
 
             async def hand_off_then() -> int:
-                n = await hand_off()
-                after_handoff(workers)
-                return n
+                # before the hand-off, not after: a fast pool could otherwise finish every
+                # request it holds while the seeding engines hand theirs off (a loaded box)
+                at_handoff(workers)
+                return await hand_off()
             seeding.hand_off = hand_off_then
         clock = Clock(train_s)
         o = orch.Orchestrator(c, pool, seeding, clock, policy=policy, window=SeedWindow(initial_s=t_seed, floor_s=0.1),
@@ -124,12 +125,12 @@ def test_with_no_preemptible_worker_every_mode_completes_colocated(services, mod
 
 
 @pytest.mark.parametrize("mode", orch.MODES)
-def test_the_pool_dies_after_the_hand_off_and_the_reserved_side_takes_it_back(services, mode):
+def test_the_pool_dies_at_the_hand_off_and_the_reserved_side_takes_it_back(services, mode):
     def everyone_leaves(workers):
         for w in workers:
             w.request_drain("preempted")  # hands its requests back to the resume lane and goes
 
-    outs, _ = asyncio.run(drive(services, mode, steps=1, preemptible=1, after_handoff=everyone_leaves, t_seed=0.05,
+    outs, _ = asyncio.run(drive(services, mode, steps=1, preemptible=1, at_handoff=everyone_leaves, t_seed=0.05,
                                 prompts=8))
     o = outs[0]
     assert o.live == 1 and o.fallback and len(o.trained) == 8
