@@ -127,8 +127,8 @@ class DataSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     train: str = ""  # JSONL / Parquet file or a datasets.save_to_disk folder ("" = the task's generator)
     eval: str = ""  # held-out file; "" = a seeded eval_fraction of train
     reward: str = ""  # module:fn | path/to/file.py:fn | a built-in task's name; "" = the task's
-    max_prompt_tokens: int = 1024  # longer prompts are filtered (counted, logged) before a step
-    max_response_tokens: int = 0  # 0 = the task's (addition: its longest answer + EOS; else 512)
+    max_prompt_tokens: int = 1024  # longer ones are filtered (counted, logged); 0 = the context only
+    max_response_tokens: int = 0  # 0 = the task's (addition: longest answer + EOS), else 512, at most half the context
     eval_size: int = 256
     eval_fraction: float = 0.1
     shuffle: bool = True
@@ -139,6 +139,13 @@ class DataSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     data_source_key: str = "data_source"
     reward_workers: int = 2
     reward_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        from rlboost.wire import MAX_NEW_TOKENS
+
+        _check(self.max_prompt_tokens >= 0, "data.max_prompt_tokens", "must be >= 0 (0 = only the model's context)")
+        _check(0 <= self.max_response_tokens <= MAX_NEW_TOKENS, "data.max_response_tokens",
+               f"must be between 0 (the default) and {MAX_NEW_TOKENS}")
 
 
 class MetricsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

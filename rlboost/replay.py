@@ -19,18 +19,31 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from rlboost import bus, wire
 from rlboost.config import ServicesSettings, Settings
+from rlboost.errors import RlboostError
 from rlboost.services import resolve_urls
+
+# what a replay reads: lease events, token flushes, results
+READ_STREAMS = (wire.STREAM_EVENTS, wire.STREAM_TOKENS, wire.STREAM_RESULTS)
+
+
+class ReplayError(RlboostError):
+    """Nothing to replay on these servers (one line, says why)."""
 
 _STEP = re.compile(r"(?:^|-)s(\d+)-p\d+-g\d+$")
 
 
 async def read_subject(js: JetStreamContext, subject: str, kind: type, idle_s: float = 0.5) -> list:
-    """All messages on `subject` from the start of its stream, decoded (bad ones skipped)."""
+    """All messages on `subject` from the start of its stream, decoded (bad ones skipped); none
+    when the stream does not exist (a run that never got that far)."""
     out = []
-    sub = await bus.follow(js, subject)
+    try:
+        sub = await bus.follow(js, subject)
+    except NotFoundError:
+        return out
     try:
         while True:
             try:
@@ -143,10 +156,24 @@ def print_timeline(life: Life) -> None:
     print(f"  tokens by worker: {life.tokens_by_worker()}; hand-offs: {life.handoffs()}")
 
 
+async def check_streams(js: JetStreamContext, nats_url: str) -> None:
+    """ReplayError when the servers hold none of the streams a replay reads: nothing has run there."""
+    for name in READ_STREAMS:
+        try:
+            await js.stream_info(name)
+            return
+        except NotFoundError:
+            continue
+    shown = ",".join(bus._redact(u.strip()) for u in nats_url.split(","))  # never a password
+    raise ReplayError(f"no rlboost streams on {shown}: nothing has run here "
+                      "(is this the servers' URL? RLBOOST_NATS_URL, or the data dir of `rlboost up`)")
+
+
 async def run(nats_url: str, a: argparse.Namespace, services: ServicesSettings | None = None) -> int:
     nc = await bus.connect(nats_url, name="rlboost-replay", services=services)
     try:
         js = nc.jetstream()
+        await check_streams(js, nats_url)
         if a.request:
             m = _STEP.search(a.request)
             step = a.step if a.step is not None else (int(m.group(1)) if m else None)

@@ -64,10 +64,11 @@ HF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 
 
 def build_hf_model(out: Path, arch: str = "llama", *, tied: bool = False, dtype: str = "float32",
-                   shard: str | None = None, seed: int = 0) -> Path:
+                   shard: str | None = None, seed: int = 0, context: int = 256) -> Path:
     """A tiny Hugging Face model folder as a user would bring it: a byte-level BPE tokenizer
     trained with `tokenizers`, a chat template, two EOS ids in generation_config.json (the
-    chat turn end and the text end), saved with save_pretrained (`shard`: max_shard_size)."""
+    chat turn end and the text end), saved with save_pretrained (`shard`: max_shard_size);
+    `context`: max_position_embeddings."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -84,7 +85,7 @@ def build_hf_model(out: Path, arch: str = "llama", *, tied: bool = False, dtype:
                                         chat_template=CHAT_TEMPLATE)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in HF_SPECIALS}
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
                   tie_word_embeddings=tied, eos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<pad>"],
                   bos_token_id=None)
     torch.manual_seed(seed)

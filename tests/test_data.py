@@ -8,7 +8,7 @@ import pytest
 from helpers import build_hf_model
 
 from trainer.data import (DataError, DataExhausted, DataIterator, FieldMap, FileData, GeneratedData, PromptBudget,
-                          encode_prompt, load_samples)
+                          Sample, encode_prompt, load_samples)
 from trainer.model import load_tokenizer
 from trainer.tasks import get_task
 
@@ -119,6 +119,27 @@ def test_chat_prompts_use_the_template_and_long_prompts_are_filtered(tmp_path):
     assert [s.index for s, _ in got] == [0, 2, 0] and [i for i, _ in dropped] == [1]  # replaced by the next one
     assert dropped[0][1] > 64
     assert PromptBudget(max_prompt_tokens=1024, max_response_tokens=200, max_context=256).limit == 56
+
+
+def test_the_response_budget_defaults_from_the_model_context():
+    """0 = 512 but at most half the context (a 512-token model: 256 + 256, no longer a prompt
+    budget of 0); a task's own length or the user's wins; one that fills the context is refused,
+    saying where it came from."""
+    small = PromptBudget.for_model(1024, 0, 512)
+    assert (small.max_response_tokens, small.limit, small.response_from) == (256, 256, "context")
+    assert PromptBudget.for_model(1024, 0, 32768).max_response_tokens == 512
+    assert PromptBudget.for_model(1024, 0, 0).max_response_tokens == 512  # context unknown
+    assert PromptBudget.for_model(1024, 0, 256, task_response_tokens=33).max_response_tokens == 33
+    assert PromptBudget.for_model(0, 100, 512).limit == 412  # 0: the context is the only cap
+    with pytest.raises(DataError, match=r"max_response_tokens 512 \(as set\) leaves no room for a prompt: the "
+                                        r"model's context is 512 tokens .* or 0 for the default \(256\)"):
+        PromptBudget.for_model(1024, 512, 512)
+    with pytest.raises(DataError, match=r"max_response_tokens 300 \(the task's longest answer\) leaves no room"):
+        PromptBudget.for_model(1024, 0, 300, task_response_tokens=300)
+    over = PromptBudget.for_model(1024, 500, 512)
+    with pytest.raises(DataError, match=r"1024 prompts in a row are over the budget of 12 tokens: the model's "
+                                        r"context of 512 tokens less max_response_tokens 500 \(as set\); lower it"):
+        over.fill(lambda n: [Sample(index=0, prompt="x")] * n, lambda s: [1] * 20, 4, lambda s, n: None)
 
 
 def _numbers(tmp_path, n: int, name: str = "train"):

@@ -101,7 +101,7 @@ def test_the_math_task_scores_the_shipped_gsm8k_style_problems():
 
     path = Path(__file__).parent / "data" / "math_small.jsonl"
     data, reward, max_new = make_data(RunConfig(task="math", data=str(path), eval_fraction=0.25))
-    assert reward == "math" and max_new == 512 and len(data.eval_samples()) == 2
+    assert reward == "math" and max_new == 0 and len(data.eval_samples()) == 2
     samples = data.next_batch(6) + data.eval_samples()
     assert sorted(s.index for s in samples) == list(range(8)) and all(s.prompt for s in samples)
     pool = RewardPool(reward, workers=1)

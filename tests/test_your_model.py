@@ -116,3 +116,26 @@ def test_the_readme_commands_run_as_written_on_a_sharded_bf16_llama(services, tm
     steps = [json.loads(line) for line in (tmp_path / out["run_dir"] / "metrics.jsonl").read_text().splitlines()]
     assert all(r["live_workers"] >= 1 for r in steps) and all(r["tokens"] > 0 for r in steps)
     assert tree_sha256(model) == before
+
+
+@pytest.mark.slow
+def test_a_512_context_model_trains_with_no_budget_flags(services, tmp_path):
+    """The response budget used to be 512 whatever the model: a 512-token model had a prompt budget
+    of 0 and every prompt was refused. Now it defaults from the context (256 + 256)."""
+    model = build_hf_model(tmp_path / "ctx512", "llama", context=512)
+    before = tree_sha256(model)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"messages": _chat(f"What is {a} plus 2?"),
+                                                              "answer": str(a + 2)}) + "\n" for a in range(20)))
+    (tmp_path / "reward.py").write_text("def score(solution_str, ground_truth):\n"
+                                        "    return float(ground_truth in solution_str)\n")
+    run_dir = tmp_path / "run"
+    p = subprocess.run(["rlboost", "run", "--model-dir", str(model), "--data", "train.jsonl", "--reward",
+                        "reward.py:score", "--steps", "1", "--prompts", "2", "--samples", "2", "--workers", "1",
+                        "--run-dir", str(run_dir)], cwd=tmp_path, env=_env(services), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert out["steps"] == 1 and row["prompts"] == 2 and row["filtered_prompts"] == 0 and row["tokens"] > 0
+    assert 0 < row["max_response_tokens"] <= 256  # half the context
+    assert tree_sha256(model) == before

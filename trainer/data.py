@@ -276,14 +276,53 @@ def encode_prompt(tokenizer, sample: Sample) -> list[int]:
     return list(tokenizer(sample.prompt, add_special_tokens=True)["input_ids"])
 
 
+DEFAULT_RESPONSE_TOKENS = 512  # data.max_response_tokens = 0 with data: this, at most half the context
+
+
 @dataclass
 class PromptBudget:
     """The longest prompt a step may send: `max_prompt_tokens`, and no more than what leaves the
-    model's context room for `max_response_tokens`."""
+    model's context room for `max_response_tokens`.
+
+    `response_from` says where the response budget came from, for the errors: "set" (the user's
+    data.max_response_tokens), "task" (a built-in task's longest answer) or "context" (the default,
+    `DEFAULT_RESPONSE_TOKENS` but no more than half the model's context). Build one with
+    `for_model`, which defaults and checks it."""
 
     max_prompt_tokens: int
     max_response_tokens: int
     max_context: int = 0  # 0 = unknown
+    response_from: str = "set"
+
+    @classmethod
+    def for_model(cls, max_prompt_tokens: int, max_response_tokens: int, max_context: int,
+                  task_response_tokens: int = 0) -> PromptBudget:
+        """The run's budget: `max_response_tokens` as set (> 0); else the task's; else 512, no
+        more than half of `max_context` (a 512-token model gets 256 for the prompt and 256 for
+        the response). DataError when the response leaves no room for a prompt."""
+        if max_response_tokens > 0:
+            response, source = max_response_tokens, "set"
+        elif task_response_tokens > 0:
+            response, source = task_response_tokens, "task"
+        else:
+            response = min(DEFAULT_RESPONSE_TOKENS, max_context // 2) if max_context else DEFAULT_RESPONSE_TOKENS
+            source = "context"
+        budget = cls(max_prompt_tokens, max(1, response), max_context, source)
+        if max_context and budget.max_response_tokens >= max_context:
+            fix = ("set data.max_response_tokens (--max-response-tokens) below that, or 0 for the default "
+                   f"({min(DEFAULT_RESPONSE_TOKENS, max_context // 2)})" if source == "set"
+                   else "set data.max_response_tokens (--max-response-tokens) below that, or use a model "
+                   "with a longer context")
+            raise DataError(f"{budget.response_words()} leaves no room for a prompt: the model's context is "
+                            f"{max_context} tokens (max_position_embeddings): {fix}")
+        return budget
+
+    def response_words(self) -> str:
+        n = self.max_response_tokens
+        return {"set": f"max_response_tokens {n} (as set)",
+                "task": f"max_response_tokens {n} (the task's longest answer)",
+                "context": f"max_response_tokens {n} (the default: {DEFAULT_RESPONSE_TOKENS}, at most half the "
+                           "model's context)"}.get(self.response_from, f"max_response_tokens {n}")
 
     @property
     def limit(self) -> int:
@@ -291,6 +330,24 @@ class PromptBudget:
         if self.max_context:
             limits.append(self.max_context - self.max_response_tokens)
         return min(limits) if limits else 1 << 30
+
+    def explain(self) -> str:
+        """What the limit is made of and which knob raises it, for an error."""
+        by_context = bool(self.max_context) and self.max_context - self.max_response_tokens <= (
+            self.max_prompt_tokens or 1 << 30)
+        if not by_context:
+            return f"data.max_prompt_tokens {self.max_prompt_tokens}; raise it (--max-prompt-tokens), or check the data"
+        why = f"the model's context of {self.max_context} tokens less {self.response_words()}"
+        if self.response_from == "set":
+            return f"{why}; lower it (--max-response-tokens), or check the data"
+        return f"{why}; set it lower (--max-response-tokens), use a model with a longer context, or check the data"
+
+    def check_samples(self, samples: list[Sample], encode: Callable[[Sample], list[int]], what: str) -> None:
+        """Before anything slow starts: DataError if `samples` (non-empty) has no prompt within
+        budget, the error the run would otherwise meet at its first step."""
+        if samples and not any(0 < len(encode(s)) <= self.limit for s in samples):
+            raise DataError(f"none of the {len(samples)} {what} is within the prompt budget of {self.limit} "
+                            f"tokens: {self.explain()}")
 
     def fill(self, next_batch: Callable[[int], list[Sample]], encode: Callable[[Sample], list[int]], n: int,
              on_filtered: Callable[[Sample, int], None]) -> list[tuple[Sample, list[int]]]:
@@ -314,5 +371,5 @@ class PromptBudget:
                 out.append((s, ids))
             if dropped_in_a_row >= max(64 * n, 1024):
                 raise DataError(f"{dropped_in_a_row} prompts in a row are over the budget of {self.limit} tokens: "
-                                "raise max_prompt_tokens (or max_context), or check the data")
+                                f"{self.explain()}")
         return out

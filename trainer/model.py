@@ -37,8 +37,11 @@ def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS)
 
 
+DEMO_CONTEXT = 256  # the demo model's max_position_embeddings
+
+
 def build_model(vocab_size: int, hidden: int = 128, layers: int = 4, heads: int = 4, mlp: int = 512,
-                max_positions: int = 256, seed: int = 0, pad_id: int = 0, eos_id: int = 1) -> Qwen2ForCausalLM:
+                max_positions: int = DEMO_CONTEXT, seed: int = 0, pad_id: int = 0, eos_id: int = 1) -> Qwen2ForCausalLM:
     """~1.05M parameters at the defaults (tied embeddings): learns scratchpad addition on CPU
     in about a minute (DESIGN §8)."""
     config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=mlp,

@@ -66,9 +66,10 @@ from trainer import checkpoint as ckpt
 from trainer import distributed
 from trainer.grpo_trainer import GRPOTrainer
 from trainer.loggers import Loggers
-from trainer.model import META_FILE, decode_response, pad_id, read_meta
+from trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, decode_response, load_tokenizer, pad_id, \
+    read_meta
 from trainer.report import RunReport
-from trainer.rewards import Item, RewardError, RewardPool
+from trainer.rewards import Item, RewardError, RewardPool, load_function
 from trainer.tasks import TASKS, get_task
 from workers.counters import Counters, read_counters
 from workers.engines import EngineError
@@ -121,6 +122,8 @@ class RunConfig:
     reward_timeout_s: float = 10.0
     resume: bool = False  # continue run_dir from its last checkpoint
     settings: Settings = field(default_factory=Settings)  # the whole tree ([trainer], [algorithm], [run] ...)
+    # make_data's answer, read once by `preflight` and taken by the run (not read twice)
+    prepared: tuple | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_settings(cls, s: Settings, resume: bool = False) -> RunConfig:
@@ -169,9 +172,11 @@ class Run:
         self.tokenizer = self.trainer.tokenizer
         self.stops = stop_ids(cfg.model_dir, self.tokenizer)
         self.pad = pad_id(self.tokenizer, self.stops)
-        self.data, self.reward_spec, self.max_response_tokens = make_data(cfg)
-        self.budget = PromptBudget(cfg.max_prompt_tokens, self.max_response_tokens,
-                                   check_model_dir(cfg.model_dir).max_context)
+        self.data, self.reward_spec, task_tokens = cfg.prepared or make_data(cfg)
+        cfg.prepared = None
+        self.budget = PromptBudget.for_model(cfg.max_prompt_tokens, cfg.max_response_tokens,
+                                             check_model_dir(cfg.model_dir).max_context, task_tokens)
+        self.max_response_tokens = self.budget.max_response_tokens
         self.rewards = RewardPool(self.reward_spec, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
         self.eval_set = [(smp, ids) for smp in self.data.eval_samples()
                          if len(ids := encode_prompt(self.tokenizer, smp)) <= self.budget.limit]
@@ -551,7 +556,8 @@ class Run:
 
 
 def make_data(cfg: RunConfig) -> tuple[GeneratedData | FileData, str, int]:
-    """(prompt source, reward spec, max response tokens) from the task / data / reward settings."""
+    """(prompt source, reward spec, the task's response budget: 0 = none, the model's context
+    decides, `PromptBudget.for_model`) from the task / data / reward settings."""
     task = cfg.task or ("addition" if not cfg.data else "")
     if task and task not in TASKS and task != "math":
         raise DataError(f"unknown task {task!r}; built in: addition, math")
@@ -560,13 +566,13 @@ def make_data(cfg: RunConfig) -> tuple[GeneratedData | FileData, str, int]:
             raise DataError(f"the {task} task needs --data (a JSONL/Parquet file or a datasets folder)")
         generator = get_task("addition")
         return (GeneratedData(generator, seed=cfg.seed), cfg.reward or "addition",
-                cfg.max_response_tokens or generator.max_response_chars + 1)  # + EOS: never truncates an answer
+                generator.max_response_chars + 1)  # + EOS: never truncates an answer
     reward = cfg.reward or task
     if not reward:
         raise RewardError("--data needs a reward: --reward module:fn or path/to/file.py:fn (or --task math)")
     data = FileData(cfg.data, cfg.eval_data, FieldMap(**cfg.fields), seed=cfg.seed, shuffle=cfg.shuffle,
                     epochs=cfg.epochs, eval_size=cfg.eval_size, eval_fraction=cfg.eval_fraction)
-    return data, reward, cfg.max_response_tokens or 512
+    return data, reward, 0
 
 
 def run_identity(run_dir: Path, resume: bool, wanted: str = "") -> str:
@@ -673,6 +679,35 @@ def follow(cfg: RunConfig, ranks: distributed.Ranks) -> None:
     """A rank other than 0: the same trainer, driven by rank 0 until it stops."""
     trainer = make_trainer(cfg, ranks)
     distributed.Lockstep(trainer, ranks).follow()
+
+
+PREFLIGHT_SAMPLES = 1024  # training prompts a preflight tokenises (as many as the run drops before refusing)
+
+
+def preflight(cfg: RunConfig, s: Settings) -> None:
+    """Every flag, file and setting checked before anything slow starts (the demo model's build
+    and warm start, the servers, the workers): a one-line RlboostError now, not minutes in. The
+    data, the reward function, the model folder and its tokenizer (the demo's, before it is
+    built), the token budget against the model's context, and that some training prompts fit it.
+    The data read here is the run's (`cfg.prepared`)."""
+    if cfg.resume and not (Path(cfg.run_dir) / "run.json").exists():
+        raise ConfigError(f"--resume {cfg.run_dir}: no run.json there (not a run folder)")
+    data, reward, task_tokens = make_data(cfg)
+    load_function(reward)  # RewardError: a spec that names no usable function
+    if cfg.model_dir and not cfg.init_model:
+        context, tokenizer = check_model_dir(cfg.model_dir).max_context, load_tokenizer(cfg.model_dir)
+    else:  # the demo's model: its folder if built, else what it will be built as
+        model_dir = Path(cfg.model_dir or Path(s.services.data_dir).expanduser() / "model").expanduser()
+        if (model_dir / "config.json").exists() and (model_dir / META_FILE).exists():
+            context, tokenizer = check_model_dir(model_dir).max_context, load_tokenizer(model_dir)
+        else:
+            context, tokenizer = DEMO_CONTEXT, build_tokenizer(get_task("addition").alphabet)
+    budget = PromptBudget.for_model(cfg.max_prompt_tokens, cfg.max_response_tokens, context, task_tokens)
+    if isinstance(data, FileData):
+        samples = data.iterator.samples[:PREFLIGHT_SAMPLES]
+        budget.check_samples(samples, lambda smp: encode_prompt(tokenizer, smp),
+                             f"{'first ' if len(data.iterator.samples) > len(samples) else ''}training prompts")
+    cfg.prepared = (data, reward, task_tokens)
 
 
 def resolve_model(cfg: RunConfig, s: Settings) -> str:
@@ -813,7 +848,8 @@ def execute(cfg: RunConfig, s: Settings | None = None) -> dict:
     random.seed(cfg.seed)
     ranks = distributed.init_from_env(cfg.settings.trainer.device)
     try:
-        if ranks.leader:  # before anything starts: a folder that is not a model fails fast
+        if ranks.leader:  # before anything starts: a bad flag, file or folder fails fast
+            preflight(cfg, s)
             cfg.model_dir = resolve_model(cfg, s)
         cfg.model_dir = distributed.broadcast(cfg.model_dir, ranks)
         if not ranks.leader:
