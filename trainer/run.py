@@ -233,7 +233,8 @@ class Run:
             fleet = WorkerFleet(nats_url, redis_url, workdir, RESERVED_POOL, worker_args=[
                 "--engine", ro.seeding_engine, "--model-dir", cfg.model_dir, "--slots", str(cfg.slots),
                 "--checkpoint-tokens", str(cfg.checkpoint_tokens), "--handoff-pool", POOL],
-                env={"RLBOOST_WORKER__CACHE_DIR": str(self.run_dir / "weight-cache"), "RLBOOST_LOG_LEVEL": "warning"},
+                env={"RLBOOST_WORKER__CACHE_DIR": str(self.run_dir / "weight-cache"), "RLBOOST_LOG_LEVEL": "warning",
+                     **self.cfg.settings.weights.store_env()},  # it pulls from the store we publish to
                 die_with_parent=True)
             return ProcessSeeding(self.c, POOL, fleet, [()], engine, settings, self.reserved_counters,
                                   weights=None, weight=weight)
@@ -245,7 +246,7 @@ class Run:
         return self.base_version + self.trainer.version
 
     async def setup(self) -> None:
-        store = await open_store(js=self.c.js)
+        store = await open_store(js=self.c.js, **self.cfg.settings.weights.store_options())
         pointer = await VersionPointer.open(self.c.js)
         self.publisher = WeightPublisher(store, pointer, **self.cfg.settings.weights.publisher_options())
         self.publisher_pointer = pointer
