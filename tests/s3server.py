@@ -4,6 +4,7 @@ on a free loopback port, started and stopped by fixtures in conftest.py."""
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -23,16 +24,17 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "rlboost-test", "AWS_SECRET_ACCESS_KEY": "rlboost
 class MotoS3:
     """`python -m moto.server` on 127.0.0.1. Its state is in memory: a restarted server is empty."""
 
-    def __init__(self, log: Path, port: int = 0) -> None:
+    def __init__(self, log: Path, port: int = 0, env: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        self.env = env or {}  # e.g. INITIAL_NO_AUTH_ACTION_COUNT=0: moto checks credentials
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 30.0) -> MotoS3:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                         stdout=out, stderr=subprocess.STDOUT)
+                                         stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
         deadline = time.monotonic() + timeout_s
         while True:  # until it answers an S3 request (ListBuckets)
             if self.proc.poll() is not None:
@@ -42,6 +44,8 @@ class MotoS3:
                 with urllib.request.urlopen(self.url + "/", timeout=1.0) as r:
                     if r.status == 200:
                         return self
+            except urllib.error.HTTPError:  # it answered (a 403 where it checks credentials)
+                return self
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:

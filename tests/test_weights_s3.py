@@ -27,7 +27,7 @@ from rlboost.weights import (
     load_tensors,
     open_store,
 )
-from rlboost.weights.errors import ObjectMissing
+from rlboost.weights.errors import ObjectMissing, StoreError
 
 MiB = 1 << 20
 
@@ -108,6 +108,28 @@ async def test_unreachable_endpoint_and_missing_bucket_are_store_unavailable(s3_
     cache = WeightCache(tmp_path / "cache", dead, retry_deadline_s=0.5)
     with pytest.raises(StoreUnavailable, match="gave up"):
         await cache.ensure(1)
+
+
+@pytest.mark.slow
+async def test_refused_credentials_fail_fast_and_say_so(s3_env, tmp_path):
+    """A server that checks credentials and does not know ours (403): a StoreError naming the
+    credential variables, at once — not StoreUnavailable retried until the pull deadline."""
+    from s3server import MotoS3
+
+    srv = MotoS3(tmp_path / "moto.log", env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"}).start()
+    try:
+        store = S3BlobStore("s3://rbw-locked/w", endpoint=srv.url)
+        for op in (store.has("k"), store.read_all("k"), store.put("k", b"x"), store.list()):
+            with pytest.raises(StoreError, match="AWS_ACCESS_KEY_ID") as e:
+                await op
+            assert not isinstance(e.value, StoreUnavailable)
+        cache = WeightCache(tmp_path / "cache", store, retry_deadline_s=60.0)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(StoreError, match="access refused"):
+            await cache.ensure(1)
+        assert asyncio.get_running_loop().time() - t0 < 10.0  # not retried until the deadline
+    finally:
+        srv.kill()
 
 
 class KillOnFirstShardChunk(BlobStore):

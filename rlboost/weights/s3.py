@@ -115,13 +115,13 @@ class S3BlobStore(BlobStore):
 
         text = str(e)
         first = text.split("\n", 1)[0].strip()[:400]
-        if isinstance(e, (oe.PermissionDeniedError, oe.UnauthenticatedError, PermissionError)):
+        m = _STATUS.search(text)
+        status = int(m.group(1)) if m else 0
+        if isinstance(e, (oe.PermissionDeniedError, oe.UnauthenticatedError, PermissionError)) or status in (401, 403):
             return StoreError(f"{self.location}: {what}: access refused ({first}); check the credentials "
                               f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, the instance role)")
         if "NoSuchBucket" in text:
             return StoreUnavailable(f"{self.location}: {what}: bucket {self.bucket} does not exist")
-        m = _STATUS.search(text)
-        status = int(m.group(1)) if m else 0
         if 400 <= status < 500 and status not in (408, 429):
             return StoreError(f"{self.location}: {what}: refused ({first})")
         return StoreUnavailable(f"{self.location}: {what}: {first}")
