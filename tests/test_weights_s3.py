@@ -369,3 +369,32 @@ async def test_weights_store_setting_selects_the_s3_bucket(s3_server, bucket, js
     with pytest.raises(ConfigError, match="weights.s3_endpoint"):
         load_settings(environ={"RLBOOST_WEIGHTS__S3_ENDPOINT": "127.0.0.1:9000"})
     assert Path(tmp_path / "wc" / "w-s3").is_dir()
+
+
+@pytest.mark.slow
+def test_a_run_publishes_to_and_its_workers_pull_from_the_s3_store(s3_server, bucket, services, tmp_path):
+    """`rlboost run --weights.store s3://...`: the trainer publishes every version to the bucket
+    (nothing to the JetStream bucket) and the run's worker process pulls from it."""
+    import json
+    import subprocess
+    import sys
+
+    from trainer.model import init_model_dir
+    from trainer.tasks import get_task
+
+    model_dir = init_model_dir(tmp_path / "model", get_task("addition"), seed=2)
+    meta = model_dir / "rlboost.json"  # pretend it was warm-started: this test is about the weights
+    meta.write_text(json.dumps({**(json.loads(meta.read_text()) if meta.exists() else {}), "trained": True}))
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RLBOOST_NATS_URL": services[0], "RLBOOST_REDIS_URL": services[1], "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--model-dir", str(model_dir), "--run-dir",
+                        str(run_dir), "--prompts", "4", "--samples", "4", "--eval-every", "100", "--steps", "2",
+                        "--workers", "1", "--policy", "disaggregated", "--weights.store", f"s3://{bucket}/run",
+                        "--weights.s3_endpoint", s3_server.url],
+                       capture_output=True, text=True, env=env, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]]
+    manifests = sorted(k for k in keys if k.startswith("run/manifests/"))
+    assert len(manifests) >= 2 and any(k.startswith("run/shards/") for k in keys)
+    pulled = [d for d in (run_dir / "weight-cache").iterdir() if d.name != "reserved"]
+    assert pulled and any((d / "versions").glob("v*") for d in pulled), list((run_dir / "weight-cache").rglob("*"))

@@ -186,7 +186,8 @@ class Run:
         self.fleet = WorkerFleet(nats_url, redis_url, workdir, POOL, worker_args=[
             "--engine", "torch", "--model-dir", cfg.model_dir, "--slots", str(cfg.slots),
             "--checkpoint-tokens", str(cfg.checkpoint_tokens)],
-            env={"RLBOOST_WORKER__CACHE_DIR": str(run_dir / "weight-cache"), "RLBOOST_LOG_LEVEL": "warning"},
+            env={"RLBOOST_WORKER__CACHE_DIR": str(run_dir / "weight-cache"), "RLBOOST_LOG_LEVEL": "warning",
+                 **cfg.settings.weights.store_env()},  # they pull from the store the trainer publishes to
             die_with_parent=True)  # the run's own workers go with a killed trainer; a resume starts new ones
         self.reserved_counters = Counters(workdir / "reserved.counters")
         self.seeding = self._seeding_engines(nats_url, redis_url, workdir)
