@@ -88,8 +88,9 @@ class S3BlobStore(BlobStore):
             "read_timeout": timedelta(seconds=read_timeout_s),
             "allow_http": endpoint.startswith("http://"),  # a loopback or in-cluster endpoint
         }
-        # The client's own retries stay short: the weight cache retries StoreUnavailable with
-        # its own back-off and deadline, and a put is retried whole by the publisher's caller.
+        # The client's own retries (5xx, connection errors, timeouts; jittered back-off) stay
+        # short: the weight cache retries StoreUnavailable with its own back-off and deadline,
+        # and a put that still fails is the publisher's StoreUnavailable, as on the other backends.
         retry = {"max_retries": max_retries, "retry_timeout": timedelta(seconds=retry_timeout_s),
                  "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2)}}
         self._ob = obstore
