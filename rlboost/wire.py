@@ -138,7 +138,7 @@ def new_run_id() -> str:
 
 # ---------------------------------------------------------------- weights (rlboost/weights/)
 # Policy weights: content-addressed safetensors shards or delta blobs + one manifest per version in a blob
-# store (JetStream Object Store bucket by default, or a directory); the latest published
+# store (JetStream Object Store bucket by default, a directory, or an S3 bucket); the latest published
 # version is an ASCII integer under WEIGHTS_POINTER_KEY in BUCKET_POLICY, which workers watch.
 
 BUCKET_WEIGHTS = "rb-weights"  # JetStream Object Store bucket (stream OBJ_rb-weights)
@@ -158,6 +158,26 @@ def weights_delta_key(sha256_hex: str) -> str:
 def weights_manifest_key(version: int) -> str:
     """Zero-padded so a lexicographic listing is in version order."""
     return f"manifests/v{version:012d}.json"
+
+
+_S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_BLOB_PATH = re.compile(r"[A-Za-z0-9._/-]+")
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """`s3://bucket/some/prefix` (a weight store, `[weights] store`) -> ("bucket", "some/prefix").
+    ValueError if it is not one; credentials and options never ride in the URL."""
+    if not url.startswith("s3://"):
+        raise ValueError(f"{url!r} is not an s3:// URL (s3://bucket/prefix)")
+    if any(c in url for c in "@?#"):
+        raise ValueError(f"{url!r}: no credentials or options in the URL (they come from the environment)")
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    prefix = prefix.strip("/")
+    if not _S3_BUCKET.fullmatch(bucket):
+        raise ValueError(f"{url!r}: {bucket!r} is not a valid bucket name (3-63 of a-z 0-9 . -)")
+    if prefix and (not _BLOB_PATH.fullmatch(prefix) or any(p in ("", ".", "..") for p in prefix.split("/"))):
+        raise ValueError(f"{url!r}: the prefix must be /-separated segments of [A-Za-z0-9._-]")
+    return bucket, prefix
 
 
 # ---------------------------------------------------------------- stream configurations

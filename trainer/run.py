@@ -191,7 +191,8 @@ class Run:
         self.fleet = WorkerFleet(nats_url, redis_url, workdir, POOL, worker_args=[
             "--engine", "torch", "--model-dir", cfg.model_dir, "--slots", str(cfg.slots),
             "--checkpoint-tokens", str(cfg.checkpoint_tokens)],
-            env={"RLBOOST_WORKER__CACHE_DIR": str(run_dir / "weight-cache"), "RLBOOST_LOG_LEVEL": "warning"},
+            env={"RLBOOST_WORKER__CACHE_DIR": str(run_dir / "weight-cache"), "RLBOOST_LOG_LEVEL": "warning",
+                 **cfg.settings.weights.store_env()},  # they pull from the store the trainer publishes to
             die_with_parent=True)  # the run's own workers go with a killed trainer; a resume starts new ones
         self.reserved_counters = Counters(workdir / "reserved.counters")
         self.seeding = self._seeding_engines(nats_url, redis_url, workdir)
@@ -238,7 +239,8 @@ class Run:
             fleet = WorkerFleet(nats_url, redis_url, workdir, RESERVED_POOL, worker_args=[
                 "--engine", ro.seeding_engine, "--model-dir", cfg.model_dir, "--slots", str(cfg.slots),
                 "--checkpoint-tokens", str(cfg.checkpoint_tokens), "--handoff-pool", POOL],
-                env={"RLBOOST_WORKER__CACHE_DIR": str(self.run_dir / "weight-cache"), "RLBOOST_LOG_LEVEL": "warning"},
+                env={"RLBOOST_WORKER__CACHE_DIR": str(self.run_dir / "weight-cache"), "RLBOOST_LOG_LEVEL": "warning",
+                     **self.cfg.settings.weights.store_env()},  # it pulls from the store we publish to
                 die_with_parent=True)
             return ProcessSeeding(self.c, POOL, fleet, [()], engine, settings, self.reserved_counters,
                                   weights=None, weight=weight)
@@ -250,7 +252,7 @@ class Run:
         return self.base_version + self.trainer.version
 
     async def setup(self) -> None:
-        store = await open_store(js=self.c.js)
+        store = await open_store(js=self.c.js, **self.cfg.settings.weights.store_options())
         pointer = await VersionPointer.open(self.c.js)
         self.publisher = WeightPublisher(store, pointer, **self.cfg.settings.weights.publisher_options())
         self.publisher_pointer = pointer
