@@ -25,6 +25,7 @@ import string
 from fractions import Fraction
 from typing import Any
 
+from rlboost.errors import RlboostError
 from rlboost.envs.protocol import Context, Env, Message, Opening, Score, ToolCall, ToolResult, ToolSpec, system, user
 
 INSTRUCTIONS = "Use the calc tool for each step, one call at a time. Then reply: Answer: <number>"
@@ -43,8 +44,8 @@ CALC = ToolSpec(name="calc", description="Evaluate an arithmetic expression: int
 # ---------------------------------------------------------------- the tool
 
 
-class CalcError(ValueError):
-    pass
+class CalcError(RlboostError, ValueError):
+    """An expression the calculator refuses (the model reads why, as the tool's answer)."""
 
 
 def _fmt(x: Fraction) -> str:
