@@ -442,12 +442,18 @@ def test_a_perfect_policy_scores_1_with_at_least_2_calls_on_average(tok, templat
     assert wrong.reward == 0.0 and wrong.tool_calls == 0
 
 
-def test_the_warm_start_conversation_is_the_runners_token_stream(tok, fmt):
+@pytest.mark.parametrize("template", [False, True])
+def test_the_warm_start_conversation_is_the_runners_token_stream(tok, fmt, template):
     row = calc.rows("train", 1, seed=3)[0]
-    ids, mask = fmt.conversation_ids(calc.solution(row, instructions=False), [calc.CALC])
-    res = run(EpisodeRunner(calc.make(instructions=False), fmt).run(
-        perfect_policy(tok, fmt, {row["question"]: row}), "w", row))
-    assert ids == res.token_ids and mask == res.mask
+    tokenizer = qwen_like_tokenizer() if template else tok
+    f = chat_format(tokenizer) if template else fmt
+    ids, mask = f.conversation_ids(calc.solution(row, instructions=template), [calc.CALC])
+    res = run(EpisodeRunner(calc.make(instructions=template), f).run(
+        perfect_policy(tokenizer, f, {row["question"]: row}), "w", row))
+    assert res.reward == 1.0 and ids == res.token_ids and mask == res.mask
+    if template:  # the model's turns are the template's own: <tool_call>\n{json}\n</tool_call><|im_end|>
+        first = tokenizer.decode(res.segments[1].token_ids, skip_special_tokens=False)
+        assert first.startswith("<tool_call>\n{\"name\": \"calc\"") and first.endswith("</tool_call><|im_end|>")
 
 
 # ---------------------------------------------------------------- a real chat template
