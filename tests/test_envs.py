@@ -145,10 +145,14 @@ def test_protocol_messages_and_snapshots_round_trip_as_json(tok, fmt):
     assert back == snap and back.state == {"answer": row["answer"], "calls": 1, "bad": 0}
     assert [s.kind for s in back.segments] == ["prompt", "model", "env"]
     with pytest.raises(EnvError, match="version"):
-        Snapshot.decode(snap.encode().replace(b'"version":1', b'"version":9') if b'"version"' in snap.encode()
-                        else msgspec.json.encode({**msgspec.to_builtins(snap), "version": 9}))
+        Snapshot.decode(snap.encode().replace(b'"version":1,', b'"version":9,'))
     with pytest.raises(EnvError, match="not an episode snapshot"):
-        Snapshot.decode(b'{"phase": "nowhere"}')
+        Snapshot.decode(b'{"episode_id": "e", "phase": "nowhere"}')
+    with pytest.raises(EnvError, match="not an episode snapshot"):
+        Snapshot.decode(b"\x00garbage")
+    runner = EpisodeRunner(calc.make(), fmt)
+    with pytest.raises(EnvError, match="3 tokens with 2 logprobs"):  # a generator's bug is never papered over
+        runner.model_turn(Snapshot(episode_id="x"), Generation(token_ids=[5, 6, 1], logprobs=[-1.0, -1.0]))
 
 
 def test_env_settings_validate_their_keys():
