@@ -274,9 +274,11 @@ class EpisodeSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     env: str  # the environment: a built-in name or `module:fn` / `file.py:fn` (rlboost/envs)
     row: str = "{}"  # JSON text of the data row the episode starts from
-    config: str = "{}"  # JSON text of the environment's own options
+    config: str = "{}"  # JSON text of the environment's own options (keyword arguments of its factory)
     max_turns: int = 8
     max_turn_tokens: int = 0
+    tool_timeout_s: float = 30.0  # a tool call running longer counts as a failed call
+    on_tool_error: Literal["message", "end"] = "message"  # a failed call: the model reads the error, or the end
 
 
 class RolloutRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -403,15 +405,15 @@ class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ToolRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """A tool call that was answered: who ran it, how long it took, where its tokens went (replay)."""
+    """A tool call that was answered: who ran it, how long it took, and where in the response
+    its turn's environment tokens start (`at`): what replay shows of a turn."""
 
     key: str
     name: str
     worker_id: str
     latency_s: float
-    offset: int  # where its result's environment tokens start in the response
-    tokens: int
-    error: str = ""  # the tool raised or timed out: the model was told so (or the episode ended)
+    at: int
+    error: bool = False  # the tool raised or timed out: the model was told so (or the episode ended)
 
 
 class EpisodeState(msgspec.Struct, frozen=True, kw_only=True):
@@ -434,9 +436,19 @@ class EpisodeState(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def tool_call_key(request_id: str, turn: int, index: int) -> str:
-    """The idempotency key of call `index` of model turn `turn` of an episode: the same on every
-    worker that (re)runs it."""
-    return f"{request_id}-t{turn}-c{index}"
+    """The idempotency key of call `index` of model turn `turn` of an episode, `<request id>/
+    <turn>/<index>` (the environment protocol's `idempotency_key`): the same on every worker
+    that (re)runs it."""
+    return f"{request_id}/{turn}/{index}"
+
+
+_TOOL_KEY = re.compile(r"[A-Za-z0-9_-]{1,128}/\d{1,9}/\d{1,9}")
+
+
+def check_tool_key(value: str) -> str:
+    if not isinstance(value, str) or not _TOOL_KEY.fullmatch(value):
+        raise WireError(f"invalid tool call key {value!r}: use <request id>/<turn>/<index>")
+    return value
 
 
 class RolloutResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -660,6 +672,7 @@ def _validate(msg: object) -> None:
             need(0 < len(ep.env) <= 500 and ep.env.isprintable(), "episode env: 1-500 printable characters")
             need(1 <= ep.max_turns <= MAX_TURNS and 0 <= ep.max_turn_tokens <= MAX_NEW_TOKENS,
                  f"episode max_turns outside [1, {MAX_TURNS}] or negative max_turn_tokens")
+            need(math.isfinite(ep.tool_timeout_s) and 0 < ep.tool_timeout_s <= 86400, "episode tool_timeout_s")
             need(_is_json(ep.row) and _is_json(ep.config), "episode row or config is not JSON text (or too large)")
     elif isinstance(msg, (TokenChunk, RolloutResult)):
         check_name("request id", msg.request_id)
@@ -698,14 +711,14 @@ def _validate(msg: object) -> None:
         need(len(msg.calls) <= MAX_TURNS * MAX_TOOL_CALLS_PER_TURN, "too many tool calls")
         need(len(msg.reason) <= 1000, "reason over 1000 characters")
         for call in msg.pending:
-            check_name("tool call key", call.key)
+            check_tool_key(call.key)
             need(len(call.name) <= 200 and len(call.arguments) <= MAX_EPISODE_STATE_BYTES, "tool call too large")
         for rec in msg.calls:
-            check_name("tool call key", rec.key)
+            check_tool_key(rec.key)
             check_name("tool worker id", rec.worker_id)
-            need(len(rec.name) <= 200 and len(rec.error) <= 1000, "tool record too large")
-            need(min(rec.offset, rec.tokens) >= 0 and math.isfinite(rec.latency_s) and rec.latency_s >= 0,
-                 "tool record: negative offset, token count or latency")
+            need(len(rec.name) <= 200, "tool record too large")
+            need(rec.at >= 0 and math.isfinite(rec.latency_s) and rec.latency_s >= 0,
+                 "tool record: negative offset or latency")
 
 
 MAX_TURNS = 10_000

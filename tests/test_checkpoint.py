@@ -197,7 +197,7 @@ async def test_an_episode_round_trips_as_typed_segments_with_its_state(store, ri
     call = wire.ToolCall(key=wire.tool_call_key(rid, 0, 0), name="calc", arguments='{"expr": "1+2"}')
     await store.put_episode(rid, "w1", c.epoch, _state(3, turn=1, pending=[call]), ttl_s=5)
     assert (await store.episode(rid)).pending == [call]
-    rec = wire.ToolRecord(key=call.key, name="calc", worker_id="w1", latency_s=0.01, offset=3, tokens=2)
+    rec = wire.ToolRecord(key=call.key, name="calc", worker_id="w1", latency_s=0.01, at=3)
     n = await store.append_env(rid, "w1", c.epoch, 3, [20, 21], _state(5, turn=1, env_state='{"x": 3}', calls=[rec]),
                                ttl_s=5)
     assert n == 5

@@ -130,11 +130,11 @@ def test_an_episode_request_and_state_round_trip():
     req = _episode_request(row='{"question": "2+3", "answer": 5}', max_turns=4, max_turn_tokens=16)
     assert wire.decode(wire.RolloutRequest, wire.encode(req)) == req
     key = wire.tool_call_key(req.request_id, 2, 0)
-    assert key == "s1-p0-g0-t2-c0" and wire.check_name("tool call key", key)
+    assert key == "s1-p0-g0/2/0" and wire.check_tool_key(key)
     state = wire.EpisodeState(turn=2, at=40, env_state='{"stack": [1, 2]}',
                               pending=[wire.ToolCall(key=key, name="calc", arguments='{"expr": "2+3"}')],
                               calls=[wire.ToolRecord(key=wire.tool_call_key(req.request_id, 1, 0), name="calc",
-                                                     worker_id="w", latency_s=0.01, offset=20, tokens=4)])
+                                                     worker_id="w", latency_s=0.01, at=20)])
     assert wire.decode(wire.EpisodeState, wire.encode(state)) == state
     res = wire.RolloutResult(request_id="a", step=1, group=0, prompt_ids=[1], token_ids=[2, 3, 4], logprobs=[-1.0, 0, 0],
                              segments=[wire.Segment(0, "w", 1, 0), wire.Segment(1, "w", 1, 0, "", "env")],
@@ -162,6 +162,7 @@ def test_a_single_turn_request_is_encoded_as_before_but_for_its_version():
     (dict(env="bad\nname"), "episode env"),
     (dict(env="calculator", max_turns=0), "max_turns"),
     (dict(env="calculator", max_turn_tokens=-1), "max_turn_tokens"),
+    (dict(env="calculator", tool_timeout_s=float("inf")), "tool_timeout_s"),
     (dict(env="calculator", row="{not json"), "not JSON"),
     (dict(env="calculator", config="[" * 100_000), "not JSON"),
 ])
@@ -176,10 +177,11 @@ def test_a_malformed_episode_request_is_refused(spec, reason):
     (wire.EpisodeState(turn=-1), "negative turn"),
     (wire.EpisodeState(env_state="{x"), "env_state"),
     (wire.EpisodeState(env_state="1" * (wire.MAX_EPISODE_STATE_BYTES + 1)), "env_state"),
-    (wire.EpisodeState(pending=[wire.ToolCall(key="a.b", name="c")]), "tool call key"),
-    (wire.EpisodeState(pending=[wire.ToolCall(key=f"k{i}", name="c") for i in range(65)]), "pending"),
-    (wire.EpisodeState(calls=[wire.ToolRecord(key="k", name="c", worker_id="w", latency_s=float("nan"), offset=0,
-                                              tokens=1)]), "latency"),
+    (wire.EpisodeState(pending=[wire.ToolCall(key="a.b/1/0", name="c")]), "tool call key"),
+    (wire.EpisodeState(pending=[wire.ToolCall(key="a/1", name="c")]), "tool call key"),
+    (wire.EpisodeState(pending=[wire.ToolCall(key=f"k/0/{i}", name="c") for i in range(65)]), "pending"),
+    (wire.EpisodeState(calls=[wire.ToolRecord(key="k/0/0", name="c", worker_id="w", latency_s=float("nan"),
+                                              at=0)]), "latency"),
 ])
 def test_a_malformed_episode_state_is_refused(state, reason):
     with pytest.raises(wire.WireError, match=reason):
