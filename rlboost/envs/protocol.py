@@ -27,6 +27,7 @@ The protocol is stable: changes are named in commit messages.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -193,7 +194,7 @@ class Environment(Protocol):
 
 class Env:
     """A base with the defaults: `call_tool` dispatches to a method `tool_<name>(state, ctx,
-    **arguments)` (sync or async; a string answer is the content); `respond` ends the episode
+    **arguments)` (async, or plain: run in a thread; a string answer is the content); `respond` ends the episode
     on a turn without tool calls. `start` and `score` are yours. Any method may be `async`."""
 
     name: str = "env"
@@ -209,7 +210,10 @@ class Env:
             inspect.signature(fn).bind(state, ctx, **call.arguments)
         except TypeError as e:
             return ToolResult(content=f"error: bad arguments for {call.name}: {e}", error=True)
-        out = fn(state, ctx, **call.arguments)
+        if inspect.iscoroutinefunction(fn):
+            return await fn(state, ctx, **call.arguments)
+        # a plain method runs in a thread: a blocking tool can still be timed out
+        out = await asyncio.to_thread(fn, state, ctx, **call.arguments)
         if inspect.isawaitable(out):
             out = await out
         return out
