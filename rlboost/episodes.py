@@ -10,16 +10,20 @@ checkpoint's tokens and behaviour logprobs, exactly the float32 values every wor
 
 What a trainer needs from a finished episode (its messages, the environment's state, why it
 ended, per-turn rewards) is in the snapshot without its tokens: `snapshot(result.episode)`.
+A publisher makes an episode's request with `request` (the opening in the model's chat format
+is its prompt; the bounds of the runner's settings travel with it, so every worker that
+continues the episode ends it the same way).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
 
 from rlboost import wire
-from rlboost.envs.episode import Snapshot
+from rlboost.envs.episode import EpisodeRunner, Snapshot
 from rlboost.errors import RlboostError
 
 
@@ -77,3 +81,25 @@ def unpack(state: wire.EpisodeState, prompt_ids: list[int], token_ids: list[int]
         at += n
     snap.segments = segments
     return snap
+
+
+async def request(runner: EpisodeRunner, env_ref: str, row: dict[str, Any], *, request_id: str, step: int,
+                  policy_version: int, seed: int, group: int = 0, env_options: dict[str, Any] | None = None,
+                  sampling: wire.SamplingParams = wire.SamplingParams()) -> wire.RolloutRequest:
+    """The request of one episode of `runner`'s environment (loaded from `env_ref` with
+    `env_options`) from data row `row`: its prompt is the opening (`begin`) in the runner's chat
+    format, which a worker with the same model renders alike and checks; `max_new_tokens` is
+    what the runner's `max_episode_tokens` leaves after the prompt. EpisodeStateError if the
+    environment cannot open the episode."""
+    snap = await runner.begin(request_id, row)
+    if not snap.segments:
+        raise EpisodeStateError(f"{request_id}: the environment did not open the episode: {'; '.join(snap.errors)}")
+    prompt = list(snap.segments[0].token_ids)
+    s = runner.settings
+    return wire.RolloutRequest(
+        request_id=request_id, step=step, policy_version=policy_version, prompt_ids=prompt, seed=seed, group=group,
+        max_new_tokens=max(1, s.max_episode_tokens - len(prompt)), stop_ids=list(runner.fmt.stop_ids),
+        sampling=sampling,
+        episode=wire.EpisodeSpec(env=env_ref, row=json.dumps(row), config=json.dumps(env_options or {}),
+                                 max_turns=s.max_turns, max_turn_tokens=runner.max_turn_tokens,
+                                 tool_timeout_s=s.tool_timeout_s, on_tool_error=s.on_tool_error))  # type: ignore[arg-type]

@@ -10,14 +10,13 @@ context: a wrong tool result gives a wrong answer), then answers.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
 from typing import Any
 
-from rlboost import wire
-from rlboost.envs.calculator import ALPHABET, CalculatorEnv
+from rlboost import episodes, wire
+from rlboost.envs.calculator import ALPHABET, CALC, CalculatorEnv
 from rlboost.envs.chat import chat_format
 from rlboost.envs.episode import EpisodeRunner
 from rlboost.envs.protocol import Context, EnvSettings, ToolCall, ToolResult
@@ -79,18 +78,22 @@ def tokenizer():
 
 
 async def requests(step: int, rows: list[dict[str, Any]], log: str, delay_s: float = 0.0, max_new: int = 600,
-                   run: str = "", **spec: Any) -> list[wire.RolloutRequest]:
-    """One episode request per row, its prompt the opening in the fallback chat format (what a
-    worker with the same tokenizer renders)."""
+                   run: str = "", max_turns: int = 8, max_turn_tokens: int = 256) -> list[wire.RolloutRequest]:
+    """One episode request per row (`rlboost.episodes.request`), its prompt the opening in the
+    fallback chat format (what a worker with the same tokenizer renders)."""
     fmt = chat_format(tokenizer())
-    config = json.dumps({"log": log, "delay_s": delay_s})
-    runner = EpisodeRunner(make(log, delay_s), fmt, EnvSettings())
+    options = {"log": log, "delay_s": delay_s}
     out = []
     for i, row in enumerate(rows):
         rid = wire.request_id(step, i, 0, run)
-        snap = await runner.begin(rid, row)
-        out.append(wire.RolloutRequest(
-            request_id=rid, step=step, policy_version=0, prompt_ids=snap.segments[0].token_ids,
-            max_new_tokens=max_new, seed=100 + i, group=i, stop_ids=list(fmt.stop_ids),
-            episode=wire.EpisodeSpec(env=ENV_REF, row=json.dumps(row), config=config, **spec)))
+        prompt = fmt.prompt_ids(*_opening(row))
+        settings = EnvSettings(max_turns=max_turns, max_episode_tokens=len(prompt) + max_new)
+        runner = EpisodeRunner(make(log, delay_s), fmt, settings, max_turn_tokens=max_turn_tokens)
+        out.append(await episodes.request(runner, ENV_REF, row, request_id=rid, step=step, policy_version=0,
+                                          seed=100 + i, group=i, env_options=options))
     return out
+
+
+def _opening(row: dict[str, Any]):
+    env = CalculatorEnv()
+    return env.opening_messages(row), [CALC]

@@ -58,7 +58,7 @@ async def _reference(reqs: list[wire.RolloutRequest], rows, log: str) -> dict[st
         settings = EnvSettings(max_turns=spec.max_turns, max_episode_tokens=len(req.prompt_ids) + req.max_new_tokens,
                                tool_timeout_s=spec.tool_timeout_s)
         runner = EpisodeRunner(episode_env.make(log), chat_format(engine.tokenizer), settings,
-                               max_turn_tokens=spec.max_turn_tokens)
+                               max_turn_tokens=spec.max_turn_tokens or req.max_new_tokens)
 
         async def generate(ids: list[int], budget: int, stops: list[int], req=req):
             seq = Sequence(request_id=req.request_id, prompt_ids=list(req.prompt_ids), seed=req.seed,
@@ -106,6 +106,7 @@ async def test_a_worker_serves_calculator_episodes_as_an_undisturbed_run_would(c
     rows = calculator.rows("train", 6, seed=1)
     log = str(tmp_path / "calls.log")
     reqs = await episode_env.requests(step, rows, log, max_turns=6, max_turn_tokens=64)
+    assert [r.max_new_tokens for r in reqs] == [600] * 6 and reqs[0].episode.max_turn_tokens == 64
     reference = await _reference(reqs, rows, str(tmp_path / "reference.log"))
     w = _worker(clients, pool, rows)
     task = asyncio.create_task(w.run())
@@ -228,3 +229,35 @@ async def test_sigkill_mid_episode_a_second_worker_process_resumes_it_exactly(cl
     # the second worker continued at the checkpoint: nothing before it was generated again
     hist = [s for s in resumed.segments if s.worker_id == "epkill-second"]
     assert hist[0].offset == killed_at[target]
+
+
+async def test_the_stored_snapshot_holds_no_tokens_and_comes_back_whole_from_the_checkpoint(tmp_path):
+    """rlboost.episodes: the state keeps segment kinds and lengths, not tokens; the checkpoint's
+    tokens and float32 logprobs make the same snapshot again; a state that does not describe
+    its checkpoint is refused."""
+    rows = calculator.rows("train", 1, seed=5)
+    (req,) = await episode_env.requests(305, rows, str(tmp_path / "calls.log"))
+    ref = await _reference([req], rows, str(tmp_path / "reference.log"))
+    engine = ScriptedEngine(episode_env.tokenizer(), episode_env.solver(rows))
+    runner = EpisodeRunner(episode_env.make(str(tmp_path / "calls2.log")), chat_format(engine.tokenizer),
+                           EnvSettings(max_episode_tokens=len(req.prompt_ids) + req.max_new_tokens))
+    snap = await runner.begin(req.request_id, rows[0])
+    tokens, _, _ = ref[req.request_id]
+    turn = tokens[:tokens.index(engine.stop_id) + 1]
+    lps = [engine.logprob(req.seed, i) for i in range(len(turn))]
+    snap = runner.model_turn(snap, (turn, lps))
+    snap = await runner.run_tools(snap)
+    at = snap.n_tokens - len(req.prompt_ids)
+    state = wire.EpisodeState(turn=snap.turn, at=at, env_state=episodes.pack(snap))
+    assert "token_ids" not in state.env_state.replace('"token_ids":[]', "")
+    assert len(state.env_state) < len(json.dumps(snap.token_ids)) + 2000  # no second copy of the stream
+    stream = snap.token_ids[len(req.prompt_ids):]
+    back = episodes.unpack(state, list(req.prompt_ids), stream + [7, 7], lps + [0.0] * (len(stream) - len(lps)) + [-1, -1])
+    assert back == snap  # tokens past `at` (a turn under way) are not the snapshot's
+    assert episodes.snapshot(state).messages == snap.messages
+    with pytest.raises(episodes.EpisodeStateError, match="describes"):
+        episodes.unpack(state, list(req.prompt_ids), stream[:-1], lps)
+    with pytest.raises(episodes.EpisodeStateError, match="prompt"):
+        episodes.unpack(state, list(req.prompt_ids)[1:], [0] + stream, [0.0] + lps + [0.0] * (len(stream) - len(lps)))
+    with pytest.raises(episodes.EpisodeStateError, match="not a snapshot"):
+        episodes.unpack(wire.EpisodeState(at=0, env_state='{"x": 1}'), list(req.prompt_ids), [], [])
