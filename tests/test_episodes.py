@@ -81,10 +81,13 @@ async def _reference(reqs: list[wire.RolloutRequest], rows, log: str) -> dict[st
     return out
 
 
-def _check(got: dict[str, wire.RolloutResult], reqs, rows, reference, log: str) -> None:
+def _check(got: dict[str, wire.RolloutResult], reqs, rows, reference, log: str, rerun: frozenset = frozenset()) -> None:
     """Every result is its undisturbed transcript, with env tokens masked, a solved problem, and
-    every tool call of it run exactly once."""
+    every tool call of it run exactly once (those in `rerun`: twice, with the same key)."""
     ran = Counter(episode_env.calls(log))
+    for key in rerun:
+        assert ran[key] == 2, (key, ran)
+        ran[key] = 1
     assert set(got) == {r.request_id for r in reqs}
     for req, row in zip(reqs, rows, strict=True):
         r = got[req.request_id]
@@ -186,35 +189,50 @@ def _spawn(nats_url, redis_url, pool, wid, rows_file, token_s, logs: Path) -> su
 
 
 @pytest.mark.slow
-async def test_sigkill_mid_episode_a_second_worker_process_resumes_it_exactly(clients, nats_url, redis_url, tmp_path):
-    """A worker process is SIGKILLed while it generates a model turn after a tool result is
-    fenced in; a second process resumes every episode: each transcript token-identical to an
-    undisturbed run, each tool call run once per key, at most K tokens regenerated per episode."""
-    js, step, pool = clients.js, 304, "epkill"
+@pytest.mark.parametrize("during", ["generation", "tool"])
+async def test_sigkill_mid_episode_a_second_worker_process_resumes_it_exactly(clients, nats_url, redis_url, tmp_path,
+                                                                           during):
+    """A worker process is SIGKILLed mid-episode: while it generates a model turn after a tool
+    result was fenced in, or while a tool call runs. A second process resumes every episode:
+    each transcript token-identical to an undisturbed run, each tool call run once per key, but
+    the one running at the kill, which runs again with the same key (the environment can
+    de-duplicate on it); the resumed turn continues at the checkpoint."""
+    js, step, pool = clients.js, 304 if during == "generation" else 306, f"epkill{during[0]}"
     rows = calculator.rows("train", 4, seed=4)
     rows_file = tmp_path / "rows.json"
     rows_file.write_text(json.dumps(rows))
     log = str(tmp_path / "calls.log")
-    reqs = await episode_env.requests(step, rows, log, max_turns=6, max_turn_tokens=64)
+    delay = 0.0 if during == "generation" else 0.6
+    reqs = await episode_env.requests(step, rows, log, delay_s=delay, max_turns=6, max_turn_tokens=64)
     reference = await _reference(reqs, rows, str(tmp_path / "reference.log"))
-    first = _spawn(nats_url, redis_url, pool, "epkill-first", rows_file, 0.02, tmp_path)
-    second = None
+    first = _spawn(nats_url, redis_url, pool, "epkill-first", rows_file, 0.02 if during == "generation" else 0.0,
+                   tmp_path)
+    second, running = None, frozenset()
     try:
         await RolloutManager(clients, pool).publish_step(reqs)
-        # wait until an episode has a tool result fenced in and its next turn under way
         deadline, target = time.monotonic() + 60, None
         while target is None and time.monotonic() < deadline and first.poll() is None:
             for req in reqs:
                 state = await clients.store.episode(req.request_id)
+                if state is None:
+                    continue
                 tokens, _ = await clients.store.read(req.request_id)
-                if state is not None and state.calls and not state.pending and len(tokens) > state.at + 2:
-                    target = req.request_id
+                if during == "generation" and state.calls and not state.pending and len(tokens) > state.at + 2:
+                    target = req.request_id  # a tool result fenced in, the next turn under way
+                elif during == "tool" and state.calls and state.pending and state.pending[0].key in \
+                        episode_env.calls(log):
+                    target = req.request_id  # its second call (or later) runs now
+                if target:
                     break
             await asyncio.sleep(0.02)
-        assert target is not None, "no episode reached its second turn"
+        assert target is not None, f"no episode reached a {during} to kill it in"
         first.send_signal(signal.SIGKILL)
         first.wait(10)
         killed_at = {r.request_id: len((await clients.store.read(r.request_id))[0]) for r in reqs}
+        # the calls that had started and had no result fenced in (the process is dead: stable)
+        pending = {p.key for r in reqs if (st := await clients.store.episode(r.request_id)) for p in st.pending}
+        running = frozenset(pending & set(episode_env.calls(log)))
+        assert running or during == "generation"
         second = _spawn(nats_url, redis_url, pool, "epkill-second", rows_file, 0.0, tmp_path)
         got = await step_results(js, step, len(reqs), timeout=60)
     finally:
@@ -222,14 +240,11 @@ async def test_sigkill_mid_episode_a_second_worker_process_resumes_it_exactly(cl
             if p is not None and p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 p.wait(20)
-    _check(got, reqs, rows, reference, log)
+    _check(got, reqs, rows, reference, log, rerun=running)
     resumed = got[target]
-    assert [s.worker_id for s in resumed.segments][0] == "epkill-first"
-    assert resumed.segments[-1].worker_id == "epkill-second"
+    assert resumed.segments[0].worker_id == "epkill-first" and resumed.segments[-1].worker_id == "epkill-second"
     # the second worker continued at the checkpoint: nothing before it was generated again
-    hist = [s for s in resumed.segments if s.worker_id == "epkill-second"]
-    assert hist[0].offset == killed_at[target]
-
+    assert [s for s in resumed.segments if s.worker_id == "epkill-second"][0].offset == killed_at[target]
 
 async def test_the_stored_snapshot_holds_no_tokens_and_comes_back_whole_from_the_checkpoint(tmp_path):
     """rlboost.episodes: the state keeps segment kinds and lengths, not tokens; the checkpoint's
