@@ -55,6 +55,7 @@ class EpisodeRefused(RlboostError, ValueError):
     result saying why, like any request the engine cannot serve."""
 
 
+MAX_CACHED = 64  # environments (per options) and runners (per bounds) a worker keeps loaded
 Put = Callable[[wire.EpisodeState], Awaitable[None]]
 AppendEnv = Callable[[list[int], wire.EpisodeState], Awaitable[int]]
 
@@ -192,11 +193,16 @@ class EpisodeHost:
                 env = load_env(spec.env, **options)
             except RlboostError as e:
                 raise EpisodeRefused(f"environment {spec.env!r} does not load: {e}") from None
+            if len(self._envs) >= MAX_CACHED:  # bounded, whatever requests name
+                self._envs.clear()
+                self._runners.clear()
             self._envs[(spec.env, spec.config)] = env
         bounds = (spec.env, spec.config, spec.max_turns, spec.max_turn_tokens, spec.tool_timeout_s, spec.on_tool_error,
                   len(req.prompt_ids) + req.max_new_tokens)
         runner = self._runners.get(bounds)
         if runner is None:
+            if len(self._runners) >= MAX_CACHED:
+                self._runners.clear()
             settings = EnvSettings(ref=spec.env, tool_timeout_s=spec.tool_timeout_s, on_tool_error=spec.on_tool_error,
                                    max_turns=spec.max_turns, max_episode_tokens=bounds[-1], inline=True)
             runner = self._runners[bounds] = EpisodeRunner(env, self.chat_format(), settings,
