@@ -6,7 +6,8 @@
   parser of a model turn;
 - `episode`: the engine-agnostic episode runner, resumable from a snapshot after any turn;
 - `calculator`: a built-in multi-turn tool environment (arithmetic word problems);
-- `adapters`: environments from libraries users already have (reasoning-gym).
+- `adapters`: environments from libraries users already have (reasoning-gym, textarena,
+  gymnasium).
 
 `load_env(ref)` loads an environment the way `--env` names it.
 """
@@ -21,12 +22,15 @@ from rlboost.envs.protocol import EnvError, Environment
 BUILTIN_ENVS = {
     "calculator": "rlboost.envs.calculator:make",
     "reasoning-gym": "rlboost.envs.adapters:reasoning_gym",
+    "textarena": "rlboost.envs.adapters:textarena",
+    "gymnasium": "rlboost.envs.adapters:gymnasium",
 }
 
 
 def load_env(ref: str, **options: Any) -> Environment:
     """The environment `ref` names: `module:fn`, `path/to/file.py:fn` or a built-in name; `fn`
-    (a function or a class) is called with `options` and must return an environment."""
+    (a function or a class) is called with `options` (`[env.options]`) and must return an
+    environment."""
     factory = plugins.load(ref, what="env", builtins=BUILTIN_ENVS, error=EnvError)
     try:
         env = factory(**options)

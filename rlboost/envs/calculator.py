@@ -25,8 +25,8 @@ import string
 from fractions import Fraction
 from typing import Any
 
-from rlboost.errors import RlboostError
 from rlboost.envs.protocol import Context, Env, Message, Opening, Score, ToolCall, ToolResult, ToolSpec, system, user
+from rlboost.errors import RlboostError
 
 INSTRUCTIONS = "Use the calc tool for each step, one call at a time. Then reply: Answer: <number>"
 # every character the environment (and the runner's error messages) can write: a character

@@ -231,6 +231,11 @@ class ChatFormat:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
 
+    @property
+    def turn_end_id(self) -> int:
+        """The token that ends an assistant turn in this format (for writing whole conversations)."""
+        return self.stop_ids[0]
+
     def encode(self, text: str, special: bool = False) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
@@ -275,14 +280,14 @@ class ChatFormat:
         i = first
         while i < len(messages):
             m = messages[i]
-            turn = self.encode(self.assistant_text(m, tools)) + [self.stop_ids[0]]
+            turn = self.encode(self.assistant_text(m, tools)) + [self.turn_end_id]
             ids += turn
             mask += [1] * len(turn)
             j = i + 1
             while j < len(messages) and messages[j].role != "assistant":
                 j += 1
             if j > i + 1 or j < len(messages):
-                env = self.env_ids(messages[:i + 1], messages[i + 1:j], tools, self.stop_ids[0])
+                env = self.env_ids(messages[:i + 1], messages[i + 1:j], tools, self.turn_end_id)
                 ids += env
                 mask += [0] * len(env)
             i = j
@@ -346,6 +351,20 @@ class TemplateFormat(ChatFormat):
         if not stops:
             raise ValueError("the chat template's tokenizer has no end-of-turn token")
         self.stop_ids = stops
+
+    @property
+    def turn_end_id(self) -> int:
+        """The stop token the template writes after an assistant message (`<|im_end|>` where
+        the tokenizer's EOS is `<|endoftext|>`)."""
+        try:
+            text = self._render([Message(role="user", content="."), Message(role="assistant", content="x")], [],
+                                generation=False)
+        except Exception:
+            return self.stop_ids[0]
+        tail = text[text.rfind("x") + 1:]
+        found = [(tail.find(s), i) for i, s in zip(self.stop_ids, self.tokenizer.convert_ids_to_tokens(self.stop_ids))
+                 if s and s in tail]
+        return min(found)[1] if found else self.stop_ids[0]
 
     def _chat(self, messages: list[Message], tools: list[ToolSpec]) -> tuple[list[dict], list[dict] | None]:
         if self.tools_native:

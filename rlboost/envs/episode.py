@@ -98,8 +98,9 @@ class Pending(msgspec.Struct, kw_only=True, omit_defaults=True):
     reply: Reply | None = None
 
 
-class Snapshot(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Everything an episode needs to continue, anywhere: JSON (`encode` / `decode`)."""
+class Snapshot(msgspec.Struct, kw_only=True):
+    """Everything an episode needs to continue, anywhere: JSON (`encode` / `decode`). Every
+    field is written (the version above all: a reader of another version refuses it)."""
 
     episode_id: str
     version: int = SNAPSHOT_VERSION
@@ -261,8 +262,8 @@ class EpisodeRunner:
                              finish_reason=gen[2] if len(gen) > 2 else "")
         ids = list(gen.token_ids)
         reason = gen.finish_reason or ("stop" if ids and ids[-1] in self.fmt.stop_ids else "length")
-        logprobs = list(gen.logprobs) or [0.0] * len(ids)
-        if len(logprobs) != len(ids):
+        logprobs = [float(x) for x in gen.logprobs]
+        if len(logprobs) != len(ids):  # the behaviour logprobs are what off-policy correction needs: never guessed
             raise EnvError(f"episode {snap.episode_id}: {len(ids)} tokens with {len(logprobs)} logprobs")
         snap.segments.append(Segment(kind="model", token_ids=ids, logprobs=logprobs, turn=snap.turn,
                                      policy_version=gen.policy_version, weights_digest=gen.weights_digest,

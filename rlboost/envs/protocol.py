@@ -232,7 +232,8 @@ class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Episodes: which environment a run's requests play in (`rlboost run --env`), and the
     bounds every episode keeps (docs/concepts/environments.md)."""
 
-    ref: str = ""  # module:fn | path/to/file.py:fn | a built-in (calculator); fn() returns the environment; "" = single-turn
+    ref: str = ""  # module:fn | path/to/file.py:fn | a built-in (calculator, reasoning-gym, textarena, gymnasium); "" = single-turn
+    options: dict[str, Any] = msgspec.field(default_factory=dict)  # keyword arguments of fn ([env.options] game = "...")
     tool_timeout_s: float = 30.0  # a tool call running longer counts as a failed call (env.on_tool_error)
     on_tool_error: str = "message"  # a tool that raises or times out: message (the model reads the error) | end (the episode)
     max_turns: int = 8  # model turns per episode; a turn past it ends the episode (its tool calls are not run)
