@@ -87,7 +87,8 @@ async def request(runner: EpisodeRunner, env_ref: str, row: dict[str, Any], *, r
                   policy_version: int, seed: int, group: int = 0, env_options: dict[str, Any] | None = None,
                   sampling: wire.SamplingParams = wire.SamplingParams()) -> wire.RolloutRequest:
     """The request of one episode of `runner`'s environment (loaded from `env_ref` with
-    `env_options`) from data row `row`: its prompt is the opening (`begin`) in the runner's chat
+    `env_options`, by default the runner's settings' `options`) from data row `row`: its prompt
+    is the opening (`begin`) in the runner's chat
     format, which a worker with the same model renders alike and checks; `max_new_tokens` is
     what the runner's `max_episode_tokens` leaves after the prompt. EpisodeStateError if the
     environment cannot open the episode."""
@@ -100,6 +101,6 @@ async def request(runner: EpisodeRunner, env_ref: str, row: dict[str, Any], *, r
         request_id=request_id, step=step, policy_version=policy_version, prompt_ids=prompt, seed=seed, group=group,
         max_new_tokens=max(1, s.max_episode_tokens - len(prompt)), stop_ids=list(runner.fmt.stop_ids),
         sampling=sampling,
-        episode=wire.EpisodeSpec(env=env_ref, row=json.dumps(row), config=json.dumps(env_options or {}),
+        episode=wire.EpisodeSpec(env=env_ref, row=json.dumps(row), config=json.dumps(runner.settings.options if env_options is None else env_options),
                                  max_turns=s.max_turns, max_turn_tokens=runner.max_turn_tokens,
                                  tool_timeout_s=s.tool_timeout_s, on_tool_error=s.on_tool_error))  # type: ignore[arg-type]
