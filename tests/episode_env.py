@@ -19,7 +19,8 @@ from rlboost import episodes, wire
 from rlboost.envs.calculator import ALPHABET, CALC, CalculatorEnv
 from rlboost.envs.chat import chat_format
 from rlboost.envs.episode import EpisodeRunner
-from rlboost.envs.protocol import Context, EnvSettings, ToolCall, ToolResult
+from rlboost.config import EnvSettings
+from rlboost.envs.protocol import Context, ToolCall, ToolResult
 
 ENV_REF = "episode_env:make"
 

@@ -16,7 +16,7 @@ import episode_env  # noqa: E402
 
 from rlboost.clients import open_clients  # noqa: E402
 from rlboost.config import WorkerSettings  # noqa: E402
-from rlboost.envs.protocol import EnvSettings  # noqa: E402
+from rlboost.config import EnvSettings  # noqa: E402
 from workers.counters import Counters  # noqa: E402
 from workers.engines.scripted import ScriptedEngine  # noqa: E402
 from workers.worker import RolloutWorker  # noqa: E402

@@ -24,7 +24,7 @@ from rlboost.config import WorkerSettings
 from rlboost.envs import calculator
 from rlboost.envs.chat import chat_format
 from rlboost.envs.episode import EpisodeRunner
-from rlboost.envs.protocol import EnvSettings
+from rlboost.config import EnvSettings
 from rlboost.manager import RolloutManager
 from workers.counters import Counters
 from workers.engines.base import Sequence

@@ -42,7 +42,7 @@ from rlboost import episodes, wire
 from rlboost.envs import BUILTIN_ENVS, load_env
 from rlboost.envs.chat import ChatFormat, chat_format
 from rlboost.envs.episode import EpisodeRunner, Generation, Segment, Snapshot
-from rlboost.envs.protocol import EnvSettings
+from rlboost.config import EnvSettings
 from rlboost.errors import RlboostError
 from rlboost.logs import get_logger
 

@@ -102,7 +102,7 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
             while True:
                 # the environment this worker may run besides the built-ins ([env] ref, once wired in Settings)
                 worker = RolloutWorker(s.worker, engine, c, worker_id=worker_id, counters=counters, weights=weights,
-                                       env=getattr(s, "env", None))
+                                       env=s.env)
                 worker.install_signal_handlers()
                 watchdog = asyncio.create_task(_exit_after_grace(worker))
                 try:

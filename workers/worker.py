@@ -57,7 +57,7 @@ from rlboost.checkpoint import AlreadyFinished, CheckpointError, CorruptCheckpoi
 from rlboost.checkpoint import pack as checkpoint_pack
 from rlboost.clients import Clients
 from rlboost.config import WorkerSettings
-from rlboost.envs.protocol import EnvSettings
+from rlboost.config import EnvSettings
 from rlboost.episodes import EpisodeStateError
 from rlboost.logs import get_logger
 from rlboost.weights.source import WeightSource
