@@ -127,6 +127,9 @@ def grpo_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantag
     bonus, averaged over tokens.
 
     Shapes: logprobs/behaviour/ref/mask (batch, T); advantages (batch,), one per response.
+    `mask` is the trainable mask: 1 on a token the loss trains, 0 on padding and on an
+    episode's environment tokens (`grpo_trainer.trained_mask`): a masked token adds no loss,
+    no ratio, KL or entropy term and no gradient, and is not counted in any statistic.
     `off_policy = "none"`: per token -min(ratio * A, clip(ratio, 1-eps, 1+eps) * A) with
     ratio = exp(logp - behaviour), the behaviour logprobs mu being the sampling engine's.
     `tis` / `decoupled`: the ratio is taken against the proximal policy pi_old instead

@@ -99,19 +99,38 @@ class StepReport:
 
 
 # One response as the trainer needs it: plain lists, cheap to hold and to scatter. Prompt,
-# response, behaviour logprobs, truncated, and per token the policy versions between the one
-# that sampled it and the one trained (-1: unknown).
-Sample = tuple[list[int], list[int], list[float], bool, list[int]]
+# response, behaviour logprobs, truncated, per token the policy versions between the one that
+# sampled it and the one trained (-1: unknown), and which tokens the loss trains (None: all of
+# them, a single-turn response; else False on an episode's environment tokens).
+Sample = tuple[list[int], list[int], list[float], bool, list[int], list[bool] | None]
 
 
 def sample_of(result: wire.RolloutResult, policy_version: int) -> Sample:
     """What the trainer keeps of a result, with each token's staleness against `policy_version`
     (the version this step trains) from the result's segments. A token that claims a version
-    newer than the trained one is marked unknown, not stale by a negative count."""
-    versions = wire.token_versions(result.segments, len(result.token_ids))
+    newer than the trained one is marked unknown, not stale by a negative count. An episode's
+    environment tokens (segments of kind "env": tool results, environment turns) stay in the
+    response as context but are masked out of the loss (`wire.trainable_mask`)."""
+    n = len(result.token_ids)
+    versions = wire.token_versions(result.segments, n)
     staleness = [policy_version - v if 0 <= v <= policy_version else -1 for v in versions]
+    trainable = wire.trainable_mask(result.segments, n)
     return (list(result.prompt_ids), list(result.token_ids), list(result.logprobs), result.finish_reason == "length",
-            staleness)
+            staleness, None if all(trainable) else trainable)
+
+
+def trained_mask(mask: torch.Tensor, rows: list[Sample]) -> torch.Tensor:
+    """`mask` (1 on each response token, 0 on padding) with the environment tokens of episode
+    rows set to 0: they get no loss, no ratio, no KL or entropy term, and do not count in the
+    step's token total. Rows without a trainable mask (single-turn) are left as they are, so a
+    batch of them is the very same tensor: the loss is bit-identical to before episodes."""
+    if all(s[5] is None for s in rows):
+        return mask
+    mask = mask.clone()
+    for b, s in enumerate(rows):
+        if s[5] is not None:
+            mask[b, : len(s[5])] *= torch.tensor(s[5], dtype=mask.dtype, device=mask.device)
+    return mask
 
 
 @dataclass
@@ -271,6 +290,7 @@ class GRPOTrainer:
         for b, s in enumerate(rows):
             behaviour[b, : len(s[2])] = torch.tensor(s[2], dtype=logp.dtype)
             staleness[b, : len(s[4])] = torch.tensor(s[4], dtype=torch.long)
+        mask = trained_mask(mask, rows)
         # num_tokens=1: a token *sum*; the optimizer step divides by the step's total token count.
         # tis/decoupled: pi_old is this very forward (detached): the weights change only at the
         # step's one optimizer step, after every group has been back-propagated.
