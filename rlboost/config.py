@@ -365,6 +365,7 @@ class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_turns: int = 8  # model turns per episode; a turn past it ends the episode (its tool calls are not run)
     max_episode_tokens: int = 4096  # prompt + model + environment tokens; no room for one more model token ends it
     inline: bool = False  # run tool calls in the generation worker (true) or hand them to the env pool (false)
+    describe_tools: bool = True  # fallback chat format (a model without a chat template): list the tools' JSON specs in the opening; false keeps prompts short for a small model that learned its tools from warm-start data
 
     def __post_init__(self) -> None:
         # msgspec turns a ValueError of __post_init__ into a ValidationError that names it

@@ -4,6 +4,7 @@ training sample with the environment's reward."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -147,3 +148,133 @@ def test_sample_of_carries_the_trainable_mask_only_for_episodes():
     s = sample_of(ep, 0)
     assert s[5] == wire.trainable_mask(ep.segments, len(ep.token_ids)) and not all(s[5])
     assert sample_of(_single(0, 0, [3], rng, []), 0)[5] is None
+
+
+# ---------------------------------------------------------------- episode results -> samples
+
+
+def _calc_runner(max_episode_tokens: int = 512):
+    from rlboost.config import EnvSettings
+    from rlboost.envs import calculator
+    from trainer.episodes import make_runner
+    from trainer.model import build_tokenizer
+
+    settings = EnvSettings(ref="calculator", options={"instructions": False}, describe_tools=False,
+                           max_episode_tokens=max_episode_tokens, max_turns=6)
+    return make_runner(settings, build_tokenizer(calculator.ALPHABET), 512, max_turn_tokens=48)
+
+
+def _policy(runner, rows, wrong: bool = False):
+    """A batch policy that solves each row (by its question in the context) one calc step per
+    turn, reading nothing: `wrong` answers off by one."""
+    from rlboost.envs import calculator
+
+    fmt = runner.fmt
+    by_question = {r["question"]: r for r in rows}
+
+    def turn_text(context: str) -> str:
+        row = next(r for q, r in by_question.items() if q in context)
+        done = context.count("<tool_response>")
+        work = calculator.work(row["steps"])
+        if done < len(work):
+            return f"<tool_call>calc {work[done][0]}</tool_call>"
+        return f"Answer: {int(row['answer']) + int(wrong)}"
+
+    def generate(prompts, max_new, stops):
+        return [fmt.encode(turn_text(fmt.tokenizer.decode(p))) + [fmt.turn_end_id] for p in prompts]
+
+    return generate
+
+
+async def _result(runner, row, rid: str, wrong: bool = False, forged_score: bool = False) -> wire.RolloutResult:
+    """What a worker's result of this episode holds: tokens after the opening, typed segments,
+    behaviour logprobs (0 on env tokens) and the final state (tokens left out, as stored)."""
+    from rlboost import episodes
+    from rlboost.envs.protocol import Score
+
+    gen = _policy(runner, [row], wrong)
+    last = {}
+
+    async def generate(ids, budget, stops):
+        new = gen([ids], budget, stops)[0]
+        return (new, [-0.25] * len(new), "stop")
+
+    await runner.run(generate, rid, row, on_checkpoint=lambda s: last.update(snap=s))
+    snap = last["snap"]
+    if forged_score:
+        snap.score = Score(reward=1.0)
+    prompt = snap.segments[0].token_ids
+    tokens, logprobs, segments = [], [], []
+    for seg in snap.segments[1:]:
+        segments.append(wire.Segment(len(tokens), "w", 1, 0, kind=seg.kind))
+        tokens += seg.token_ids
+        logprobs += seg.logprobs if seg.kind == "model" else [0.0] * len(seg.token_ids)
+    state = wire.EpisodeState(turn=snap.turn, at=len(tokens), env_state=episodes.pack(snap), done=True,
+                              reason=snap.end_reason)
+    return wire.RolloutResult(request_id=rid, step=0, group=0, prompt_ids=prompt, token_ids=tokens,
+                              logprobs=logprobs, segments=segments, finish_reason="stop", worker_id="w", ts=0.0,
+                              episode=state)
+
+
+async def test_an_episode_result_becomes_a_sample_scored_by_the_trainers_environment():
+    from rlboost.envs import calculator
+    from trainer.episodes import EpisodeScorer, training_episode
+
+    runner = _calc_runner()
+    row = calculator.rows("train", 1, seed=4)[0]
+    good = await _result(runner, row, "r-0")
+    ep = await training_episode(runner, good)
+    assert ep.reward == 1.0 and ep.tool_calls == len(row["steps"]) and ep.end_reason == "done"
+    assert ep.prompt_ids == list(good.prompt_ids) and ep.response_ids == list(good.token_ids)
+    text = runner.fmt.tokenizer.decode(ep.response_ids)
+    assert "<tool_response>" in text and text.rstrip("<eos>").endswith(f"Answer: {row['answer']}")
+    envs = [t for t, m in zip(ep.response_ids, ep.mask, strict=True) if not m]
+    assert runner.fmt.tokenizer.decode(envs).count("<tool_response>") == len(row["steps"])  # env tokens masked
+    assert [lp for lp, m in zip(ep.logprobs, ep.mask, strict=True) if m] == [-0.25] * sum(ep.mask)
+    assert sample_of(good, 0)[5] == ep.mask
+
+    # a wrong answer scores 0, and a score the worker wrote into the state is not taken
+    bad = await _result(runner, row, "r-1", wrong=True, forged_score=True)
+    assert (await training_episode(runner, bad)).reward == 0.0
+    import msgspec
+    failed = msgspec.structs.replace(good, finish_reason="error", error="engine broke", episode=None)
+    scorer = EpisodeScorer(runner)
+    assert await scorer.group(row, [good, bad, failed]) == [1.0, 0.0, 0.0]
+    stats = scorer.step.row()
+    assert stats["episodes"] == 3 and stats["tool_calls_mean"] == round(2 * len(row["steps"]) / 3, 3)
+
+
+async def test_the_episode_source_makes_each_rows_episode_requests_inside_a_running_loop():
+    from rlboost.envs import calculator
+    from trainer.episodes import EpisodeData, EpisodeSource
+
+    runner = _calc_runner()
+    data = EpisodeData(runner.env, "calculator", seed=3, eval_size=8)
+    assert all(r["split"] == "test" for r in data.eval_samples()) and len(data.eval_samples()) == 8
+    src = EpisodeSource(data, runner, run_id="rtest", seed=3, samples=2, temperature=1.0)
+    reqs = src.requests(5, 7, 3)  # called from inside this test's event loop
+    assert len(reqs) == 6 and len({r.request_id for r in reqs}) == 6
+    for q in reqs:
+        row = src.sample((5, q.group))
+        assert q.episode is not None and json.loads(q.episode.row) == row and q.episode.env == "calculator"
+        assert json.loads(q.episode.config) == {"instructions": False} and q.policy_version == 7
+        opening = (await runner.begin(q.request_id, row)).segments[0].token_ids
+        assert q.prompt_ids == opening and len(q.prompt_ids) + q.max_new_tokens == 512
+        assert row["question"] in runner.fmt.tokenizer.decode(q.prompt_ids)
+    again = EpisodeSource(EpisodeData(runner.env, "calculator", seed=3), runner, run_id="rtest", seed=3, samples=2,
+                          temperature=1.0).requests(5, 7, 3)
+    assert [(q.request_id, q.seed, q.prompt_ids) for q in again] == [(q.request_id, q.seed, q.prompt_ids) for q in reqs]
+    assert calculator.rows("train", 1, seed=0)[0] != calculator.rows("test", 1, seed=0)[0]
+
+
+async def test_greedy_episodes_play_every_row_to_its_end_in_batches():
+    from rlboost.envs import calculator
+    from trainer.episodes import greedy_episodes
+
+    runner = _calc_runner()
+    rows = calculator.rows("test", 5, seed=0)
+    done = await greedy_episodes(runner, rows, _policy(runner, rows))
+    assert [d.reward for d in done] == [1.0] * 5
+    assert [d.tool_calls for d in done] == [len(r["steps"]) for r in rows]
+    wrong = await greedy_episodes(runner, rows, _policy(runner, rows, wrong=True))
+    assert [d.reward for d in wrong] == [0.0] * 5

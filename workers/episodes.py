@@ -158,6 +158,7 @@ class EpisodeHost:
     def __init__(self, engine: Any, model_dir: str = "", env: EnvSettings | None = None, worker_id: str = "") -> None:
         self.engine, self.model_dir, self.worker_id = engine, model_dir, worker_id
         self.allowed = set(BUILTIN_ENVS) | ({env.ref} if env is not None and env.ref else set())
+        self.describe_tools = env.describe_tools if env is not None else True  # the trainer's format: [env]
         self._fmt: ChatFormat | None = None
         self._envs: dict[tuple[str, str], Any] = {}
         self._runners: dict[tuple, EpisodeRunner] = {}
@@ -173,7 +174,7 @@ class EpisodeHost:
                 raise EpisodeRefused(f"the {getattr(self.engine, 'name', 'engine')} engine has no tokenizer: "
                                      "episodes need a model's chat format (a model directory)")
             try:
-                self._fmt = chat_format(tokenizer)
+                self._fmt = chat_format(tokenizer, describe_tools=self.describe_tools)
             except (ValueError, RlboostError) as e:
                 raise EpisodeRefused(f"no chat format for this model: {e}") from None
         return self._fmt

@@ -235,6 +235,10 @@ class CalculatorEnv(Env):
                                                      "bad_expressions": float(state["bad"]),
                                                      "answered": float(got is not None)})
 
+    def solution(self, row: dict[str, Any]) -> list[Message]:
+        """The worked conversation for `row` in this environment's opening (a warm start's data)."""
+        return solution(row, instructions=self.instructions)
+
     # data for `rlboost run --env calculator` without a dataset
     def rows(self, split: str = "train", n: int = 256, seed: int = 0) -> list[dict[str, Any]]:
         return rows(split, n, seed)

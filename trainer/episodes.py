@@ -1,0 +1,416 @@
+"""Episodes on the trainer side (issue 25): data rows -> episode requests, a finished episode ->
+its reward and training sample, held-out success, and a supervised warm start.
+
+- `EpisodeData`: the rows episodes start from: the environment's own (`rows(split, n, seed)`:
+  `train` for training, `test` held out) or a data file (`--data`, JSONL / Parquet / datasets
+  folder; held out: `--eval-data` or a seeded fraction), in seeded shuffled passes whose position
+  a checkpoint keeps (`trainer.data.DataIterator`).
+- `EpisodeSource`: a step's requests, the orchestrator's `RequestSource` port: each request is
+  one episode (`rlboost.episodes.request`: the opening in the model's chat format is the prompt,
+  the `[env]` bounds travel in its `EpisodeSpec`), `samples` episodes per row (a GRPO group).
+- `EpisodeScorer`: a group's rewards. The reward is computed **here, on the trainer**, by the
+  environment loaded from `[env] ref` (`EpisodeRunner.finish` on the final snapshot the result
+  carries, `rlboost.episodes.snapshot`), never taken from a score a worker recorded: rollout
+  workers are preemptible capacity the trainer does not trust with its reward (a worker's
+  tokens, provenance and episode state are checked against the fenced checkpoint by the
+  manager; a score is not part of that), and the single-turn reward is the trainer's too. An
+  episode's result gives the training sample as any result does (`grpo_trainer.sample_of`): the
+  prompt is the opening, the response everything after it (model and environment tokens), the
+  environment tokens masked out of the loss (`wire.trainable_mask`), per-token behaviour
+  logprobs and versions from the segments (`training_episode` shows it in one place).
+- `EpisodeEvaluation`: held-out success: greedy episodes of the trainer's policy on held-out
+  rows, turn by turn in batches (`greedy_episodes`), scored by the environment.
+- `warm_start`: the demo's model for an environment: a character model on the environment's
+  alphabet, trained on the environment's worked solutions (`solution(row)`) in the episode's
+  own chat format (`ChatFormat.conversation_ids`, loss on the assistant's tokens only) until
+  its held-out success reaches a target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rlboost import episodes, wire
+from rlboost.config import EnvSettings
+from rlboost.envs import load_env
+from rlboost.envs.chat import ChatFormat, chat_format
+from rlboost.envs.episode import EpisodeRunner, Generation, Snapshot
+from rlboost.logs import get_logger
+from trainer.data import DataError, DataExhausted, DataIterator, read_rows
+
+log = get_logger(component="episodes")
+
+TRAIN_ROWS = 4096  # rows drawn from an environment's own generator for training (seeded passes over them)
+
+
+def run_sync(coro: Coroutine) -> Any:
+    """A coroutine to its end from plain code, also while an event loop runs in this thread (the
+    orchestrator's port is synchronous): in a thread of its own with its own loop."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def episode_format(tokenizer, env: EnvSettings) -> ChatFormat:
+    """The chat format of a run's episodes, the one its workers build (`workers/episodes.py`):
+    the model's own template, else the fallback with `[env] describe_tools`."""
+    return chat_format(tokenizer, describe_tools=env.describe_tools)
+
+
+def make_runner(env_settings: EnvSettings, tokenizer, max_context: int, max_turn_tokens: int,
+                **log_ids: Any) -> EpisodeRunner:
+    """The runner of a run's environment: its bounds are `[env]`'s, `max_episode_tokens` no more
+    than the model's context."""
+    env = load_env(env_settings.ref, **env_settings.options)
+    bounded = msgspec.structs.replace(env_settings, max_episode_tokens=min(env_settings.max_episode_tokens, max_context)
+                                      if max_context else env_settings.max_episode_tokens)
+    return EpisodeRunner(env, episode_format(tokenizer, env_settings), bounded, max_turn_tokens=max_turn_tokens,
+                         **log_ids)
+
+
+# ---------------------------------------------------------------- data rows
+
+
+class EpisodeData:
+    """Training rows in seeded passes, and the held-out rows."""
+
+    def __init__(self, env: Any, ref: str, train: str = "", eval_path: str = "", *, seed: int = 0,
+                 shuffle: bool = True, epochs: int = 0, eval_size: int = 256, eval_fraction: float = 0.1,
+                 train_rows: int = TRAIN_ROWS) -> None:
+        own = getattr(env, "rows", None)
+        if train:
+            rows = read_rows(train)
+            if eval_path:
+                held = read_rows(eval_path)[:eval_size]
+            else:
+                order = list(range(len(rows)))
+                random.Random(seed + 7919).shuffle(order)
+                n = min(eval_size, int(len(rows) * eval_fraction)) if len(rows) > 1 else 0
+                chosen = set(order[:n])
+                held = [r for i, r in enumerate(rows) if i in chosen]
+                rows = [r for i, r in enumerate(rows) if i not in chosen]
+        elif callable(own):
+            rows = list(own("train", train_rows, seed))
+            held = list(own("test", eval_size, 0))  # the same held-out rows whatever the run's seed
+        else:
+            raise DataError(f"--env {ref}: the environment has no rows(split, n, seed): give its data rows with "
+                            "--data (JSONL / Parquet / a datasets folder)")
+        bad = next((r for r in rows + held if not isinstance(r, dict)), None)
+        if bad is not None:
+            raise DataError(f"--env {ref}: a data row must be an object, got {type(bad).__name__}")
+        self.iterator = DataIterator(rows, seed=seed, shuffle=shuffle, epochs=epochs)
+        self._eval = held
+
+    def next_batch(self, n: int) -> list[dict]:
+        return self.iterator.next_batch(n)
+
+    def state(self) -> dict:
+        return self.iterator.state()
+
+    def load_state(self, state: dict) -> None:
+        self.iterator.load_state(state)
+
+    def eval_samples(self) -> list[dict]:
+        return self._eval
+
+
+# ---------------------------------------------------------------- requests
+
+
+class EpisodeSource:
+    """A step's episode requests (the orchestrator's `RequestSource` port): `groups` rows,
+    `samples` episodes each, ids and seeds as for single-turn requests (`request_seed`), so a
+    step drawn again is the same step. A row whose opening does not fit the episode budget (or
+    whose environment cannot open it) is dropped, counted, logged and replaced."""
+
+    def __init__(self, data: EpisodeData, runner: EpisodeRunner, *, run_id: str, seed: int, samples: int,
+                 temperature: float) -> None:
+        self.data, self.runner = data, runner
+        self.run_id, self.seed, self.samples, self.temperature = run_id, seed, samples, temperature
+        self.log = get_logger(component="episode-requests", run_id=run_id)
+        self.filtered_total = 0
+        self.step_filtered = 0
+        self._rows: dict[tuple[int, int], dict] = {}
+
+    def requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
+        return run_sync(self._requests(step, version, groups))
+
+    async def _requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
+        from trainer.run import request_seed
+
+        env_ref = self.runner.settings.ref
+        out: list[wire.RolloutRequest] = []
+        p = 0
+        dropped_in_a_row = 0
+        while p < groups:
+            try:
+                batch = self.data.next_batch(groups - p)
+            except DataExhausted:
+                if p:  # the last epoch's last, short batch
+                    break
+                raise
+            for row in batch:
+                made = await asyncio.gather(*[episodes.request(
+                    self.runner, env_ref, row, request_id=wire.request_id(step, p, g, run=self.run_id), step=step,
+                    policy_version=version, seed=request_seed(self.seed, step, p, g), group=p,
+                    sampling=wire.SamplingParams(temperature=self.temperature)) for g in range(self.samples)],
+                    return_exceptions=True)
+                bad = next((m for m in made if isinstance(m, BaseException)), None)
+                if bad is not None or any(m.max_new_tokens < 2 for m in made):
+                    self.filtered_total += 1
+                    self.step_filtered += 1
+                    dropped_in_a_row += 1
+                    self.log.warning("episode row dropped: its opening does not fit or does not open", step=step,
+                                     reason=str(bad) if bad else "no room left for the model's turns")
+                    if dropped_in_a_row >= max(64 * groups, 1024):
+                        raise DataError(f"{dropped_in_a_row} rows in a row could not open an episode: {bad}")
+                    continue
+                dropped_in_a_row = 0
+                self._rows[(step, p)] = row
+                out += made
+                p += 1
+        return out
+
+    def sample(self, key: tuple[int, int]) -> dict:
+        """The data row group `key`'s episodes started from."""
+        return self._rows[key]
+
+    def trained(self, key: tuple[int, int]) -> None:
+        self._rows.pop(key, None)
+
+
+# ---------------------------------------------------------------- results -> rewards and samples
+
+
+@dataclass
+class TrainingEpisode:
+    """A finished episode as the trainer trains it: the opening, everything after it (model and
+    environment tokens), which of those the loss trains, their behaviour logprobs and policy
+    versions, and the environment's reward."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    mask: list[bool]
+    logprobs: list[float]
+    versions: list[int]
+    reward: float
+    turn_rewards: list[float] | None
+    metrics: dict[str, float]
+    end_reason: str
+    turns: int
+    tool_calls: int
+
+
+async def training_episode(runner: EpisodeRunner, result: wire.RolloutResult) -> TrainingEpisode:
+    """`result` (an episode's) scored by the runner's environment on its final snapshot. An
+    `error` result, or one without a finished episode, scores 0 (`metrics["unscored"]`)."""
+    n = len(result.token_ids)
+    base = dict(prompt_ids=list(result.prompt_ids), response_ids=list(result.token_ids),
+                mask=wire.trainable_mask(result.segments, n), logprobs=list(result.logprobs),
+                versions=wire.token_versions(result.segments, n))
+    snap: Snapshot | None = None
+    if result.finish_reason != "error" and result.episode is not None:
+        try:
+            snap = episodes.snapshot(result.episode)
+        except episodes.EpisodeStateError as e:
+            log.warning("episode state unreadable: reward 0", request_id=result.request_id, error=str(e))
+    if snap is None or snap.phase != "done":
+        return TrainingEpisode(**base, reward=0.0, turn_rewards=None, metrics={"unscored": 1.0},
+                               end_reason=result.error or "unfinished", turns=0, tool_calls=0)
+    snap.score = None  # the trainer's own verdict: never a score a worker wrote
+    done = await runner.finish(snap)
+    return TrainingEpisode(**base, reward=float(done.reward), turn_rewards=done.turn_rewards, metrics=done.metrics,
+                           end_reason=done.end_reason, turns=done.turns, tool_calls=done.tool_calls)
+
+
+@dataclass
+class EpisodeStats:
+    """Per step: episodes scored, their tool calls, turns and rewards (the step row's episode fields)."""
+
+    episodes: int = 0
+    tool_calls: int = 0
+    turns: int = 0
+    reward: float = 0.0
+    unscored: int = 0
+    ends: dict[str, int] = field(default_factory=dict)
+
+    def add(self, e: TrainingEpisode) -> None:
+        self.episodes += 1
+        self.tool_calls += e.tool_calls
+        self.turns += e.turns
+        self.reward += e.reward
+        self.unscored += int(e.metrics.get("unscored", 0))
+        self.ends[e.end_reason] = self.ends.get(e.end_reason, 0) + 1
+
+    def row(self) -> dict:
+        n = max(1, self.episodes)
+        return {"episodes": self.episodes, "tool_calls_mean": round(self.tool_calls / n, 3),
+                "turns_mean": round(self.turns / n, 3), "episode_success": round(self.reward / n, 4),
+                "episode_ends": dict(sorted(self.ends.items()))}
+
+
+class EpisodeScorer:
+    """A group's rewards from the environment (see the module doc: the trainer scores)."""
+
+    def __init__(self, runner: EpisodeRunner) -> None:
+        self.runner = runner
+        self.step_errors = self.step_timeouts = 0
+        self.errors = self.timeouts = 0  # score errors, run total (the environment's `score_error` metric)
+        self.step = EpisodeStats()
+        self.total = EpisodeStats()
+
+    async def group(self, row: dict, results: list[wire.RolloutResult]) -> list[float]:
+        scored = [await training_episode(self.runner, r) for r in results]
+        for e in scored:
+            self.step.add(e)
+            self.total.add(e)
+            err = int(e.metrics.get("score_error", 0))
+            self.step_errors += err
+            self.errors += err
+        return [e.reward for e in scored]
+
+    def begin_step(self) -> None:
+        self.step = EpisodeStats()
+        self.step_errors = self.step_timeouts = 0
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- greedy episodes
+
+
+GenerateBatch = Callable[[list[list[int]], int, list[int]], list[list[int]]]
+
+
+async def greedy_episodes(runner: EpisodeRunner, rows: list[dict], generate: GenerateBatch,
+                          prefix: str = "eval") -> list[Any]:
+    """Every row's episode played to its end, the model turns of all open episodes generated in
+    one batch per turn (`generate(prompts, max_new_tokens, stop_ids)` -> new ids per prompt,
+    e.g. greedy decoding), tools run by the runner. Returns the runner's `EpisodeResult`s."""
+    snaps = [await runner.begin(f"{prefix}-{i}", row) for i, row in enumerate(rows)]
+    stops = list(runner.fmt.stop_ids)
+    while True:
+        open_ = [i for i, s in enumerate(snaps) if s.phase == "generate"]
+        if not open_:
+            break
+        budgets = [runner.budget(snaps[i]) for i in open_]
+        out = await asyncio.to_thread(generate, [snaps[i].token_ids for i in open_], max(budgets), stops)
+        for i, budget, ids in zip(open_, budgets, out, strict=True):
+            cut = next((k + 1 for k, t in enumerate(ids) if t in stops), None)
+            ids = list(ids[:cut]) if cut is not None and cut <= budget else list(ids[:budget])
+            reason = "stop" if ids and ids[-1] in stops else "length"
+            snaps[i] = runner.model_turn(snaps[i], Generation(token_ids=ids, logprobs=[0.0] * len(ids),
+                                                              finish_reason=reason))
+        for i in [i for i, s in enumerate(snaps) if s.phase == "tools"]:
+            snaps[i] = await runner.run_tools(snaps[i])
+    return [await runner.finish(s) for s in snaps]
+
+
+class EpisodeEvaluation:
+    """Held-out success: the mean reward of the policy's greedy episodes on the held-out rows
+    (generated on the trainer, every rank taking part), and their mean tool calls (`last`)."""
+
+    def __init__(self, rows: list[dict], runner: EpisodeRunner, ops, pad: int) -> None:
+        self.rows, self.runner, self.ops, self.pad = rows, runner, ops, pad
+        self.last: dict = {}
+
+    def _generate(self, prompts: list[list[int]], max_new: int, stops: list[int]) -> list[list[int]]:
+        return self.ops.call("greedy", prompts, max_new, stops, self.pad)
+
+    async def accuracy(self) -> float | None:
+        if not self.rows:
+            return None
+        t0 = time.monotonic()
+        done = await greedy_episodes(self.runner, self.rows, self._generate)
+        n = len(done)
+        self.last = {"eval_success": sum(d.reward for d in done) / n,
+                     "eval_tool_calls": round(sum(d.tool_calls for d in done) / n, 3),
+                     "eval_s": round(time.monotonic() - t0, 1)}
+        return self.last["eval_success"]
+
+
+# ---------------------------------------------------------------- a warm start for the demo's model
+
+
+def solutions(env: Any, rows: list[dict]) -> list[list]:
+    """The environment's worked conversations for `rows` (its `solution(row)`), for a warm start."""
+    fn = getattr(env, "solution", None)
+    if not callable(fn):
+        raise DataError(f"the {getattr(env, 'name', type(env).__name__)} environment has no solution(row): "
+                        "no warm start for the demo model; train a model of your own (--model-dir)")
+    return [fn(r) for r in rows]
+
+
+def warm_start(env_settings: EnvSettings, out_dir: Path, target: float, max_seconds: float, *, seed: int = 0,
+               context: int = 512, batch: int = 32, lr: float = 3e-3, eval_every: int = 50,
+               eval_rows: int = 64) -> dict:
+    """Build the demo's character model for `[env] ref` (its alphabet: the environment's
+    `alphabet`) with `context` positions and train it on the environment's worked solutions until
+    the greedy held-out success reaches `target` or `max_seconds` pass. RL then takes over."""
+    import torch
+
+    from trainer import model as M
+    from trainer.bootstrap import sft_step
+
+    env = load_env(env_settings.ref, **env_settings.options)
+    alphabet = getattr(env, "alphabet", "")
+    if not alphabet:
+        raise DataError(f"--env {env_settings.ref}: the environment names no alphabet: the demo's character model "
+                        "cannot read it; train a model of your own (--model-dir)")
+    tokenizer = M.build_tokenizer(alphabet)
+    model = M.build_model(len(tokenizer), seed=seed, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
+                          max_positions=context)
+    runner = make_runner(env_settings, tokenizer, context, max_turn_tokens=64)
+    fmt = runner.fmt
+    data = EpisodeData(env, env_settings.ref, seed=seed, eval_size=eval_rows)
+    held = data.eval_samples()
+    tools = run_sync(runner.begin("tools", held[0])).tools
+
+    def batch_of(rows: list[dict]):
+        convs = [fmt.conversation_ids(m, tools) for m in solutions(env, rows)]
+        width = max(len(ids) for ids, _ in convs)
+        ids_t = torch.full((len(convs), width), tokenizer.pad_token_id)
+        labels = torch.full((len(convs), width), -100)
+        attn = torch.zeros((len(convs), width), dtype=torch.long)
+        for i, (ids, mask) in enumerate(convs):
+            ids_t[i, :len(ids)] = torch.tensor(ids)
+            labels[i, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask, strict=True)])
+            attn[i, :len(ids)] = 1
+        return ids_t, attn, labels
+
+    def success() -> tuple[float, float]:
+        def gen(prompts, max_new, stops):
+            return M.greedy_ids(model, prompts, max_new, stops, tokenizer.pad_token_id)
+        done = run_sync(greedy_episodes(runner, held, gen))
+        return sum(d.reward for d in done) / len(done), sum(d.tool_calls for d in done) / len(done)
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    t0, step, acc, calls, loss = time.monotonic(), 0, 0.0, 0.0, float("nan")
+    while True:
+        step += 1
+        loss = sft_step(model, optimizer, *batch_of(data.next_batch(batch)))
+        elapsed = time.monotonic() - t0
+        if step % eval_every == 0 or elapsed >= max_seconds:
+            acc, calls = success()
+            elapsed = time.monotonic() - t0
+            log.info("env warm start", env=env_settings.ref, step=step, loss=round(loss, 4), eval_success=round(acc, 3),
+                     tool_calls=round(calls, 2), seconds=round(elapsed, 1))
+            if acc >= target or elapsed >= max_seconds:
+                break
+    seconds = round(time.monotonic() - t0, 1)
+    meta = {"task": f"env:{env_settings.ref}", "env": env_settings.ref, "env_options": json.dumps(env_settings.options),
+            "trained": True, "eval_acc": acc, "eval_tool_calls": calls, "steps": step, "seconds": seconds,
+            "context": context, "params": sum(p.numel() for p in model.parameters())}
+    M.save(model, tokenizer, out_dir, meta=meta)
+    return {"out": str(out_dir), "target": target, "reached": acc >= target, "loss": round(loss, 4), **meta}
