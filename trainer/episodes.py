@@ -50,6 +50,9 @@ from trainer.data import DataError, DataExhausted, DataIterator, read_rows
 
 log = get_logger(component="episodes")
 
+# the demo's model for an environment: smaller than the single-turn demo's (episodes are ~270
+# characters, not ~40, and this box's two cores are shared)
+DEMO_ARCH = {"hidden": 96, "layers": 3, "heads": 4, "mlp": 256}
 TRAIN_ROWS = 4096  # rows drawn from an environment's own generator for training (seeded passes over them)
 
 
@@ -352,8 +355,8 @@ def solutions(env: Any, rows: list[dict]) -> list[list]:
 
 
 def warm_start(env_settings: EnvSettings, out_dir: Path, target: float, max_seconds: float, *, seed: int = 0,
-               context: int = 512, batch: int = 32, lr: float = 3e-3, eval_every: int = 50,
-               eval_rows: int = 64) -> dict:
+               context: int = 512, batch: int = 16, lr: float = 3e-3, eval_every: int = 100,
+               eval_rows: int = 64, **arch: int) -> dict:
     """Build the demo's character model for `[env] ref` (its alphabet: the environment's
     `alphabet`) with `context` positions and train it on the environment's worked solutions until
     the greedy held-out success reaches `target` or `max_seconds` pass. RL then takes over."""
@@ -369,7 +372,7 @@ def warm_start(env_settings: EnvSettings, out_dir: Path, target: float, max_seco
                         "cannot read it; train a model of your own (--model-dir)")
     tokenizer = M.build_tokenizer(alphabet)
     model = M.build_model(len(tokenizer), seed=seed, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
-                          max_positions=context)
+                          max_positions=context, **{**DEMO_ARCH, **arch})
     runner = make_runner(env_settings, tokenizer, context, max_turn_tokens=64)
     fmt = runner.fmt
     data = EpisodeData(env, env_settings.ref, seed=seed, eval_size=eval_rows)
@@ -414,3 +417,34 @@ def warm_start(env_settings: EnvSettings, out_dir: Path, target: float, max_seco
             "context": context, "params": sum(p.numel() for p in model.parameters())}
     M.save(model, tokenizer, out_dir, meta=meta)
     return {"out": str(out_dir), "target": target, "reached": acc >= target, "loss": round(loss, 4), **meta}
+
+
+# ---------------------------------------------------------------- what `rlboost run --env` wires
+
+
+def worker_env(env: EnvSettings) -> dict[str, str]:
+    """`[env]` for the run's worker processes (they read `s.env`: which environment they may load,
+    the chat format), as RLBOOST_ENV__* variables. `options` are not among them: they travel in
+    each request (`EpisodeSpec.config`)."""
+    if not env.ref:
+        return {}
+    return {"RLBOOST_ENV__REF": env.ref, "RLBOOST_ENV__DESCRIBE_TOOLS": str(env.describe_tools).lower(),
+            "RLBOOST_ENV__MAX_TURNS": str(env.max_turns), "RLBOOST_ENV__MAX_EPISODE_TOKENS": str(env.max_episode_tokens),
+            "RLBOOST_ENV__TOOL_TIMEOUT_S": repr(env.tool_timeout_s), "RLBOOST_ENV__ON_TOOL_ERROR": env.on_tool_error,
+            "RLBOOST_ENV__INLINE": str(env.inline).lower()}
+
+
+def demo_model_dir(data_dir: str | Path, ref: str) -> Path:
+    """Where the demo's model for environment `ref` lives (one per environment: its alphabet and
+    warm start are the environment's)."""
+    name = "".join(c if c.isalnum() or c in "-_" else "-" for c in ref)[:60]
+    return Path(data_dir).expanduser() / f"model-env-{name}"
+
+
+def check_demo_model(model_dir: Path, env: EnvSettings) -> bool:
+    """True if `model_dir` holds the demo's model warm-started for this environment and options."""
+    from trainer.model import read_meta
+
+    meta = read_meta(model_dir)
+    return bool(meta.get("trained")) and meta.get("env") == env.ref and \
+        meta.get("env_options") == json.dumps(env.options)

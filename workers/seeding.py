@@ -26,7 +26,7 @@ from collections.abc import Callable
 import msgspec
 
 from rlboost.clients import Clients
-from rlboost.config import WorkerSettings
+from rlboost.config import EnvSettings, WorkerSettings
 from workers.counters import Counters
 from workers.engines.base import Engine
 from workers.fleet import WorkerFleet
@@ -43,10 +43,11 @@ class _Fallback:
         self.settings, self.counters, self.weights, self.weight = settings, counters, weights, weight
         self.fallback: tuple[RolloutWorker, asyncio.Task] | None = None
         self.handoffs = 0
+        self.env: EnvSettings | None = None  # [env]: the environments (and chat format) the workers here run episodes in
 
     def _worker(self, pool: str, handoff_pool: str, worker_id: str) -> tuple[RolloutWorker, asyncio.Task]:
         w = RolloutWorker(self.settings(pool, handoff_pool), self.engine, self.c, worker_id=worker_id,
-                          counters=self.counters, weights=self.weights)
+                          counters=self.counters, weights=self.weights, env=self.env)
         return w, asyncio.create_task(w.run())
 
     async def take_back(self, step: int) -> None:
