@@ -278,3 +278,46 @@ async def test_greedy_episodes_play_every_row_to_its_end_in_batches():
     assert [d.tool_calls for d in done] == [len(r["steps"]) for r in rows]
     wrong = await greedy_episodes(runner, rows, _policy(runner, rows, wrong=True))
     assert [d.reward for d in wrong] == [0.0] * 5
+
+
+# ---------------------------------------------------------------- rlboost run --env, end to end
+
+
+@pytest.fixture(scope="module")
+def calc_model_dir(tmp_path_factory):
+    from rlboost.envs import calculator
+    from trainer.model import build_model, build_tokenizer, save
+
+    tok = build_tokenizer(calculator.ALPHABET)
+    model = build_model(len(tok), hidden=64, layers=2, heads=2, mlp=128, max_positions=512, seed=0,
+                        pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
+    # pretend it was warm-started: this test is about the dataflow
+    return save(model, tok, tmp_path_factory.mktemp("m") / "calc", meta={"trained": True, "env": "calculator"})
+
+
+@pytest.mark.slow
+def test_rlboost_run_env_calculator_trains_two_steps_through_real_workers(services, tmp_path, calc_model_dir):
+    """`rlboost run --env calculator --steps 2`: episode requests through real NATS / Redis, a
+    torch worker process and the reserved engine, env tokens masked, rewards from the trainer's
+    environment, held-out success evaluated by greedy episodes."""
+    import os
+    import subprocess
+    import sys
+
+    nats_url, redis_url = services
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--env", "calculator", "--model-dir",
+                        str(calc_model_dir), "--run-dir", str(run_dir), "--steps", "2", "--prompts", "2",
+                        "--samples", "2", "--workers", "1", "--eval-every", "1", "--eval-size", "4",
+                        "--max-response-tokens", "24", "--env.max_turns", "3", "--env.describe_tools", "false",
+                        "--env.options.instructions", "false", "--t-seed", "0.5", "--t-seed-floor", "0.5"],
+                       capture_output=True, text=True, env=env, timeout=500)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert out["steps"] == 2 and len(rows) == 2 and out["request_errors"] == 0, p.stderr[-3000:]
+    for r in rows:
+        assert r["episodes"] == 4 and r["eval_acc"] is not None and r["tokens"] > 0
+        assert sum(r["episode_ends"].values()) == 4 and "unfinished" not in r["episode_ends"]
+    assert out["eval_first"] is not None

@@ -65,8 +65,10 @@ def run_sync(coro: Coroutine) -> Any:
 
 def episode_format(tokenizer, env: EnvSettings) -> ChatFormat:
     """The chat format of a run's episodes, the one its workers build (`workers/episodes.py`):
-    the model's own template, else the fallback with `[env] describe_tools`."""
-    return chat_format(tokenizer, describe_tools=env.describe_tools)
+    the model's own template, else the fallback with `[env] describe_tools`. Warm-start data
+    writes one-parameter calls compactly (`<tool_call>calc 4*23</tool_call>`: short turns for a
+    small model; the parser reads both forms, so workers need not know)."""
+    return chat_format(tokenizer, describe_tools=env.describe_tools, compact_calls=True)
 
 
 def make_runner(env_settings: EnvSettings, tokenizer, max_context: int, max_turn_tokens: int,
@@ -448,3 +450,54 @@ def check_demo_model(model_dir: Path, env: EnvSettings) -> bool:
     meta = read_meta(model_dir)
     return bool(meta.get("trained")) and meta.get("env") == env.ref and \
         meta.get("env_options") == json.dumps(env.options)
+
+
+def make_data(env_settings: EnvSettings, data, seed: int) -> EpisodeData:
+    """A run's episode rows from `[env]` and `[data]` (`train`, `eval`, `eval_size`, ...)."""
+    env = load_env(env_settings.ref, **env_settings.options)
+    return EpisodeData(env, env_settings.ref, data.train, data.eval, seed=seed, shuffle=data.shuffle,
+                       epochs=data.epochs, eval_size=data.eval_size, eval_fraction=data.eval_fraction)
+
+
+def max_turn_tokens(data) -> int:
+    """One model turn's bound: `data.max_response_tokens` where set, else 256."""
+    return data.max_response_tokens if data.max_response_tokens > 0 else 256
+
+
+def ensure_demo_model(env_settings: EnvSettings, model_dir: Path, target: float, seconds: float) -> dict | None:
+    """The demo's model for the run's environment in `model_dir`, built and warm-started on
+    first use (one thread: on a shared box more threads only wait on each other). None if it
+    was there already."""
+    import torch
+
+    if check_demo_model(model_dir, env_settings):
+        return None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return warm_start(env_settings, model_dir, target, seconds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@dataclass
+class EpisodeParts:
+    """What `rlboost run --env` plugs into the run: its data, the request source, the scorer
+    and the held-out evaluation, around one runner of the run's environment."""
+
+    runner: EpisodeRunner
+    data: EpisodeData
+    source: EpisodeSource
+    scorer: EpisodeScorer
+    evaluation: EpisodeEvaluation
+
+
+def episode_parts(s, tokenizer, max_context: int, ops, pad: int, run_id: str,
+                  data: EpisodeData | None = None) -> EpisodeParts:
+    """The parts of a run whose settings `s` name an environment (`[env] ref`)."""
+    runner = make_runner(s.env, tokenizer, max_context, max_turn_tokens(s.data), run_id=run_id)
+    data = data or make_data(s.env, s.data, s.run.seed)
+    source = EpisodeSource(data, runner, run_id=run_id, seed=s.run.seed, samples=s.rollout.samples,
+                           temperature=s.rollout.temperature)
+    return EpisodeParts(runner=runner, data=data, source=source, scorer=EpisodeScorer(runner),
+                        evaluation=EpisodeEvaluation(data.eval_samples(), runner, ops, pad))

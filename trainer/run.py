@@ -60,6 +60,8 @@ from rlboost.services import running_services
 from rlboost.weights import WeightCache
 from rlboost.weights.source import StoreWeights
 from rlboost.weights import Manifest, StoreError, VersionPointer, WeightPublisher, open_store, published_versions
+from trainer.episodes import EpisodeParts, demo_model_dir, ensure_demo_model, episode_parts, worker_env
+from trainer.episodes import make_data as make_episode_data
 from trainer.data import (DataError, DataExhausted, FieldMap, FileData, GeneratedData, PromptBudget, Sample,
                           encode_prompt)
 from trainer import checkpoint as ckpt
@@ -172,14 +174,22 @@ class Run:
         self.tokenizer = self.trainer.tokenizer
         self.stops = stop_ids(cfg.model_dir, self.tokenizer)
         self.pad = pad_id(self.tokenizer, self.stops)
-        self.data, self.reward_spec, task_tokens = cfg.prepared or make_data(cfg)
+        s = cfg.settings
+        context = check_model_dir(cfg.model_dir).max_context
+        self.episodes: EpisodeParts | None = None
+        if s.env.ref:  # `--env`: episodes (trainer/episodes.py) in place of prompts, reward and evaluation
+            self.episodes = episode_parts(s, self.tokenizer, context, self.ops, self.pad, run_id,
+                                          cfg.prepared[0] if cfg.prepared else None)
+            self.data, self.reward_spec, task_tokens = self.episodes.data, "", 0
+        else:
+            self.data, self.reward_spec, task_tokens = cfg.prepared or make_data(cfg)
         cfg.prepared = None
-        self.budget = PromptBudget.for_model(cfg.max_prompt_tokens, cfg.max_response_tokens,
-                                             check_model_dir(cfg.model_dir).max_context, task_tokens)
+        self.budget = PromptBudget.for_model(cfg.max_prompt_tokens, cfg.max_response_tokens, context, task_tokens)
         self.max_response_tokens = self.budget.max_response_tokens
-        self.rewards = RewardPool(self.reward_spec, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
-        self.eval_set = [(smp, ids) for smp in self.data.eval_samples()
-                         if len(ids := encode_prompt(self.tokenizer, smp)) <= self.budget.limit]
+        self.rewards = self.episodes.scorer if self.episodes else RewardPool(
+            self.reward_spec, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
+        self.eval_set = [] if self.episodes else [
+            (smp, ids) for smp in self.data.eval_samples() if len(ids := encode_prompt(self.tokenizer, smp)) <= self.budget.limit]
         self.manager = RolloutManager(c, POOL)
         self.window = SeedWindow(initial_s=cfg.t_seed_initial, floor_s=cfg.t_seed_floor)
         # one folder and one worker-id prefix per life of the trainer: a resumed run's workers
@@ -192,10 +202,12 @@ class Run:
             "--engine", "torch", "--model-dir", cfg.model_dir, "--slots", str(cfg.slots),
             "--checkpoint-tokens", str(cfg.checkpoint_tokens)],
             env={"RLBOOST_WORKER__CACHE_DIR": str(run_dir / "weight-cache"), "RLBOOST_LOG_LEVEL": "warning",
-                 **cfg.settings.weights.store_env()},  # they pull from the store the trainer publishes to
+                 **cfg.settings.weights.store_env(),  # they pull from the store the trainer publishes to
+                 **worker_env(cfg.settings.env)},  # and run the run's environment ([env])
             die_with_parent=True)  # the run's own workers go with a killed trainer; a resume starts new ones
         self.reserved_counters = Counters(workdir / "reserved.counters")
         self.seeding = self._seeding_engines(nats_url, redis_url, workdir)
+        self.seeding.env = cfg.settings.env
         ro = cfg.settings.rollout
         self.orchestrator = Orchestrator(c, POOL, self.seeding, self, policy=cfg.policy, window=self.window,
                                          mode=ro.mode, max_staleness=ro.max_staleness,
@@ -230,7 +242,8 @@ class Run:
 
         def settings(pool: str, handoff_pool: str) -> WorkerSettings:
             return WorkerSettings(pool=pool, handoff_pool=handoff_pool, slots=cfg.slots,
-                                  checkpoint_tokens=cfg.checkpoint_tokens)
+                                  checkpoint_tokens=cfg.checkpoint_tokens,
+                                  model_dir=cfg.model_dir)  # episodes: the chat format is the model's
 
         if ro.vllm_sleep and ro.seeding != "in_process":
             raise EngineError("rollout.vllm_sleep needs rollout.seeding = in_process (the engine shares the trainer's GPUs)")
@@ -240,7 +253,7 @@ class Run:
                 "--engine", ro.seeding_engine, "--model-dir", cfg.model_dir, "--slots", str(cfg.slots),
                 "--checkpoint-tokens", str(cfg.checkpoint_tokens), "--handoff-pool", POOL],
                 env={"RLBOOST_WORKER__CACHE_DIR": str(self.run_dir / "weight-cache"), "RLBOOST_LOG_LEVEL": "warning",
-                     **self.cfg.settings.weights.store_env()},  # it pulls from the store we publish to
+                     **self.cfg.settings.weights.store_env(), **worker_env(self.cfg.settings.env)},  # it pulls from the store we publish to
                 die_with_parent=True)
             return ProcessSeeding(self.c, POOL, fleet, [()], engine, settings, self.reserved_counters,
                                   weights=None, weight=weight)
@@ -357,7 +370,10 @@ class Run:
         return rewards, scored.errors, scored.timeouts
 
     async def evaluate(self) -> float | None:
-        """Mean reward of greedy responses on the held-out set (None: there is none)."""
+        """Mean reward of greedy responses on the held-out set (None: there is none); `--env`:
+        held-out success of greedy episodes."""
+        if self.episodes is not None:
+            return await self.episodes.evaluation.accuracy()
         if not self.eval_set:
             return None
         rows = await asyncio.to_thread(self.ops.call, "greedy", [ids for _, ids in self.eval_set],
@@ -375,6 +391,8 @@ class Run:
         t_step = time.monotonic()
         self.trainer.start_step(step, policy_version=self.version)  # token staleness is counted from it
         self._step_counts = {"reward_errors": 0, "reward_timeouts": 0, "request_errors": 0, "filtered": 0}
+        if self.episodes is not None:
+            self.episodes.scorer.begin_step()
         # the steps a dead trainer published past its checkpoint go out again under the same request ids
         o = await self.orchestrator.step(step, self.version, self._make_requests, cfg.prompts,
                                          republish=step <= self.republish_through)
@@ -415,6 +433,10 @@ class Run:
                "prompts": len(o.trained), "filtered_prompts": filtered, **counts,
                "carried_groups": o.carried_groups, "data": self.data.state()}
         row.update(rep.off_policy_row())  # IS ratio and per-token staleness statistics (algorithm.off_policy)
+        if self.episodes is not None:  # tool calls, turns, success and why episodes ended; held-out tool calls
+            row.update(self.episodes.scorer.step.row())
+            if eval_acc is not None:
+                row["eval_tool_calls"] = self.episodes.evaluation.last.get("eval_tool_calls")
         metrics.observe_training(row)
         return row
 
@@ -425,6 +447,16 @@ class Run:
         # where the data stood before the step's draw: an async run publishes steps ahead, and a
         # checkpoint keeps the position of its first untrained step (`checkpoint_meta`)
         self._drawn_from.setdefault(step, (self.data.state(), self.filtered_total, groups, version))
+        if self.episodes is not None:  # `--env`: a row's episodes (trainer/episodes.py)
+            src = self.episodes.source
+            src.step_filtered = 0
+            requests = src.requests(step, version, groups)
+            for q in requests:
+                self._samples[(step, q.group)] = src.sample((step, q.group))
+            self.filtered_total += src.step_filtered
+            if hasattr(self, "_step_counts"):
+                self._step_counts["filtered"] += src.step_filtered
+            return requests
         samples, prompt_ids, filtered = self._prompts(step, groups)
         self.filtered_total += filtered
         if hasattr(self, "_step_counts"):
@@ -446,6 +478,8 @@ class Run:
             self._chaos(r.step)
 
     async def score(self, key: tuple[int, int], results: list[wire.RolloutResult]) -> list[float]:
+        if self.episodes is not None:  # the trainer's environment scores each episode
+            return await self.episodes.scorer.group(self._samples[key], results)
         rewards, errors, timeouts = await self._score(self._samples[key], results)
         self._step_counts["reward_errors"] += errors
         self._step_counts["reward_timeouts"] += timeouts
@@ -694,6 +728,9 @@ def preflight(cfg: RunConfig, s: Settings) -> None:
     The data read here is the run's (`cfg.prepared`)."""
     if cfg.resume and not (Path(cfg.run_dir) / "run.json").exists():
         raise ConfigError(f"--resume {cfg.run_dir}: no run.json there (not a run folder)")
+    if cfg.settings.env.ref:  # `--env`: the environment loads and has rows (its own or --data's); no reward function
+        cfg.prepared = (make_episode_data(cfg.settings.env, cfg.settings.data, cfg.seed), "", 0)
+        return
     data, reward, task_tokens = make_data(cfg)
     load_function(reward)  # RewardError: a spec that names no usable function
     if cfg.model_dir and not cfg.init_model:
@@ -718,6 +755,18 @@ def resolve_model(cfg: RunConfig, s: Settings) -> str:
     demo's model, built and warm-started on first use."""
     if cfg.model_dir and not cfg.init_model:
         return str(check_model_dir(cfg.model_dir).path)
+    env = cfg.settings.env
+    if env.ref:  # `--env`: the demo's model for that environment (trainer/episodes.py)
+        model_dir = Path(cfg.model_dir) if cfg.model_dir else demo_model_dir(s.services.data_dir, env.ref)
+        print(f"the demo model for --env {env.ref} in {model_dir} (build + warm start on first use)...", flush=True)
+        configure_logging(json=s.log_json, level="info")  # its progress lines
+        try:
+            out = ensure_demo_model(env, model_dir, cfg.bootstrap_target, cfg.bootstrap_seconds)
+        finally:
+            configure_logging(json=s.log_json, level=os.environ.get("RLBOOST_LOG_LEVEL", "warning"))
+        if out:
+            print(f"model ready: held-out success {out['eval_acc']:.3f} after {out['seconds']} s", flush=True)
+        return str(model_dir)
     model_dir = Path(cfg.model_dir or Path(s.services.data_dir).expanduser() / "model").expanduser()
     if model_dir.exists() and any(model_dir.iterdir()) and not (model_dir / META_FILE).exists():
         raise ModelDirError(f"{model_dir} holds files that rlboost init-model did not make: "
@@ -757,7 +806,8 @@ FLAGS = {"policy": "run.policy", "steps": "run.steps", "max_minutes": "run.max_m
          "run_dir": "run.run_dir", "nproc": "run.nproc", "precision": "trainer.precision", "device": "trainer.device",
          "task": "data.task", "data": "data.train", "eval_data": "data.eval", "reward": "data.reward",
          "max_prompt_tokens": "data.max_prompt_tokens", "max_response_tokens": "data.max_response_tokens",
-         "eval_size": "data.eval_size", "epochs": "data.epochs", "reward_timeout": "data.reward_timeout_s"}
+         "eval_size": "data.eval_size", "epochs": "data.epochs", "reward_timeout": "data.reward_timeout_s",
+         "env": "env.ref"}
 
 
 def parse(argv: list[str], demo: bool = False, s: Settings | None = None) -> RunConfig:
@@ -802,6 +852,8 @@ def parse(argv: list[str], demo: bool = False, s: Settings | None = None) -> Run
     g.add_argument("--eval-size", type=int)
     g.add_argument("--epochs", type=int, help="0 = as many as the steps need")
     g.add_argument("--reward-timeout", type=float, help="seconds per reward call")
+    g.add_argument("--env", help="train on episodes of this environment: calculator | reasoning-gym | textarena | "
+                   "gymnasium | module:fn | path/to/file.py:fn (settings [env]; docs/concepts/environments.md)")
     a, rest = p.parse_known_args(argv)
     overrides = parse_overrides(rest)
     for name, key in FLAGS.items():
