@@ -87,10 +87,20 @@ def load_causal_lm(model_dir: str | Path, dtype=None):
 
 
 def load_tokenizer(model_dir: str | Path):
-    from transformers import AutoTokenizer
+    """The folder's tokenizer. One saved as a plain fast tokenizer (tokenizer_class
+    `TokenizersBackend` / `PreTrainedTokenizerFast`, as rlboost's demo models are) is its
+    tokenizer.json exactly: AutoTokenizer would rebuild it as config.json's model type's tokenizer
+    (Qwen2's byte-level pre-tokenizer drops a character vocabulary's spaces and newlines)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     d = Path(model_dir).expanduser()
     try:
+        cls = json.loads((d / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        cls = None
+    try:
+        if cls in ("TokenizersBackend", "PreTrainedTokenizerFast") and (d / "tokenizer.json").exists():
+            return PreTrainedTokenizerFast.from_pretrained(str(d), local_files_only=True)
         return AutoTokenizer.from_pretrained(str(d), local_files_only=True, trust_remote_code=False)
     except (ValueError, OSError) as e:
         raise ModelDirError(f"{d}: the tokenizer does not load ({str(e).strip().splitlines()[0]})") from None
