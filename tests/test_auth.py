@@ -473,7 +473,8 @@ async def test_a_forged_result_cannot_pre_empt_the_genuine_one(secured, trainer)
     import msgspec
 
     from rlboost.clients import open_clients
-    from rlboost.manager import RolloutManager, check_weights
+    from rlboost.manager import RolloutManager
+    from rlboost.weights.ledger import check_weights
 
     _, st = secured
     step, weights = 32, "emulated-v0"

@@ -52,14 +52,14 @@ from rlboost.clients import Clients, open_clients
 from rlboost.config import ConfigError, Settings, WorkerSettings, apply_overrides, dump_toml, load_settings, \
     parse_overrides
 from rlboost.logs import configure_logging, get_logger
-from rlboost.manager import RolloutManager, check_segments, check_weights
+from rlboost.manager import RolloutManager
 from rlboost.modeldir import ModelDirError, check_model_dir, stop_ids
 from rlboost.offload import SeedWindow
 from rlboost.orchestrator import Orchestrator
 from rlboost.services import running_services
 from rlboost.weights import WeightCache
 from rlboost.weights.source import StoreWeights
-from rlboost.weights import Manifest, StoreError, VersionPointer, WeightPublisher, open_store, published_versions
+from rlboost.weights.ledger import VersionLedger
 from trainer.data import (DataError, DataExhausted, FieldMap, FileData, GeneratedData, PromptBudget, Sample,
                           encode_prompt)
 from trainer import checkpoint as ckpt
@@ -217,7 +217,6 @@ class Run:
         self.resumed_step = -1  # the first step after that checkpoint
         self.republish_through = -1  # the last step a previous life may have published (see restore)
         self.run_id = run_id
-        self.base_version = 0  # policy versions continue from what the weight store already holds
 
     def _seeding_engines(self, nats_url: str, redis_url: str, workdir: Path) -> InProcessSeeding | ProcessSeeding:
         """The reserved side's seeding engine (`[rollout] seeding`, `seeding_engine`): in this
@@ -247,38 +246,17 @@ class Run:
 
     @property
     def version(self) -> int:
-        return self.base_version + self.trainer.version
+        return self.ledger.version
 
     async def setup(self) -> None:
-        store = await open_store(js=self.c.js)
-        pointer = await VersionPointer.open(self.c.js)
-        self.publisher = WeightPublisher(store, pointer, **self.cfg.settings.weights.publisher_options())
-        self.publisher_pointer = pointer
-        self.weights = StoreWeights(WeightCache(self.run_dir / "weight-cache" / "reserved", store), wait_s=30.0)
+        self.ledger = await VersionLedger.open(
+            self.c.js, self.cfg.settings.weights.publisher_options(), lambda: self.trainer.version,
+            off_policy=self.orchestrator.mode != "sync", keep_versions=self.cfg.settings.weights.keep_versions,
+            staleness=self.orchestrator.max_staleness, run_id=self.run_id)
+        self.weights = StoreWeights(WeightCache(self.run_dir / "weight-cache" / "reserved", self.ledger.store),
+                                    wait_s=30.0)
         self.seeding.weights = self.weights  # the reserved engine pulls what the trainer published
-        latest = await pointer.get()
-        resumed = self.resumed_weights
-        if resumed and resumed["version"] in await published_versions(store):
-            # a resumed run goes on with the checkpoint's published version: the results its
-            # previous life finished for the interrupted step name it (and its digest)
-            self.base_version = resumed["version"] - self.trainer.version
-            self.weights_digest = {resumed["version"]: resumed["digest"]}
-            # async: the requests published ahead name up to max_staleness older versions
-            kept = await published_versions(store)
-            self.weights_digest |= {int(v): d for v, d in resumed.get("recent", {}).items() if int(v) in kept}
-            if self.orchestrator.mode != "sync":
-                # a previous life that ran past its last checkpoint published newer versions, and
-                # requests it had in flight were generated with them (their results come back):
-                # versions of this run's own store, trusted as its own
-                for v in (v for v in kept if v > resumed["version"]):
-                    with contextlib.suppress(StoreError):
-                        self.weights_digest[v] = Manifest.decode(
-                            await store.read_all(wire.weights_manifest_key(v))).digest()
-        else:
-            # a resumed trainer already counts its steps: the next version is still a new one
-            self.base_version = (0 if latest is None else latest + 1) - self.trainer.version
-            pub = await self.publisher.publish(await self._weights_to_publish(), version=self.version)
-            self.weights_digest = {self.version: pub.manifest_digest}  # what results' segments must name
+        await self.ledger.start(self._weights_to_publish, self.resumed_weights)
         self._carry_over()
         if isinstance(self.seeding, ProcessSeeding):
             await self.seeding.start(timeout_s=90.0)
@@ -432,10 +410,7 @@ class Run:
         return self._requests(step, prompt_ids, version)
 
     def _on_result(self, r: wire.RolloutResult, arrived: int, total: int) -> None:
-        if self.orchestrator.mode == "sync":
-            check_weights(r, self.version, self.weights_digest.get(self.version, ""))  # on-policy or refused
-        else:  # each segment from a version this run published, with exactly its weights
-            check_segments(r, self.weights_digest)
+        self.ledger.check(r)
         if r.finish_reason == "error":
             self._step_counts["request_errors"] += 1
             self.log.warning("request failed on the engine", request_id=r.request_id, error=r.error)
@@ -462,16 +437,7 @@ class Run:
     async def finish_step(self, step: int):
         self._batch_position = 0
         rep = await asyncio.to_thread(self.trainer.finish_step)
-        latest = await self.publisher_pointer.get()
-        if latest is not None and self.version <= latest:  # resumed: never reuse a number a dead life published
-            self.base_version += latest + 1 - self.version
-        pub = await self.publisher.publish(await self._weights_to_publish(), version=self.version)
-        self.weights_digest[self.version] = pub.manifest_digest
-        metrics.POLICY_VERSION.labels("trainer").set(self.version)
-        # async: requests published k versions back are still generated with their weights
-        # [weights] keep_versions, and every base a kept delta needs; async: requests published k
-        # versions back are still generated with their weights
-        await self.publisher.gc(keep=self.cfg.settings.weights.keep_versions + self.orchestrator.max_staleness)
+        pub = await self.ledger.publish(self._weights_to_publish)
         return rep, pub
 
     def _save_rollouts(self, groups: dict[int, list[wire.RolloutResult]]) -> None:
@@ -520,8 +486,7 @@ class Run:
         else:
             oldest = self.version - self.orchestrator.max_staleness
         return {"run_id": self.run_id, "eval_first": eval_first, "handoffs_total": self.handoffs_total,
-                "published": {"version": self.version, "digest": self.weights_digest.get(self.version, ""),
-                              "recent": {str(v): d for v, d in self.weights_digest.items() if oldest <= v < self.version}},
+                "published": self.ledger.checkpoint(oldest),
                 "carried": {str(s): gs for s, gs in carried.items()},
                 "draws": {str(s): list(self._drawn_from[s][2:]) for s in range(first, step + 1)} if carried else {},
                 "filtered_total": filtered_total, "dollars": self.dollars, "data_state": data_state,
