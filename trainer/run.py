@@ -69,6 +69,7 @@ from trainer.loggers import Loggers
 from trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, decode_response, load_tokenizer, pad_id, \
     read_meta
 from trainer.report import RunReport
+from trainer.request_source import RequestSource
 from trainer.rewards import Item, RewardError, RewardPool, load_function
 from trainer.tasks import TASKS, get_task
 from workers.counters import Counters, read_counters
@@ -143,11 +144,6 @@ class RunConfig:
                    reward_workers=ds.reward_workers, reward_timeout_s=ds.reward_timeout_s, resume=resume, settings=s)
 
 
-def request_seed(run_seed: int, step: int, prompt: int, sample: int) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{run_seed}/{step}/{prompt}/{sample}".encode(), digest_size=4).digest(),
-                          "little")
-
-
 def weights_sha256(state: dict) -> str:
     h = hashlib.sha256()
     for name in sorted(state):
@@ -177,6 +173,8 @@ class Run:
         self.budget = PromptBudget.for_model(cfg.max_prompt_tokens, cfg.max_response_tokens,
                                              check_model_dir(cfg.model_dir).max_context, task_tokens)
         self.max_response_tokens = self.budget.max_response_tokens
+        self.source = RequestSource(self.data, self.tokenizer, self.budget, self.stops, run_id=run_id, seed=cfg.seed,
+                                    samples=cfg.samples, temperature=cfg.temperature)
         self.rewards = RewardPool(self.reward_spec, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
         self.eval_set = [(smp, ids) for smp in self.data.eval_samples()
                          if len(ids := encode_prompt(self.tokenizer, smp)) <= self.budget.limit]
@@ -204,14 +202,8 @@ class Run:
             # not switched on behind the user's back (none is a valid choice); said once, loudly
             self.log.warning("rollout.mode trains stale tokens: algorithm.off_policy = \"tis\" corrects them "
                              "with the behaviour logprobs (none only clips around them)", mode=ro.mode)
-        self._samples: dict[tuple[int, int], Sample] = {}  # (step, group) -> its prompt, until trained
-        # step -> (data position, filtered, groups drawn, version published under), the first two from
-        # before its draw: what a checkpoint needs to make a resumed life draw the same prompts
-        self._drawn_from: dict[int, tuple[dict, int, int, int]] = {}
-        self._resumed_draws: tuple[dict[int, list[int]], dict[int, list[int]]] = ({}, {})  # see restore()
         self._batch_position = 0
         self.handoffs_total = 0
-        self.filtered_total = 0
         self.dollars = 0.0
         self.resumed_weights: dict | None = None  # {"version", "digest"} of the checkpoint being resumed
         self.resumed_step = -1  # the first step after that checkpoint
@@ -257,7 +249,8 @@ class Run:
                                     wait_s=30.0)
         self.seeding.weights = self.weights  # the reserved engine pulls what the trainer published
         await self.ledger.start(self._weights_to_publish, self.resumed_weights)
-        self._carry_over()
+        for s, carried in self.source.redraw(self.version):  # a resumed partial run's groups in flight
+            self.orchestrator.carry(s, carried)
         if isinstance(self.seeding, ProcessSeeding):
             await self.seeding.start(timeout_s=90.0)
         if self.cfg.policy != "colocated" and self.cfg.workers:
@@ -266,23 +259,6 @@ class Run:
             deadline = time.monotonic() + 90.0  # torch import + model load take a while
             while len(await self.manager.live_workers()) < self.cfg.workers and time.monotonic() < deadline:
                 await asyncio.sleep(0.25)
-
-    def _carry_over(self) -> None:
-        """A resumed partial run: draw again what its previous life drew from the checkpoint's
-        data position on (the same prompts under the same request ids) and hand the groups it had
-        not trained to the orchestrator, which publishes and collects them with the next step."""
-        draws, carried = self._resumed_draws
-        for s in sorted(draws):
-            (groups, version), keep = draws[s], set(carried.get(s, ()))
-            requests = self._make_requests(s, self.version, groups)  # the floor is this version anyway
-            self._drawn_from[s] = (*self._drawn_from[s][:3], version)  # what its tokens may be as old as
-            for g in set(range(groups)) - keep:
-                self._samples.pop((s, g), None)  # trained before the checkpoint
-            if keep:
-                self.orchestrator.carry(s, [q for q in requests if q.group in keep])
-        if carried:
-            self.log.info("carried over from the checkpoint", groups=sum(map(len, carried.values())),
-                          steps=sorted(carried))
 
     async def _weights_to_publish(self) -> dict[str, torch.Tensor]:
         """The full weights in the publish dtype, gathered tensor by tensor (every rank takes part)."""
@@ -293,28 +269,6 @@ class Run:
         counters of every worker and reserved engine of every life of this run)."""
         return sum(max(0, c["generated"] - c["checkpointed"])
                    for c in map(read_counters, sorted((self.run_dir / "workers").rglob("*.counters"))))
-
-    def _requests(self, step: int, prompt_ids: list[list[int]], version: int) -> list[wire.RolloutRequest]:
-        return [wire.RolloutRequest(
-            request_id=wire.request_id(step, p, g, run=self.run_id), step=step, policy_version=version,
-            prompt_ids=ids, max_new_tokens=self.max_response_tokens, seed=request_seed(self.cfg.seed, step, p, g),
-            sampling=wire.SamplingParams(temperature=self.cfg.temperature),
-            eos_id=self.stops[0] if self.stops else -1, stop_ids=self.stops, group=p)
-            for p, ids in enumerate(prompt_ids) for g in range(self.cfg.samples)]
-
-    def _prompts(self, step: int, n: int) -> tuple[list[Sample], list[list[int]], int]:
-        """The step's prompts within the token budget; the ones over it are dropped and replaced."""
-        filtered = 0
-
-        def dropped(smp: Sample, n_tokens: int) -> None:
-            nonlocal filtered
-            filtered += 1
-            self.log.warning("prompt over the token budget: filtered", step=step, sample=smp.index, tokens=n_tokens,
-                             limit=self.budget.limit)
-
-        chosen = self.budget.fill(self.data.next_batch, lambda smp: encode_prompt(self.tokenizer, smp),
-                                  n, dropped)
-        return [smp for smp, _ in chosen], [ids for _, ids in chosen], filtered
 
     def _items(self, sample: Sample, results: list[wire.RolloutResult]) -> list[Item]:
         return [Item(prompt=sample.prompt_for_reward(), response=decode_response(self.tokenizer, r.token_ids, self.stops),
@@ -350,13 +304,14 @@ class Run:
         cfg = self.cfg
         t_step = time.monotonic()
         self.trainer.start_step(step, policy_version=self.version)  # token staleness is counted from it
-        self._step_counts = {"reward_errors": 0, "reward_timeouts": 0, "request_errors": 0, "filtered": 0}
+        self._step_counts = {"reward_errors": 0, "reward_timeouts": 0, "request_errors": 0}
+        self.source.step_filtered = 0
         # the steps a dead trainer published past its checkpoint go out again under the same request ids
-        o = await self.orchestrator.step(step, self.version, self._make_requests, cfg.prompts,
+        o = await self.orchestrator.step(step, self.version, self.source, cfg.prompts,
                                          republish=step <= self.republish_through)
         rep, pub = o.report
-        counts = {k: v for k, v in self._step_counts.items() if k != "filtered"}
-        filtered = self._step_counts["filtered"]
+        counts = dict(self._step_counts)
+        filtered = self.source.step_filtered
         live = o.live
         if cfg.save_rollouts:
             self._save_rollouts({k: results for k, results in o.trained})
@@ -396,19 +351,6 @@ class Run:
 
     # ------------------------------------------------------------------ the orchestrator's parts
 
-    def _make_requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
-        """The orchestrator asks for a step's requests (`groups` prompts, under `version`)."""
-        # where the data stood before the step's draw: an async run publishes steps ahead, and a
-        # checkpoint keeps the position of its first untrained step (`checkpoint_meta`)
-        self._drawn_from.setdefault(step, (self.data.state(), self.filtered_total, groups, version))
-        samples, prompt_ids, filtered = self._prompts(step, groups)
-        self.filtered_total += filtered
-        if hasattr(self, "_step_counts"):
-            self._step_counts["filtered"] += filtered
-        for p, smp in enumerate(samples):
-            self._samples[(step, p)] = smp
-        return self._requests(step, prompt_ids, version)
-
     def _on_result(self, r: wire.RolloutResult, arrived: int, total: int) -> None:
         self.ledger.check(r)
         if r.finish_reason == "error":
@@ -419,7 +361,7 @@ class Run:
             self._chaos(r.step)
 
     async def score(self, key: tuple[int, int], results: list[wire.RolloutResult]) -> list[float]:
-        rewards, errors, timeouts = await self._score(self._samples[key], results)
+        rewards, errors, timeouts = await self._score(self.source.sample(key), results)
         self._step_counts["reward_errors"] += errors
         self._step_counts["reward_timeouts"] += timeouts
         return rewards
@@ -430,7 +372,7 @@ class Run:
         # partial mixes steps in one batch: its position in the batch
         index = key[1] if self.orchestrator.mode != "partial" else self._batch_position
         self._batch_position += 1
-        self._samples.pop(key, None)
+        self.source.trained(key)
         await asyncio.to_thread(self.trainer.add_group, index, results, rewards)
         return time.monotonic()
 
@@ -476,27 +418,20 @@ class Run:
         the newest one."""
         w = self.window
         carried = self.orchestrator.untrained() if self.orchestrator.mode == "partial" else {}
-        first = min(carried, default=step + 1)
-        for s in [s for s in self._drawn_from if s < first]:
-            del self._drawn_from[s]
-        data_state, filtered_total, _, _ = self._drawn_from.get(
-            first, (self.data.state(), self.filtered_total, 0, self.version))
+        position = self.source.position(carried, step, self.version)
         if carried:  # partial: a carried response may hold tokens of every version since its draw
-            oldest = min(self._drawn_from[s][3] for s in carried)
+            oldest = min(self.source.drawn_under(s) for s in carried)
         else:
             oldest = self.version - self.orchestrator.max_staleness
         return {"run_id": self.run_id, "eval_first": eval_first, "handoffs_total": self.handoffs_total,
                 "published": self.ledger.checkpoint(oldest),
-                "carried": {str(s): gs for s, gs in carried.items()},
-                "draws": {str(s): list(self._drawn_from[s][2:]) for s in range(first, step + 1)} if carried else {},
-                "filtered_total": filtered_total, "dollars": self.dollars, "data_state": data_state,
+                "carried": {str(s): gs for s, gs in carried.items()}, **position, "dollars": self.dollars,
                 "seed_window": {"t_seed": w.t_seed, "memory": {str(k): v for k, v in w.memory.items()},
                                 "workers": w._workers}}
 
     def restore(self, state: dict) -> None:
         """The run's own state from a checkpoint (the trainer's is restored by trainer.checkpoint)."""
-        if state.get("data_state") is not None:
-            self.data.load_state(state["data_state"])
+        self.source.restore(state)
         self.resumed_weights = state.get("published")
         self.resumed_step = state["step"] + 1
         # A previous life that ran past its checkpoint (checkpoint_every > 1) published later steps
@@ -508,15 +443,12 @@ class Run:
                 with contextlib.suppress(ValueError, TypeError, KeyError):
                     reached = max(reached, int(json.loads(line)["step"]) + 1)
         self.republish_through = reached + self.orchestrator.max_staleness
-        self._resumed_draws = ({int(s): n for s, n in (state.get("draws") or {}).items()},
-                               {int(s): gs for s, gs in (state.get("carried") or {}).items()})
         w = state.get("seed_window") or {}
         if w:
             self.window.t_seed = w["t_seed"]
             self.window.memory = {int(k): v for k, v in w["memory"].items()}
             self.window._workers = w["workers"]
         self.handoffs_total = state.get("handoffs_total", 0)
-        self.filtered_total = state.get("filtered_total", 0)
         self.dollars = state.get("dollars", 0.0)
 
 
@@ -634,7 +566,7 @@ async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path, se
                 "device": str(trainer.device), "ranks": ranks.world,
                 "tokens_per_s": round(sum(r["tokens"] for r in rows) / max(1e-9, sum(r["step_s"] for r in rows)), 1),
                 "wall_s": round(time.monotonic() - t0, 1), "final_weights_sha256": final_sha,
-                "filtered_prompts": run.filtered_total, "reward_errors": run.rewards.errors,
+                "filtered_prompts": run.source.filtered_total, "reward_errors": run.rewards.errors,
                 "reward_timeouts": run.rewards.timeouts,
                 "request_errors": sum(r["request_errors"] for r in rows), "data": run.data.state(),
                 "checkpoint": str(final) if final else None, "run_dir": str(run_dir)}
