@@ -60,17 +60,19 @@ from rlboost.services import running_services
 from rlboost.weights import WeightCache
 from rlboost.weights.source import StoreWeights
 from rlboost.weights.ledger import VersionLedger
-from trainer.data import (DataError, DataExhausted, FieldMap, FileData, GeneratedData, PromptBudget, Sample,
+from trainer.data import (DataError, DataExhausted, FieldMap, FileData, GeneratedData, PromptBudget,
                           encode_prompt)
 from trainer import checkpoint as ckpt
 from trainer import distributed
 from trainer.grpo_trainer import GRPOTrainer
 from trainer.loggers import Loggers
-from trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, decode_response, load_tokenizer, pad_id, \
+from trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, load_tokenizer, pad_id, \
     read_meta
+from trainer.evaluation import Evaluation
 from trainer.report import RunReport
+from trainer.scoring import Scorer
 from trainer.request_source import RequestSource
-from trainer.rewards import Item, RewardError, RewardPool, load_function
+from trainer.rewards import RewardError, load_function
 from trainer.tasks import TASKS, get_task
 from workers.counters import Counters, read_counters
 from workers.engines import EngineError
@@ -175,9 +177,10 @@ class Run:
         self.max_response_tokens = self.budget.max_response_tokens
         self.source = RequestSource(self.data, self.tokenizer, self.budget, self.stops, run_id=run_id, seed=cfg.seed,
                                     samples=cfg.samples, temperature=cfg.temperature)
-        self.rewards = RewardPool(self.reward_spec, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
-        self.eval_set = [(smp, ids) for smp in self.data.eval_samples()
-                         if len(ids := encode_prompt(self.tokenizer, smp)) <= self.budget.limit]
+        self.scorer = Scorer(self.reward_spec, self.tokenizer, self.stops, workers=cfg.reward_workers,
+                             timeout_s=cfg.reward_timeout_s)
+        self.evaluation = Evaluation(self.data.eval_samples(), self.tokenizer, self.budget, self.stops, self.pad,
+                                     self.ops, self.scorer)
         self.manager = RolloutManager(c, POOL)
         self.window = SeedWindow(initial_s=cfg.t_seed_initial, floor_s=cfg.t_seed_floor)
         # one folder and one worker-id prefix per life of the trainer: a resumed run's workers
@@ -270,47 +273,19 @@ class Run:
         return sum(max(0, c["generated"] - c["checkpointed"])
                    for c in map(read_counters, sorted((self.run_dir / "workers").rglob("*.counters"))))
 
-    def _items(self, sample: Sample, results: list[wire.RolloutResult]) -> list[Item]:
-        return [Item(prompt=sample.prompt_for_reward(), response=decode_response(self.tokenizer, r.token_ids, self.stops),
-                     ground_truth=sample.ground_truth, data_source=sample.data_source, finish_reason=r.finish_reason,
-                     extra=sample.extra, chat=sample.messages is not None) for r in results]
-
-    async def _score(self, sample: Sample, results: list[wire.RolloutResult]) -> tuple[list[float], int, int]:
-        """Rewards of one group, in `results` order; an `error` result (a request no engine could
-        serve) scores 0 without a call. Returns (rewards, reward errors, reward timeouts)."""
-        ok = [i for i, r in enumerate(results) if r.finish_reason != "error"]
-        rewards = [0.0] * len(results)
-        scored = await self.rewards.ascore(self._items(sample, [results[i] for i in ok]),
-                                           [results[i].request_id for i in ok])
-        for i, v in zip(ok, scored.values, strict=True):
-            rewards[i] = v
-        return rewards, scored.errors, scored.timeouts
-
-    async def evaluate(self) -> float | None:
-        """Mean reward of greedy responses on the held-out set (None: there is none)."""
-        if not self.eval_set:
-            return None
-        rows = await asyncio.to_thread(self.ops.call, "greedy", [ids for _, ids in self.eval_set],
-                                       self.max_response_tokens, self.stops, self.pad)
-        items = [Item(prompt=smp.prompt_for_reward(), response=decode_response(self.tokenizer, row, self.stops),
-                      ground_truth=smp.ground_truth, data_source=smp.data_source,
-                      finish_reason="stop" if any(t in self.stops for t in row) else "length", extra=smp.extra,
-                      chat=smp.messages is not None) for (smp, _), row in zip(self.eval_set, rows, strict=True)]
-        scored = await self.rewards.ascore(items, [f"eval-{smp.index}" for smp, _ in self.eval_set])
-        return sum(scored.values) / len(scored.values)
-
     async def step(self, step: int) -> dict:
         """One step of the product's orchestration (rlboost/orchestrator.py) with the real trainer."""
         cfg = self.cfg
         t_step = time.monotonic()
         self.trainer.start_step(step, policy_version=self.version)  # token staleness is counted from it
-        self._step_counts = {"reward_errors": 0, "reward_timeouts": 0, "request_errors": 0}
-        self.source.step_filtered = 0
+        self._step_counts = {"request_errors": 0}
+        self.source.step_filtered = self.scorer.step_errors = self.scorer.step_timeouts = 0
         # the steps a dead trainer published past its checkpoint go out again under the same request ids
         o = await self.orchestrator.step(step, self.version, self.source, cfg.prompts,
                                          republish=step <= self.republish_through)
         rep, pub = o.report
-        counts = dict(self._step_counts)
+        counts = {"reward_errors": self.scorer.step_errors, "reward_timeouts": self.scorer.step_timeouts,
+                  **self._step_counts}
         filtered = self.source.step_filtered
         live = o.live
         if cfg.save_rollouts:
@@ -318,7 +293,7 @@ class Run:
         step_s = time.monotonic() - t_step  # held-out evaluation is bookkeeping, not the step
         eval_acc = None
         if step % cfg.eval_every == 0 or step == cfg.steps - 1:
-            eval_acc = await self.evaluate()
+            eval_acc = await self.evaluation.accuracy()
         self.handoffs_total += o.handoffs
         metrics.WORKERS_LIVE.labels(POOL).set(live)
         rs = self.cfg.settings.run
@@ -361,10 +336,7 @@ class Run:
             self._chaos(r.step)
 
     async def score(self, key: tuple[int, int], results: list[wire.RolloutResult]) -> list[float]:
-        rewards, errors, timeouts = await self._score(self.source.sample(key), results)
-        self._step_counts["reward_errors"] += errors
-        self._step_counts["reward_timeouts"] += timeouts
-        return rewards
+        return await self.scorer.group(self.source.sample(key), results)
 
     async def train_group(self, key: tuple[int, int], results: list[wire.RolloutResult], rewards: list[float],
                           start: float) -> float:
@@ -405,7 +377,7 @@ class Run:
         await self.orchestrator.close()  # first: groups still being scored need the reward pool
         await self.seeding.close()
         self.fleet.stop_all()
-        self.rewards.close()
+        self.scorer.close()
         if self.seeding.engine is not None:
             await self.seeding.engine.close()
 
@@ -515,7 +487,7 @@ async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path, se
                 run.log.warning("resumed", checkpoint=str(last), step=first_step, version=trainer.version)
             await run.setup()
             if not resumed:
-                eval_first = await run.evaluate()
+                eval_first = await run.evaluation.accuracy()
             report.start(eval_first)
 
             async def save(step: int) -> None:
@@ -530,14 +502,14 @@ async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path, se
                 except DataExhausted as e:
                     run.log.warning("data exhausted: the run ends here", step=step, reason=str(e))
                     if rows and rows[-1]["eval_acc"] is None:
-                        rows[-1]["eval_acc"] = await run.evaluate()
+                        rows[-1]["eval_acc"] = await run.evaluation.accuracy()
                     break
                 rows.append(row)
                 report.step(row)
                 loggers.log(row)
                 stop_early = cfg.max_minutes and time.monotonic() - t0 > cfg.max_minutes * 60 and step < cfg.steps - 1
                 if stop_early and row["eval_acc"] is None:
-                    row["eval_acc"] = await run.evaluate()
+                    row["eval_acc"] = await run.evaluation.accuracy()
                 if rs.checkpoint_every and (step + 1) % rs.checkpoint_every == 0:
                     await save(step)
                 if stop_early:
@@ -566,8 +538,8 @@ async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path, se
                 "device": str(trainer.device), "ranks": ranks.world,
                 "tokens_per_s": round(sum(r["tokens"] for r in rows) / max(1e-9, sum(r["step_s"] for r in rows)), 1),
                 "wall_s": round(time.monotonic() - t0, 1), "final_weights_sha256": final_sha,
-                "filtered_prompts": run.source.filtered_total, "reward_errors": run.rewards.errors,
-                "reward_timeouts": run.rewards.timeouts,
+                "filtered_prompts": run.source.filtered_total, "reward_errors": run.scorer.errors,
+                "reward_timeouts": run.scorer.timeouts,
                 "request_errors": sum(r["request_errors"] for r in rows), "data": run.data.state(),
                 "checkpoint": str(final) if final else None, "run_dir": str(run_dir)}
 
