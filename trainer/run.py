@@ -49,10 +49,9 @@ import torch
 from rlboost import metrics, wire
 from rlboost.logs import print_result
 from rlboost.clients import Clients, open_clients
-from rlboost.config import ConfigError, Settings, WorkerSettings, apply_overrides, dump_toml, load_settings, \
+from rlboost.config import ConfigError, Settings, apply_overrides, dump_toml, load_settings, \
     parse_overrides
 from rlboost.logs import configure_logging, get_logger
-from rlboost.manager import RolloutManager
 from rlboost.modeldir import ModelDirError, check_model_dir, stop_ids
 from rlboost.offload import SeedWindow
 from rlboost.orchestrator import Orchestrator
@@ -65,6 +64,7 @@ from trainer.data import (DataError, DataExhausted, FieldMap, FileData, Generate
 from trainer import checkpoint as ckpt
 from trainer import distributed
 from trainer.grpo_trainer import GRPOTrainer
+from trainer.local_fleet import Chaos, LocalFleet
 from trainer.loggers import Loggers
 from trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, load_tokenizer, pad_id, \
     read_meta
@@ -74,10 +74,8 @@ from trainer.scoring import Scorer
 from trainer.request_source import RequestSource
 from trainer.rewards import RewardError, load_function
 from trainer.tasks import TASKS, get_task
-from workers.counters import Counters, read_counters
 from workers.engines import EngineError
-from workers.fleet import WorkerFleet
-from workers.seeding import InProcessSeeding, ProcessSeeding, make_seeding_engine
+from workers.seeding import ProcessSeeding
 
 POOL = "spot"
 RESERVED_POOL = "reserved"
@@ -181,21 +179,12 @@ class Run:
                              timeout_s=cfg.reward_timeout_s)
         self.evaluation = Evaluation(self.data.eval_samples(), self.tokenizer, self.budget, self.stops, self.pad,
                                      self.ops, self.scorer)
-        self.manager = RolloutManager(c, POOL)
         self.window = SeedWindow(initial_s=cfg.t_seed_initial, floor_s=cfg.t_seed_floor)
-        # one folder and one worker-id prefix per life of the trainer: a resumed run's workers
-        # neither reuse a killed one's id nor its crash-proof counters
-        attempt = sum(1 for _ in (run_dir / "workers").glob("life-*")) if (run_dir / "workers").exists() else 0
-        workdir = run_dir / "workers" / f"life-{attempt}"
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.worker_prefix = f"l{attempt}w"
-        self.fleet = WorkerFleet(nats_url, redis_url, workdir, POOL, worker_args=[
-            "--engine", "torch", "--model-dir", cfg.model_dir, "--slots", str(cfg.slots),
-            "--checkpoint-tokens", str(cfg.checkpoint_tokens)],
-            env={"RLBOOST_WORKER__CACHE_DIR": str(run_dir / "weight-cache"), "RLBOOST_LOG_LEVEL": "warning"},
-            die_with_parent=True)  # the run's own workers go with a killed trainer; a resume starts new ones
-        self.reserved_counters = Counters(workdir / "reserved.counters")
-        self.seeding = self._seeding_engines(nats_url, redis_url, workdir)
+        self.fleet = LocalFleet(nats_url, redis_url, run_dir, pool=POOL, reserved_pool=RESERVED_POOL,
+                                model_dir=cfg.model_dir, slots=cfg.slots, checkpoint_tokens=cfg.checkpoint_tokens)
+        self.seeding = self.fleet.seeding_engines(c, cfg.settings.rollout, cfg.settings.worker,
+                                                  serves=cfg.policy != "disaggregated")
+        self.chaos = Chaos(self.fleet, cfg.chaos, run_id)
         ro = cfg.settings.rollout
         self.orchestrator = Orchestrator(c, POOL, self.seeding, self, policy=cfg.policy, window=self.window,
                                          mode=ro.mode, max_staleness=ro.max_staleness,
@@ -212,32 +201,6 @@ class Run:
         self.resumed_step = -1  # the first step after that checkpoint
         self.republish_through = -1  # the last step a previous life may have published (see restore)
         self.run_id = run_id
-
-    def _seeding_engines(self, nats_url: str, redis_url: str, workdir: Path) -> InProcessSeeding | ProcessSeeding:
-        """The reserved side's seeding engine (`[rollout] seeding`, `seeding_engine`): in this
-        process (default: nothing to start, the weights cache is the trainer's) or as an
-        `rlboost worker` process on the reserved pool handing off to the preemptible one."""
-        cfg, ro = self.cfg, self.cfg.settings.rollout
-        # disaggregated: the reserved side only trains; its engine serves only with no live worker
-        weight = 0.0 if cfg.policy == "disaggregated" else 1.0
-
-        def settings(pool: str, handoff_pool: str) -> WorkerSettings:
-            return WorkerSettings(pool=pool, handoff_pool=handoff_pool, slots=cfg.slots,
-                                  checkpoint_tokens=cfg.checkpoint_tokens)
-
-        if ro.vllm_sleep and ro.seeding != "in_process":
-            raise EngineError("rollout.vllm_sleep needs rollout.seeding = in_process (the engine shares the trainer's GPUs)")
-        engine = make_seeding_engine(ro.seeding_engine, cfg.model_dir, self.cfg.settings.worker, sleep=ro.vllm_sleep)
-        if ro.seeding == "process":
-            fleet = WorkerFleet(nats_url, redis_url, workdir, RESERVED_POOL, worker_args=[
-                "--engine", ro.seeding_engine, "--model-dir", cfg.model_dir, "--slots", str(cfg.slots),
-                "--checkpoint-tokens", str(cfg.checkpoint_tokens), "--handoff-pool", POOL],
-                env={"RLBOOST_WORKER__CACHE_DIR": str(self.run_dir / "weight-cache"), "RLBOOST_LOG_LEVEL": "warning"},
-                die_with_parent=True)
-            return ProcessSeeding(self.c, POOL, fleet, [()], engine, settings, self.reserved_counters,
-                                  weights=None, weight=weight)
-        return InProcessSeeding(self.c, POOL, RESERVED_POOL, engine, settings, self.reserved_counters,
-                                weights=None, weight=weight, sleep=ro.vllm_sleep)
 
     @property
     def version(self) -> int:
@@ -257,21 +220,11 @@ class Run:
         if isinstance(self.seeding, ProcessSeeding):
             await self.seeding.start(timeout_s=90.0)
         if self.cfg.policy != "colocated" and self.cfg.workers:
-            for _ in range(self.cfg.workers):
-                self.fleet.start(prefix=self.worker_prefix)
-            deadline = time.monotonic() + 90.0  # torch import + model load take a while
-            while len(await self.manager.live_workers()) < self.cfg.workers and time.monotonic() < deadline:
-                await asyncio.sleep(0.25)
+            await self.fleet.start_workers(self.cfg.workers, self.orchestrator.manager)
 
     async def _weights_to_publish(self) -> dict[str, torch.Tensor]:
         """The full weights in the publish dtype, gathered tensor by tensor (every rank takes part)."""
         return await asyncio.to_thread(self.ops.call, "state_dict")
-
-    def regenerated_tokens(self) -> int:
-        """Tokens generated and never made durable, so generated again by someone (crash-proof
-        counters of every worker and reserved engine of every life of this run)."""
-        return sum(max(0, c["generated"] - c["checkpointed"])
-                   for c in map(read_counters, sorted((self.run_dir / "workers").rglob("*.counters"))))
 
     async def step(self, step: int) -> dict:
         """One step of the product's orchestration (rlboost/orchestrator.py) with the real trainer."""
@@ -303,7 +256,7 @@ class Run:
             metrics.COST_DOLLARS.labels(RESERVED_POOL).inc(reserved_cost)
             metrics.COST_DOLLARS.labels(POOL).inc(spot_cost)
             self.dollars += reserved_cost + spot_cost
-        regenerated = self.regenerated_tokens()
+        regenerated = self.fleet.regenerated_tokens()
         row = {"step": step, "policy": cfg.policy, "mode": self.orchestrator.mode, "version": self.version,
                "run_id": self.run_id, "t_seed": None if o.t_seed is None else round(o.t_seed, 3), "live_workers": live,
                "reward": round(rep.reward_mean, 4), "eval_acc": eval_acc,
@@ -332,8 +285,7 @@ class Run:
             self._step_counts["request_errors"] += 1
             self.log.warning("request failed on the engine", request_id=r.request_id, error=r.error)
         self.report.progress(r.step, arrived, total)
-        if arrived == total // 2 + 1 and r.step in self.cfg.chaos:  # mid-step
-            self._chaos(r.step)
+        self.chaos.on_result(r, arrived, total)
 
     async def score(self, key: tuple[int, int], results: list[wire.RolloutResult]) -> list[float]:
         return await self.scorer.group(self.source.sample(key), results)
@@ -360,23 +312,10 @@ class Run:
                 f.write(json.dumps({"id": r.request_id.removeprefix(f"{self.run_id}-"), "tokens": r.token_ids,
                                     "logprobs": r.logprobs, "workers": [seg.worker_id for seg in r.segments]}) + "\n")
 
-    def _chaos(self, step: int) -> None:
-        for kind in self.cfg.chaos.get(step, []):
-            live = [w for w in self.fleet.live() if w.fate == "running"]
-            if not live:
-                return
-            w = live[0]
-            if kind == "kill":
-                self.fleet.kill(w)
-            else:
-                self.fleet.terminate(w)
-            self.log.warning("chaos", step=step, action=kind, worker_id=w.worker_id)
-            self.fleet.start(prefix=self.worker_prefix)
-
     async def close(self) -> None:
         await self.orchestrator.close()  # first: groups still being scored need the reward pool
         await self.seeding.close()
-        self.fleet.stop_all()
+        self.fleet.stop()
         self.scorer.close()
         if self.seeding.engine is not None:
             await self.seeding.engine.close()
@@ -534,7 +473,7 @@ async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path, se
                 "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
                 "eval_first": None if eval_first is None else round(eval_first, 4),
                 "eval_last": round(evals[-1], 4) if evals else None, "handoffs": run.handoffs_total,
-                "regenerated_tokens": run.regenerated_tokens(), "precision": trainer.precision,
+                "regenerated_tokens": run.fleet.regenerated_tokens(), "precision": trainer.precision,
                 "device": str(trainer.device), "ranks": ranks.world,
                 "tokens_per_s": round(sum(r["tokens"] for r in rows) / max(1e-9, sum(r["step_s"] for r in rows)), 1),
                 "wall_s": round(time.monotonic() - t0, 1), "final_weights_sha256": final_sha,
