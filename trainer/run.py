@@ -71,6 +71,7 @@ from trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, load_tokeniz
 from trainer.evaluation import Evaluation
 from trainer.report import RunReport
 from trainer.scoring import Scorer
+from trainer.trainer_port import TrainerPort
 from trainer.request_source import RequestSource
 from trainer.rewards import RewardError, load_function
 from trainer.tasks import TASKS, get_task
@@ -186,7 +187,8 @@ class Run:
                                                   serves=cfg.policy != "disaggregated")
         self.chaos = Chaos(self.fleet, cfg.chaos, run_id)
         ro = cfg.settings.rollout
-        self.orchestrator = Orchestrator(c, POOL, self.seeding, self, policy=cfg.policy, window=self.window,
+        self.port = TrainerPort(trainer, self.ops, self.source, self.scorer, None, partial=ro.mode == "partial")
+        self.orchestrator = Orchestrator(c, POOL, self.seeding, self.port, policy=cfg.policy, window=self.window,
                                          mode=ro.mode, max_staleness=ro.max_staleness,
                                          overprovision=ro.overprovision, samples=cfg.samples,
                                          on_result=self._on_result)
@@ -194,7 +196,6 @@ class Run:
             # not switched on behind the user's back (none is a valid choice); said once, loudly
             self.log.warning("rollout.mode trains stale tokens: algorithm.off_policy = \"tis\" corrects them "
                              "with the behaviour logprobs (none only clips around them)", mode=ro.mode)
-        self._batch_position = 0
         self.handoffs_total = 0
         self.dollars = 0.0
         self.resumed_weights: dict | None = None  # {"version", "digest"} of the checkpoint being resumed
@@ -211,10 +212,11 @@ class Run:
             self.c.js, self.cfg.settings.weights.publisher_options(), lambda: self.trainer.version,
             off_policy=self.orchestrator.mode != "sync", keep_versions=self.cfg.settings.weights.keep_versions,
             staleness=self.orchestrator.max_staleness, run_id=self.run_id)
+        self.port.ledger = self.ledger
         self.weights = StoreWeights(WeightCache(self.run_dir / "weight-cache" / "reserved", self.ledger.store),
                                     wait_s=30.0)
         self.seeding.weights = self.weights  # the reserved engine pulls what the trainer published
-        await self.ledger.start(self._weights_to_publish, self.resumed_weights)
+        await self.ledger.start(self.port.weights, self.resumed_weights)
         for s, carried in self.source.redraw(self.version):  # a resumed partial run's groups in flight
             self.orchestrator.carry(s, carried)
         if isinstance(self.seeding, ProcessSeeding):
@@ -222,15 +224,11 @@ class Run:
         if self.cfg.policy != "colocated" and self.cfg.workers:
             await self.fleet.start_workers(self.cfg.workers, self.orchestrator.manager)
 
-    async def _weights_to_publish(self) -> dict[str, torch.Tensor]:
-        """The full weights in the publish dtype, gathered tensor by tensor (every rank takes part)."""
-        return await asyncio.to_thread(self.ops.call, "state_dict")
-
     async def step(self, step: int) -> dict:
         """One step of the product's orchestration (rlboost/orchestrator.py) with the real trainer."""
         cfg = self.cfg
         t_step = time.monotonic()
-        self.trainer.start_step(step, policy_version=self.version)  # token staleness is counted from it
+        self.port.start_step(step)
         self._step_counts = {"request_errors": 0}
         self.source.step_filtered = self.scorer.step_errors = self.scorer.step_timeouts = 0
         # the steps a dead trainer published past its checkpoint go out again under the same request ids
@@ -286,25 +284,6 @@ class Run:
             self.log.warning("request failed on the engine", request_id=r.request_id, error=r.error)
         self.report.progress(r.step, arrived, total)
         self.chaos.on_result(r, arrived, total)
-
-    async def score(self, key: tuple[int, int], results: list[wire.RolloutResult]) -> list[float]:
-        return await self.scorer.group(self.source.sample(key), results)
-
-    async def train_group(self, key: tuple[int, int], results: list[wire.RolloutResult], rewards: list[float],
-                          start: float) -> float:
-        # sync / async: the group's index in its own step (ordered streaming stays reproducible);
-        # partial mixes steps in one batch: its position in the batch
-        index = key[1] if self.orchestrator.mode != "partial" else self._batch_position
-        self._batch_position += 1
-        self.source.trained(key)
-        await asyncio.to_thread(self.trainer.add_group, index, results, rewards)
-        return time.monotonic()
-
-    async def finish_step(self, step: int):
-        self._batch_position = 0
-        rep = await asyncio.to_thread(self.trainer.finish_step)
-        pub = await self.ledger.publish(self._weights_to_publish)
-        return rep, pub
 
     def _save_rollouts(self, groups: dict[int, list[wire.RolloutResult]]) -> None:
         with open(self.run_dir / "rollouts.jsonl", "a") as f:
