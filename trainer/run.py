@@ -71,6 +71,7 @@ from trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, load_tokeniz
 from trainer.evaluation import Evaluation
 from trainer.report import RunReport
 from trainer.scoring import Scorer
+from trainer.step_metrics import StepMetrics, save_rollouts
 from trainer.trainer_port import TrainerPort
 from trainer.request_source import RequestSource
 from trainer.rewards import RewardError, load_function
@@ -196,8 +197,8 @@ class Run:
             # not switched on behind the user's back (none is a valid choice); said once, loudly
             self.log.warning("rollout.mode trains stale tokens: algorithm.off_policy = \"tis\" corrects them "
                              "with the behaviour logprobs (none only clips around them)", mode=ro.mode)
-        self.handoffs_total = 0
-        self.dollars = 0.0
+        self.metrics = StepMetrics(run_id, cfg.policy, ro.mode, cfg.settings.run, trainer.ranks.world, pool=POOL,
+                                   reserved_pool=RESERVED_POOL)
         self.resumed_weights: dict | None = None  # {"version", "digest"} of the checkpoint being resumed
         self.resumed_step = -1  # the first step after that checkpoint
         self.republish_through = -1  # the last step a previous life may have published (see restore)
@@ -229,67 +230,29 @@ class Run:
         cfg = self.cfg
         t_step = time.monotonic()
         self.port.start_step(step)
-        self._step_counts = {"request_errors": 0}
+        self.metrics.begin_step()
         self.source.step_filtered = self.scorer.step_errors = self.scorer.step_timeouts = 0
         # the steps a dead trainer published past its checkpoint go out again under the same request ids
         o = await self.orchestrator.step(step, self.version, self.source, cfg.prompts,
                                          republish=step <= self.republish_through)
-        rep, pub = o.report
-        counts = {"reward_errors": self.scorer.step_errors, "reward_timeouts": self.scorer.step_timeouts,
-                  **self._step_counts}
-        filtered = self.source.step_filtered
-        live = o.live
         if cfg.save_rollouts:
-            self._save_rollouts({k: results for k, results in o.trained})
+            save_rollouts(self.run_dir / "rollouts.jsonl", self.run_id, o.trained)
         step_s = time.monotonic() - t_step  # held-out evaluation is bookkeeping, not the step
         eval_acc = None
         if step % cfg.eval_every == 0 or step == cfg.steps - 1:
             eval_acc = await self.evaluation.accuracy()
-        self.handoffs_total += o.handoffs
-        metrics.WORKERS_LIVE.labels(POOL).set(live)
-        rs = self.cfg.settings.run
-        if rs.gpu_hour_dollars or rs.worker_hour_dollars:  # reserved ranks + live preemptible workers, by uptime
-            reserved_cost = step_s / 3600 * rs.gpu_hour_dollars * self.trainer.ranks.world
-            spot_cost = step_s / 3600 * rs.worker_hour_dollars * live
-            metrics.COST_DOLLARS.labels(RESERVED_POOL).inc(reserved_cost)
-            metrics.COST_DOLLARS.labels(POOL).inc(spot_cost)
-            self.dollars += reserved_cost + spot_cost
-        regenerated = self.fleet.regenerated_tokens()
-        row = {"step": step, "policy": cfg.policy, "mode": self.orchestrator.mode, "version": self.version,
-               "run_id": self.run_id, "t_seed": None if o.t_seed is None else round(o.t_seed, 3), "live_workers": live,
-               "reward": round(rep.reward_mean, 4), "eval_acc": eval_acc,
-               "tokens": rep.tokens, "step_s": round(step_s, 3), "tokens_per_s": round(rep.tokens / step_s, 1),
-               "trainer_wait_s": round(o.trainer_wait_s, 3), "spot_idle_s": round(o.spot_waiting_s, 3),
-               "rollout_ahead_s": round(o.rollout_ahead_s, 3),
-               "handoffs": o.handoffs, "fallback": o.fallback, "mean_response_tokens":
-               round(rep.mean_response_tokens, 2), "max_response_tokens": rep.max_response_tokens,
-               "truncation_rate": round(rep.truncation_rate, 4), "reward_std": round(rep.reward_std, 4),
-               "loss": round(rep.loss, 6), "kl": round(rep.kl, 6), "entropy": round(rep.entropy, 4),
-               "grad_norm": round(rep.grad_norm, 6), "lr": rep.lr, "clip_fraction": round(rep.clip_fraction, 4),
-               "trained_tokens_per_s": round(rep.trained_tokens_per_s, 1), "regenerated_tokens": regenerated,
-               "dollars": round(self.dollars, 4) if (rs.gpu_hour_dollars or rs.worker_hour_dollars) else None,
-               "weights_bytes_uploaded": getattr(pub, "bytes_uploaded", None), "chaos": cfg.chaos.get(step, []),
-               "prompts": len(o.trained), "filtered_prompts": filtered, **counts,
-               "carried_groups": o.carried_groups, "data": self.data.state()}
-        row.update(rep.off_policy_row())  # IS ratio and per-token staleness statistics (algorithm.off_policy)
-        metrics.observe_training(row)
-        return row
+        return self.metrics.row(step, o, step_s, version=self.version, eval_acc=eval_acc,
+                                regenerated=self.fleet.regenerated_tokens(), chaos=cfg.chaos.get(step, []),
+                                filtered=self.source.step_filtered, reward_errors=self.scorer.step_errors,
+                                reward_timeouts=self.scorer.step_timeouts, data_state=self.data.state())
 
     # ------------------------------------------------------------------ the orchestrator's parts
 
     def _on_result(self, r: wire.RolloutResult, arrived: int, total: int) -> None:
         self.ledger.check(r)
-        if r.finish_reason == "error":
-            self._step_counts["request_errors"] += 1
-            self.log.warning("request failed on the engine", request_id=r.request_id, error=r.error)
+        self.metrics.on_result(r)
         self.report.progress(r.step, arrived, total)
         self.chaos.on_result(r, arrived, total)
-
-    def _save_rollouts(self, groups: dict[int, list[wire.RolloutResult]]) -> None:
-        with open(self.run_dir / "rollouts.jsonl", "a") as f:
-            for r in sorted((r for g in groups.values() for r in g), key=lambda r: r.request_id):
-                f.write(json.dumps({"id": r.request_id.removeprefix(f"{self.run_id}-"), "tokens": r.token_ids,
-                                    "logprobs": r.logprobs, "workers": [seg.worker_id for seg in r.segments]}) + "\n")
 
     async def close(self) -> None:
         await self.orchestrator.close()  # first: groups still being scored need the reward pool
@@ -313,9 +276,9 @@ class Run:
             oldest = min(self.source.drawn_under(s) for s in carried)
         else:
             oldest = self.version - self.orchestrator.max_staleness
-        return {"run_id": self.run_id, "eval_first": eval_first, "handoffs_total": self.handoffs_total,
+        return {"run_id": self.run_id, "eval_first": eval_first, "handoffs_total": self.metrics.handoffs_total,
                 "published": self.ledger.checkpoint(oldest),
-                "carried": {str(s): gs for s, gs in carried.items()}, **position, "dollars": self.dollars,
+                "carried": {str(s): gs for s, gs in carried.items()}, **position, "dollars": self.metrics.dollars,
                 "seed_window": {"t_seed": w.t_seed, "memory": {str(k): v for k, v in w.memory.items()},
                                 "workers": w._workers}}
 
@@ -338,8 +301,7 @@ class Run:
             self.window.t_seed = w["t_seed"]
             self.window.memory = {int(k): v for k, v in w["memory"].items()}
             self.window._workers = w["workers"]
-        self.handoffs_total = state.get("handoffs_total", 0)
-        self.dollars = state.get("dollars", 0.0)
+        self.metrics.restore(state)
 
 
 def make_data(cfg: RunConfig) -> tuple[GeneratedData | FileData, str, int]:
@@ -451,7 +413,7 @@ async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path, se
                 "resumed_from_step": first_step if resumed else None, "policy": cfg.policy, "run_id": run_id,
                 "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
                 "eval_first": None if eval_first is None else round(eval_first, 4),
-                "eval_last": round(evals[-1], 4) if evals else None, "handoffs": run.handoffs_total,
+                "eval_last": round(evals[-1], 4) if evals else None, "handoffs": run.metrics.handoffs_total,
                 "regenerated_tokens": run.fleet.regenerated_tokens(), "precision": trainer.precision,
                 "device": str(trainer.device), "ranks": ranks.world,
                 "tokens_per_s": round(sum(r["tokens"] for r in rows) / max(1e-9, sum(r["step_s"] for r in rows)), 1),
