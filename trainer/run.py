@@ -5,9 +5,15 @@ default, or an `rlboost worker` process on the reserved pool: `[rollout] seeding
 Preemptible workers are separate processes (`rlboost worker --engine torch`) that can vanish at any
 time. The step itself (hybrid / colocated / disaggregated policies, the seeding window, hand-off,
 fallback, rollout modes sync / partial / async) is `rlboost.orchestrator.Orchestrator`, the same
-code `rlboost bench trace` measures; this module supplies its parts: the real trainer as its
-`TrainerClock` (score with the user's reward, back-propagate each group, optimizer step and publish
-the weights) and real seeding engines (`workers/seeding.py`).
+code `rlboost bench trace` measures. This module only wires parts, each owning one job
+(`setup`), and drives them (`step`, `main_loop`):
+
+- `trainer.request_source`: data rows -> prompts -> a step's requests (the orchestrator's port);
+- `trainer.scoring` / `trainer.evaluation`: the user's reward; held-out accuracy;
+- `trainer.trainer_port`: the GRPO trainer as the orchestrator's `TrainerClock`;
+- `rlboost.weights.ledger`: policy versions (numbers, publish + gc, digests, result checks);
+- `trainer.local_fleet`: this box's worker processes and seeding engine, and `--chaos`;
+- `trainer.step_metrics`: a step's metrics row; `trainer.resume`: a checkpoint's run state.
 
 Model, data and reward are the user's (README "Your model, your data, your reward"): any
 Hugging Face causal-LM folder (read, never written), a dataset file (trainer.data) or the
@@ -33,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -66,10 +71,11 @@ from trainer import distributed
 from trainer.grpo_trainer import GRPOTrainer
 from trainer.local_fleet import Chaos, LocalFleet
 from trainer.loggers import Loggers
-from trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, load_tokenizer, pad_id, \
-    read_meta
+from trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, load_tokenizer, pad_id, read_meta, \
+    weights_sha256
 from trainer.evaluation import Evaluation
 from trainer.report import RunReport
+from trainer.resume import Resumed, checkpoint_meta, restore, run_identity
 from trainer.scoring import Scorer
 from trainer.step_metrics import StepMetrics, save_rollouts
 from trainer.trainer_port import TrainerPort
@@ -146,162 +152,183 @@ class RunConfig:
                    reward_workers=ds.reward_workers, reward_timeout_s=ds.reward_timeout_s, resume=resume, settings=s)
 
 
-def weights_sha256(state: dict) -> str:
-    h = hashlib.sha256()
-    for name in sorted(state):
-        h.update(name.encode())
-        h.update(state[name].detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def make_trainer(cfg: RunConfig, ranks: distributed.Ranks = distributed.SINGLE) -> GRPOTrainer:
     s = cfg.settings
     return GRPOTrainer(cfg.model_dir, s.trainer, s.algorithm, temperature=cfg.temperature, seed=cfg.seed,
                        shuffle_rewards=cfg.shuffle_rewards, total_steps=cfg.steps, ranks=ranks)
 
 
+@dataclass
 class Run:
-    def __init__(self, cfg: RunConfig, c: Clients, nats_url: str, redis_url: str, run_dir: Path, report: RunReport,
-                 run_id: str, trainer: GRPOTrainer):
-        self.cfg, self.c, self.run_dir, self.report = cfg, c, run_dir, report
-        self.log = get_logger(component="run", policy=cfg.policy, run_id=run_id)
-        self.trainer = trainer
-        self.ops = distributed.Lockstep(trainer, trainer.ranks)  # what every rank must run, rank 0 announces
-        self.tokenizer = self.trainer.tokenizer
-        self.stops = stop_ids(cfg.model_dir, self.tokenizer)
-        self.pad = pad_id(self.tokenizer, self.stops)
-        self.data, self.reward_spec, task_tokens = cfg.prepared or make_data(cfg)
-        cfg.prepared = None
-        self.budget = PromptBudget.for_model(cfg.max_prompt_tokens, cfg.max_response_tokens,
-                                             check_model_dir(cfg.model_dir).max_context, task_tokens)
-        self.max_response_tokens = self.budget.max_response_tokens
-        self.source = RequestSource(self.data, self.tokenizer, self.budget, self.stops, run_id=run_id, seed=cfg.seed,
-                                    samples=cfg.samples, temperature=cfg.temperature)
-        self.scorer = Scorer(self.reward_spec, self.tokenizer, self.stops, workers=cfg.reward_workers,
-                             timeout_s=cfg.reward_timeout_s)
-        self.evaluation = Evaluation(self.data.eval_samples(), self.tokenizer, self.budget, self.stops, self.pad,
-                                     self.ops, self.scorer)
-        self.window = SeedWindow(initial_s=cfg.t_seed_initial, floor_s=cfg.t_seed_floor)
-        self.fleet = LocalFleet(nats_url, redis_url, run_dir, pool=POOL, reserved_pool=RESERVED_POOL,
-                                model_dir=cfg.model_dir, slots=cfg.slots, checkpoint_tokens=cfg.checkpoint_tokens)
-        self.seeding = self.fleet.seeding_engines(c, cfg.settings.rollout, cfg.settings.worker,
-                                                  serves=cfg.policy != "disaggregated")
-        self.chaos = Chaos(self.fleet, cfg.chaos, run_id)
-        ro = cfg.settings.rollout
-        self.port = TrainerPort(trainer, self.ops, self.source, self.scorer, None, partial=ro.mode == "partial")
-        self.orchestrator = Orchestrator(c, POOL, self.seeding, self.port, policy=cfg.policy, window=self.window,
-                                         mode=ro.mode, max_staleness=ro.max_staleness,
-                                         overprovision=ro.overprovision, samples=cfg.samples,
-                                         on_result=self._on_result)
-        if ro.mode != "sync" and cfg.settings.algorithm.off_policy == "none":
-            # not switched on behind the user's back (none is a valid choice); said once, loudly
-            self.log.warning("rollout.mode trains stale tokens: algorithm.off_policy = \"tis\" corrects them "
-                             "with the behaviour logprobs (none only clips around them)", mode=ro.mode)
-        self.metrics = StepMetrics(run_id, cfg.policy, ro.mode, cfg.settings.run, trainer.ranks.world, pool=POOL,
-                                   reserved_pool=RESERVED_POOL)
-        self.resumed_weights: dict | None = None  # {"version", "digest"} of the checkpoint being resumed
-        self.resumed_step = -1  # the first step after that checkpoint
-        self.republish_through = -1  # the last step a previous life may have published (see restore)
-        self.run_id = run_id
+    """The parts `setup` wired, each owning one job; `step` and `main_loop` drive them."""
 
-    @property
-    def version(self) -> int:
-        return self.ledger.version
+    cfg: RunConfig
+    run_id: str
+    run_dir: Path
+    trainer: GRPOTrainer
+    ops: distributed.Lockstep  # what every rank must run, rank 0 announces
+    report: RunReport
+    loggers: Loggers
+    source: RequestSource  # data -> a step's requests
+    scorer: Scorer  # the user's reward
+    evaluation: Evaluation  # held-out accuracy
+    fleet: LocalFleet  # this life's worker processes
+    ledger: VersionLedger  # policy versions: numbers, digests, result checks
+    port: TrainerPort  # the trainer as the orchestrator sees it
+    orchestrator: Orchestrator  # the step
+    metrics: StepMetrics  # the step's row, the run's totals
+    window: SeedWindow
+    resumed: Resumed
+    log: object
 
-    async def setup(self) -> None:
-        self.ledger = await VersionLedger.open(
-            self.c.js, self.cfg.settings.weights.publisher_options(), lambda: self.trainer.version,
-            off_policy=self.orchestrator.mode != "sync", keep_versions=self.cfg.settings.weights.keep_versions,
-            staleness=self.orchestrator.max_staleness, run_id=self.run_id)
-        self.port.ledger = self.ledger
-        self.weights = StoreWeights(WeightCache(self.run_dir / "weight-cache" / "reserved", self.ledger.store),
-                                    wait_s=30.0)
-        self.seeding.weights = self.weights  # the reserved engine pulls what the trainer published
-        await self.ledger.start(self.port.weights, self.resumed_weights)
-        for s, carried in self.source.redraw(self.version):  # a resumed partial run's groups in flight
-            self.orchestrator.carry(s, carried)
-        if isinstance(self.seeding, ProcessSeeding):
-            await self.seeding.start(timeout_s=90.0)
-        if self.cfg.policy != "colocated" and self.cfg.workers:
-            await self.fleet.start_workers(self.cfg.workers, self.orchestrator.manager)
 
-    async def step(self, step: int) -> dict:
-        """One step of the product's orchestration (rlboost/orchestrator.py) with the real trainer."""
-        cfg = self.cfg
-        t_step = time.monotonic()
-        self.port.start_step(step)
-        self.metrics.begin_step()
-        self.source.step_filtered = self.scorer.step_errors = self.scorer.step_timeouts = 0
-        # the steps a dead trainer published past its checkpoint go out again under the same request ids
-        o = await self.orchestrator.step(step, self.version, self.source, cfg.prompts,
-                                         republish=step <= self.republish_through)
-        if cfg.save_rollouts:
-            save_rollouts(self.run_dir / "rollouts.jsonl", self.run_id, o.trained)
-        step_s = time.monotonic() - t_step  # held-out evaluation is bookkeeping, not the step
-        eval_acc = None
-        if step % cfg.eval_every == 0 or step == cfg.steps - 1:
-            eval_acc = await self.evaluation.accuracy()
-        return self.metrics.row(step, o, step_s, version=self.version, eval_acc=eval_acc,
-                                regenerated=self.fleet.regenerated_tokens(), chaos=cfg.chaos.get(step, []),
-                                filtered=self.source.step_filtered, reward_errors=self.scorer.step_errors,
-                                reward_timeouts=self.scorer.step_timeouts, data_state=self.data.state())
+async def setup(cfg: RunConfig, c: Clients, nats_url: str, redis_url: str, run_dir: Path, run_id: str,
+                trainer: GRPOTrainer, ops: distributed.Lockstep, report: RunReport,
+                stack: contextlib.AsyncExitStack) -> Run:
+    """Every part of the run, wired; what must be closed goes on `stack` (closed in reverse)."""
+    s, ro = cfg.settings, cfg.settings.rollout
+    log = get_logger(component="run", policy=cfg.policy, run_id=run_id)
 
-    # ------------------------------------------------------------------ the orchestrator's parts
+    # the user's data and reward, within the model's token budget
+    tokenizer = trainer.tokenizer
+    stops = stop_ids(cfg.model_dir, tokenizer)
+    data, reward_spec, task_tokens = cfg.prepared or make_data(cfg)
+    cfg.prepared = None
+    budget = PromptBudget.for_model(cfg.max_prompt_tokens, cfg.max_response_tokens,
+                                    check_model_dir(cfg.model_dir).max_context, task_tokens)
+    source = RequestSource(data, tokenizer, budget, stops, run_id=run_id, seed=cfg.seed, samples=cfg.samples,
+                           temperature=cfg.temperature)
+    scorer = Scorer(reward_spec, tokenizer, stops, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
+    stack.callback(scorer.close)
+    evaluation = Evaluation(data.eval_samples(), tokenizer, budget, stops, pad_id(tokenizer, stops), ops, scorer)
 
-    def _on_result(self, r: wire.RolloutResult, arrived: int, total: int) -> None:
-        self.ledger.check(r)
-        self.metrics.on_result(r)
-        self.report.progress(r.step, arrived, total)
-        self.chaos.on_result(r, arrived, total)
+    # the rollout side: this life's local workers and the reserved side's seeding engine
+    fleet = LocalFleet(nats_url, redis_url, run_dir, pool=POOL, reserved_pool=RESERVED_POOL,
+                       model_dir=cfg.model_dir, slots=cfg.slots, checkpoint_tokens=cfg.checkpoint_tokens)
+    stack.callback(fleet.stop)
+    seeding = fleet.seeding_engines(c, ro, s.worker, serves=cfg.policy != "disaggregated")
 
-    async def close(self) -> None:
-        await self.orchestrator.close()  # first: groups still being scored need the reward pool
-        await self.seeding.close()
-        self.fleet.stop()
-        self.scorer.close()
-        if self.seeding.engine is not None:
-            await self.seeding.engine.close()
+    async def close_engine() -> None:
+        if seeding.engine is not None:
+            await seeding.engine.close()
 
-    def checkpoint_meta(self, eval_first: float | None, step: int) -> dict:
-        """The run's state after `step`. An async run has drawn and published the prompts of the
-        steps after it already; a partial run holds groups of earlier steps in flight (`carried`).
-        The data position saved is the one before the first draw whose groups are not all trained,
-        with each draw's size since (`draws`), so a resumed life draws the same prompts under the
-        same request ids; and the digests of the versions those requests may name are saved with
-        the newest one."""
-        w = self.window
-        carried = self.orchestrator.untrained() if self.orchestrator.mode == "partial" else {}
-        position = self.source.position(carried, step, self.version)
-        if carried:  # partial: a carried response may hold tokens of every version since its draw
-            oldest = min(self.source.drawn_under(s) for s in carried)
-        else:
-            oldest = self.version - self.orchestrator.max_staleness
-        return {"run_id": self.run_id, "eval_first": eval_first, "handoffs_total": self.metrics.handoffs_total,
-                "published": self.ledger.checkpoint(oldest),
-                "carried": {str(s): gs for s, gs in carried.items()}, **position, "dollars": self.metrics.dollars,
-                "seed_window": {"t_seed": w.t_seed, "memory": {str(k): v for k, v in w.memory.items()},
-                                "workers": w._workers}}
+    stack.push_async_callback(close_engine)
+    stack.push_async_callback(seeding.close)
+    chaos = Chaos(fleet, cfg.chaos, run_id)
 
-    def restore(self, state: dict) -> None:
-        """The run's own state from a checkpoint (the trainer's is restored by trainer.checkpoint)."""
-        self.source.restore(state)
-        self.resumed_weights = state.get("published")
-        self.resumed_step = state["step"] + 1
-        # A previous life that ran past its checkpoint (checkpoint_every > 1) published later steps
-        # too, under the same ids as this life will: up to the step after its last row in
-        # metrics.jsonl (the one it died in), plus the k steps async publishes ahead.
-        reached = self.resumed_step
-        with contextlib.suppress(OSError):
-            for line in (self.run_dir / "metrics.jsonl").read_text().splitlines():
-                with contextlib.suppress(ValueError, TypeError, KeyError):
-                    reached = max(reached, int(json.loads(line)["step"]) + 1)
-        self.republish_through = reached + self.orchestrator.max_staleness
-        w = state.get("seed_window") or {}
-        if w:
-            self.window.t_seed = w["t_seed"]
-            self.window.memory = {int(k): v for k, v in w["memory"].items()}
-            self.window._workers = w["workers"]
-        self.metrics.restore(state)
+    # policy versions, the trainer's port, the step
+    ledger = await VersionLedger.open(c.js, s.weights.publisher_options(), lambda: trainer.version,
+                                      off_policy=ro.mode != "sync", keep_versions=s.weights.keep_versions,
+                                      staleness=0 if ro.mode == "sync" else ro.max_staleness, run_id=run_id)
+    port = TrainerPort(trainer, ops, source, scorer, ledger, partial=ro.mode == "partial")
+    window = SeedWindow(initial_s=cfg.t_seed_initial, floor_s=cfg.t_seed_floor)
+    tally = StepMetrics(run_id, cfg.policy, ro.mode, s.run, trainer.ranks.world, pool=POOL,
+                        reserved_pool=RESERVED_POOL)
+
+    def on_result(r: wire.RolloutResult, arrived: int, total: int) -> None:
+        ledger.check(r)  # may raise WrongWeights: the step fails loudly
+        tally.on_result(r)
+        report.progress(r.step, arrived, total)
+        chaos.on_result(r, arrived, total)
+
+    orchestrator = Orchestrator(c, POOL, seeding, port, policy=cfg.policy, window=window, mode=ro.mode,
+                                max_staleness=ro.max_staleness, overprovision=ro.overprovision, samples=cfg.samples,
+                                on_result=on_result)
+    stack.push_async_callback(orchestrator.close)  # closed first: groups still being scored need the reward pool
+    if ro.mode != "sync" and s.algorithm.off_policy == "none":
+        # not switched on behind the user's back (none is a valid choice); said once, loudly
+        log.warning("rollout.mode trains stale tokens: algorithm.off_policy = \"tis\" corrects them "
+                    "with the behaviour logprobs (none only clips around them)", mode=ro.mode)
+    rs = s.run
+    loggers = Loggers(rs.loggers, run_dir, run_id, rs.wandb_project, rs.wandb_mode,
+                      config={k: v for k, v in msgspec.to_builtins(s).items() if k != "services"})
+    stack.callback(loggers.close)
+
+    # a resumed run: the parts' state from its last checkpoint
+    resumed = Resumed()
+    last = ckpt.latest(run_dir) if cfg.resume else None
+    if last is not None:
+        state = await asyncio.to_thread(ops.call, "load_checkpoint", str(last))
+        resumed = restore(state, run_dir, max_staleness=orchestrator.max_staleness, source=source, window=window,
+                          tally=tally)
+        log.warning("resumed", checkpoint=str(last), step=resumed.first_step, version=trainer.version)
+
+    # the first version (the reserved engine pulls what the trainer publishes), what a resumed
+    # partial run had in flight, then the rollout processes
+    seeding.weights = StoreWeights(WeightCache(run_dir / "weight-cache" / "reserved", ledger.store), wait_s=30.0)
+    await ledger.start(port.weights, resumed.published)
+    for drawn, carried in source.redraw(ledger.version):
+        orchestrator.carry(drawn, carried)
+    if isinstance(seeding, ProcessSeeding):
+        await seeding.start(timeout_s=90.0)
+    if cfg.policy != "colocated" and cfg.workers:
+        await fleet.start_workers(cfg.workers, orchestrator.manager)
+    if not resumed.resumed:
+        resumed.eval_first = await evaluation.accuracy()
+    report.start(resumed.eval_first)
+    return Run(cfg=cfg, run_id=run_id, run_dir=run_dir, trainer=trainer, ops=ops, report=report, loggers=loggers,
+               source=source, scorer=scorer, evaluation=evaluation, fleet=fleet, ledger=ledger, port=port,
+               orchestrator=orchestrator, metrics=tally, window=window, resumed=resumed, log=log)
+
+
+async def step(run: Run, step: int) -> dict:
+    """One step of the product's orchestration (rlboost/orchestrator.py) with the real trainer;
+    returns its metrics row."""
+    cfg = run.cfg
+    t_step = time.monotonic()
+    run.port.start_step(step)
+    run.metrics.begin_step()
+    run.source.step_filtered = run.scorer.step_errors = run.scorer.step_timeouts = 0
+    # the steps a dead trainer published past its checkpoint go out again under the same request ids
+    o = await run.orchestrator.step(step, run.ledger.version, run.source, cfg.prompts,
+                                    republish=step <= run.resumed.republish_through)
+    if cfg.save_rollouts:
+        save_rollouts(run.run_dir / "rollouts.jsonl", run.run_id, o.trained)
+    step_s = time.monotonic() - t_step  # held-out evaluation is bookkeeping, not the step
+    eval_acc = None
+    if step % cfg.eval_every == 0 or step == cfg.steps - 1:
+        eval_acc = await run.evaluation.accuracy()
+    return run.metrics.row(step, o, step_s, version=run.ledger.version, eval_acc=eval_acc,
+                           regenerated=run.fleet.regenerated_tokens(), chaos=cfg.chaos.get(step, []),
+                           filtered=run.source.step_filtered, reward_errors=run.scorer.step_errors,
+                           reward_timeouts=run.scorer.step_timeouts, data_state=run.source.data.state())
+
+
+async def main_loop(run: Run, t0: float) -> list[dict]:
+    """The steps of this life, a checkpoint every `run.checkpoint_every` and at the end; stops
+    early when the data runs out or after the step that crosses `run.max_minutes`."""
+    cfg, rs = run.cfg, run.cfg.settings.run
+    rows: list[dict] = []
+    last_saved = run.resumed.last_saved
+
+    async def save(step: int) -> None:
+        nonlocal last_saved
+        meta = checkpoint_meta(step, run.resumed.eval_first, run_id=run.run_id, orchestrator=run.orchestrator,
+                               source=run.source, ledger=run.ledger, window=run.window, tally=run.metrics)
+        await asyncio.to_thread(run.ops.call, "save_checkpoint", str(run.run_dir), step, meta, rs.keep_checkpoints)
+        last_saved = step
+
+    for i in range(run.resumed.first_step, cfg.steps):
+        try:
+            row = await step(run, i)
+        except DataExhausted as e:
+            run.log.warning("data exhausted: the run ends here", step=i, reason=str(e))
+            if rows and rows[-1]["eval_acc"] is None:
+                rows[-1]["eval_acc"] = await run.evaluation.accuracy()
+            break
+        rows.append(row)
+        run.report.step(row)
+        run.loggers.log(row)
+        stop_early = cfg.max_minutes and time.monotonic() - t0 > cfg.max_minutes * 60 and i < cfg.steps - 1
+        if stop_early and row["eval_acc"] is None:
+            row["eval_acc"] = await run.evaluation.accuracy()
+        if rs.checkpoint_every and (i + 1) % rs.checkpoint_every == 0:
+            await save(i)
+        if stop_early:
+            break
+    if rows and last_saved != rows[-1]["step"]:
+        await save(rows[-1]["step"])  # and always at the end
+    return rows
 
 
 def make_data(cfg: RunConfig) -> tuple[GeneratedData | FileData, str, int]:
@@ -324,104 +351,43 @@ def make_data(cfg: RunConfig) -> tuple[GeneratedData | FileData, str, int]:
     return data, reward, 0
 
 
-def run_identity(run_dir: Path, resume: bool, wanted: str = "") -> str:
-    """The run id: kept in <run_dir>/run.json, so a resumed run (even one killed before its first
-    checkpoint) publishes under the same request ids."""
-    path = run_dir / "run.json"
-    if resume and path.exists():
-        return json.loads(path.read_text())["run_id"]
-    if resume:
-        raise ConfigError(f"--resume {run_dir}: no run.json there (not a run folder)")
-    run_id = wire.check_name("run id", wanted) if wanted else wire.new_run_id()
-    path.write_text(json.dumps({"run_id": run_id}) + "\n")
-    return run_id
-
-
 async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path, settings: Settings | None = None,
                 ranks: distributed.Ranks = distributed.SINGLE) -> dict:
     report = RunReport(run_dir, cfg.steps)
-    rs = cfg.settings.run
-    run_id = run_identity(run_dir, cfg.resume, rs.run_id)
+    run_id = run_identity(run_dir, cfg.resume, cfg.settings.run.run_id)
     trainer = make_trainer(cfg, ranks)
     ops = distributed.Lockstep(trainer, ranks)
     async with open_clients(nats_url, redis_url, "rlboost-trainer", settings=settings,
-                            pools=(POOL, RESERVED_POOL)) as c:
-        run = None
-        loggers = None
-        rows: list[dict] = []
+                            pools=(POOL, RESERVED_POOL)) as c, contextlib.AsyncExitStack() as stack:
+        stack.callback(report.close)
+        stack.callback(ops.stop)  # followers (FSDP ranks) leave their loop
         t0 = time.monotonic()
         stop_metrics = asyncio.Event()
+        stack.callback(stop_metrics.set)
         if cfg.metrics_port:
             metrics.start_metrics_server(cfg.metrics_port, cfg.metrics_bind)
             asyncio.create_task(metrics.poll_queue_pending(c.js, (POOL,), stop_metrics))
-        first_step, last_saved, eval_first, resumed = 0, -1, None, False
-        try:
-            run = Run(cfg, c, nats_url, redis_url, run_dir, report, run_id, trainer)
-            loggers = Loggers(rs.loggers, run_dir, run_id, rs.wandb_project, rs.wandb_mode,
-                              config={k: v for k, v in msgspec.to_builtins(cfg.settings).items() if k != "services"})
-            last = ckpt.latest(run_dir) if cfg.resume else None
-            if last is not None:
-                state = await asyncio.to_thread(ops.call, "load_checkpoint", str(last))
-                run.restore(state)
-                first_step, last_saved, eval_first, resumed = state["step"] + 1, state["step"], state.get("eval_first"), True
-                run.log.warning("resumed", checkpoint=str(last), step=first_step, version=trainer.version)
-            await run.setup()
-            if not resumed:
-                eval_first = await run.evaluation.accuracy()
-            report.start(eval_first)
-
-            async def save(step: int) -> None:
-                nonlocal last_saved
-                await asyncio.to_thread(ops.call, "save_checkpoint", str(run_dir), step, run.checkpoint_meta(eval_first, step),
-                                        rs.keep_checkpoints)
-                last_saved = step
-
-            for step in range(first_step, cfg.steps):
-                try:
-                    row = await run.step(step)
-                except DataExhausted as e:
-                    run.log.warning("data exhausted: the run ends here", step=step, reason=str(e))
-                    if rows and rows[-1]["eval_acc"] is None:
-                        rows[-1]["eval_acc"] = await run.evaluation.accuracy()
-                    break
-                rows.append(row)
-                report.step(row)
-                loggers.log(row)
-                stop_early = cfg.max_minutes and time.monotonic() - t0 > cfg.max_minutes * 60 and step < cfg.steps - 1
-                if stop_early and row["eval_acc"] is None:
-                    row["eval_acc"] = await run.evaluation.accuracy()
-                if rs.checkpoint_every and (step + 1) % rs.checkpoint_every == 0:
-                    await save(step)
-                if stop_early:
-                    break
-            if rows and last_saved != rows[-1]["step"]:
-                await save(rows[-1]["step"])  # and always at the end
-            final_sha = None if ranks.distributed else weights_sha256(trainer.state_dict(torch.float32))
-        finally:
-            stop_metrics.set()
-            ops.stop()  # followers (FSDP ranks) leave their loop
-            if loggers is not None:
-                loggers.close()
-            if run is not None:
-                await run.close()
-            report.close()
-        if not rows:
-            raise DataError("no step ran: the data was exhausted before the first one")
-        evals = [r["eval_acc"] for r in rows if r["eval_acc"] is not None]
-        final = ckpt.latest(run_dir)
-        return {"steps": rows[-1]["step"] + 1, "steps_this_life": len(rows),
-                "resumed_from_step": first_step if resumed else None, "policy": cfg.policy, "run_id": run_id,
-                "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
-                "eval_first": None if eval_first is None else round(eval_first, 4),
-                "eval_last": round(evals[-1], 4) if evals else None, "handoffs": run.metrics.handoffs_total,
-                "regenerated_tokens": run.fleet.regenerated_tokens(), "precision": trainer.precision,
-                "device": str(trainer.device), "ranks": ranks.world,
-                "tokens_per_s": round(sum(r["tokens"] for r in rows) / max(1e-9, sum(r["step_s"] for r in rows)), 1),
-                "wall_s": round(time.monotonic() - t0, 1), "final_weights_sha256": final_sha,
-                "filtered_prompts": run.source.filtered_total, "reward_errors": run.scorer.errors,
-                "reward_timeouts": run.scorer.timeouts,
-                "request_errors": sum(r["request_errors"] for r in rows), "data": run.data.state(),
-                "checkpoint": str(final) if final else None, "run_dir": str(run_dir)}
+        run = await setup(cfg, c, nats_url, redis_url, run_dir, run_id, trainer, ops, report, stack)
+        rows = await main_loop(run, t0)
+        final_sha = None if ranks.distributed else weights_sha256(trainer.state_dict(torch.float32))
+    if not rows:
+        raise DataError("no step ran: the data was exhausted before the first one")
+    evals = [r["eval_acc"] for r in rows if r["eval_acc"] is not None]
+    final = ckpt.latest(run_dir)
+    first_step = run.resumed.first_step
+    return {"steps": rows[-1]["step"] + 1, "steps_this_life": len(rows),
+            "resumed_from_step": first_step if run.resumed.resumed else None, "policy": cfg.policy, "run_id": run_id,
+            "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
+            "eval_first": None if run.resumed.eval_first is None else round(run.resumed.eval_first, 4),
+            "eval_last": round(evals[-1], 4) if evals else None, "handoffs": run.metrics.handoffs_total,
+            "regenerated_tokens": run.fleet.regenerated_tokens(), "precision": trainer.precision,
+            "device": str(trainer.device), "ranks": ranks.world,
+            "tokens_per_s": round(sum(r["tokens"] for r in rows) / max(1e-9, sum(r["step_s"] for r in rows)), 1),
+            "wall_s": round(time.monotonic() - t0, 1), "final_weights_sha256": final_sha,
+            "filtered_prompts": run.source.filtered_total, "reward_errors": run.scorer.errors,
+            "reward_timeouts": run.scorer.timeouts,
+            "request_errors": sum(r["request_errors"] for r in rows), "data": run.source.data.state(),
+            "checkpoint": str(final) if final else None, "run_dir": str(run_dir)}
 
 
 def follow(cfg: RunConfig, ranks: distributed.Ranks) -> None:
@@ -568,7 +534,7 @@ def parse(argv: list[str], demo: bool = False, s: Settings | None = None) -> Run
         ro, kept = s.rollout, ("mode", "prompts", "overprovision")
         if "partial" in (saved_ro.mode, ro.mode) and any(getattr(ro, k) != getattr(saved_ro, k) for k in kept):
             # a resumed life draws again what its previous one drew since the checkpoint and carries
-            # its groups in flight over (`Run._carry_over`): the same draws need the same sizes
+            # its groups in flight over (`RequestSource.redraw`): the same draws need the same sizes
             raise ConfigError(f"--resume {a.resume}: the run is in rollout.mode = '{saved_ro.mode}' with prompts = "
                               f"{saved_ro.prompts} and overprovision = {saved_ro.overprovision:g}; a partial run's "
                               "resume keeps all three (it draws its groups in flight again under the same ids)")
