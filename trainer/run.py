@@ -54,7 +54,7 @@ import torch
 from rlboost import metrics, wire
 from rlboost.logs import print_result
 from rlboost.clients import Clients, open_clients
-from rlboost.config import ConfigError, Settings, apply_overrides, dump_toml, load_settings, \
+from rlboost.config import ConfigError, DataSettings, RunSettings, Settings, apply_overrides, dump_toml, load_settings, \
     parse_overrides
 from rlboost.logs import configure_logging, get_logger
 from rlboost.modeldir import ModelDirError, check_model_dir, stop_ids
@@ -90,79 +90,24 @@ RESERVED_POOL = "reserved"
 
 
 @dataclass
-class RunConfig:
-    policy: str = "hybrid"
-    steps: int = 40
-    max_minutes: float = 0.0  # stop after the step that crosses this (0 = no limit)
-    prompts: int = 32
-    samples: int = 8
-    workers: int = 2
-    slots: int = 32
-    checkpoint_tokens: int = 16
-    lr: float = 1e-4
-    temperature: float = 1.0
-    seed: int = 0
-    eval_every: int = 5
-    t_seed_initial: float = 2.0
-    t_seed_floor: float = 0.5
-    shuffle_rewards: bool = False
-    chaos: dict[int, list[str]] = field(default_factory=dict)  # step -> ["term", "kill"]
-    model_dir: str = ""
-    init_model: bool = False  # build the demo model into model_dir if missing (a folder of rlboost's own)
-    run_dir: str = ""
-    bootstrap_target: float = 0.35
-    metrics_port: int = 0  # Prometheus /metrics of the trainer/manager (settings [metrics])
-    metrics_bind: str = "127.0.0.1"
-    save_rollouts: bool = False  # rollouts.jsonl: every response of every step, for comparisons
-    bootstrap_seconds: float = 240.0
-    # data and reward (settings [data]; flags override)
-    task: str = ""
-    data: str = ""
-    eval_data: str = ""
-    reward: str = ""
-    max_prompt_tokens: int = 1024
-    max_response_tokens: int = 0
-    eval_size: int = 256
-    eval_fraction: float = 0.1
-    shuffle: bool = True
-    epochs: int = 0
-    fields: dict = field(default_factory=dict)  # FieldMap keys
-    reward_workers: int = 2
-    reward_timeout_s: float = 10.0
-    resume: bool = False  # continue run_dir from its last checkpoint
-    settings: Settings = field(default_factory=Settings)  # the whole tree ([trainer], [algorithm], [run] ...)
-    # make_data's answer, read once by `preflight` and taken by the run (not read twice)
-    prepared: tuple | None = field(default=None, repr=False, compare=False)
+class Invocation:
+    """`rlboost run`'s command line, read: the settings tree (every flag is a shorthand for one of
+    its keys; each part takes its own section) and whether it continues `run.run_dir` (`--resume`)."""
 
-    @classmethod
-    def from_settings(cls, s: Settings, resume: bool = False) -> RunConfig:
-        r, ro, ds = s.run, s.rollout, s.data
-        return cls(policy=r.policy, steps=r.steps, max_minutes=r.max_minutes, prompts=ro.prompts, samples=ro.samples,
-                   workers=r.workers, slots=ro.slots, checkpoint_tokens=ro.checkpoint_tokens, lr=s.trainer.lr,
-                   temperature=ro.temperature, seed=r.seed, eval_every=r.eval_every, t_seed_initial=ro.t_seed,
-                   t_seed_floor=ro.t_seed_floor, shuffle_rewards=r.shuffle_rewards, chaos=parse_chaos(r.chaos),
-                   model_dir=r.model_dir, init_model=r.init_model, run_dir=r.run_dir,
-                   bootstrap_target=r.bootstrap_target, metrics_port=s.metrics.port, metrics_bind=s.metrics.bind,
-                   save_rollouts=r.save_rollouts, bootstrap_seconds=r.bootstrap_seconds,
-                   task=ds.task, data=ds.train, eval_data=ds.eval, reward=ds.reward,
-                   max_prompt_tokens=ds.max_prompt_tokens, max_response_tokens=ds.max_response_tokens,
-                   eval_size=ds.eval_size, eval_fraction=ds.eval_fraction, shuffle=ds.shuffle, epochs=ds.epochs,
-                   fields={"prompt": ds.prompt_key, "messages": ds.messages_key,
-                           "ground_truth": ds.ground_truth_key, "data_source": ds.data_source_key},
-                   reward_workers=ds.reward_workers, reward_timeout_s=ds.reward_timeout_s, resume=resume, settings=s)
+    settings: Settings = field(default_factory=Settings)
+    resume: bool = False
 
 
-def make_trainer(cfg: RunConfig, ranks: distributed.Ranks = distributed.SINGLE) -> GRPOTrainer:
-    s = cfg.settings
-    return GRPOTrainer(cfg.model_dir, s.trainer, s.algorithm, temperature=cfg.temperature, seed=cfg.seed,
-                       shuffle_rewards=cfg.shuffle_rewards, total_steps=cfg.steps, ranks=ranks)
+def make_trainer(s: Settings, model_dir: str, ranks: distributed.Ranks = distributed.SINGLE) -> GRPOTrainer:
+    return GRPOTrainer(model_dir, s.trainer, s.algorithm, temperature=s.rollout.temperature, seed=s.run.seed,
+                       shuffle_rewards=s.run.shuffle_rewards, total_steps=s.run.steps, ranks=ranks)
 
 
 @dataclass
 class Run:
     """The parts `setup` wired, each owning one job; `step` and `main_loop` drive them."""
 
-    cfg: RunConfig
+    settings: Settings
     run_id: str
     run_dir: Path
     trainer: GRPOTrainer
@@ -177,36 +122,37 @@ class Run:
     port: TrainerPort  # the trainer as the orchestrator sees it
     orchestrator: Orchestrator  # the step
     metrics: StepMetrics  # the step's row, the run's totals
+    chaos: Chaos  # --chaos
     window: SeedWindow
     resumed: Resumed
     log: object
 
 
-async def setup(cfg: RunConfig, c: Clients, nats_url: str, redis_url: str, run_dir: Path, run_id: str,
-                trainer: GRPOTrainer, ops: distributed.Lockstep, report: RunReport,
-                stack: contextlib.AsyncExitStack) -> Run:
-    """Every part of the run, wired; what must be closed goes on `stack` (closed in reverse)."""
-    s, ro = cfg.settings, cfg.settings.rollout
-    log = get_logger(component="run", policy=cfg.policy, run_id=run_id)
+async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: bool, c: Clients, nats_url: str,
+                redis_url: str, run_dir: Path, run_id: str, trainer: GRPOTrainer, ops: distributed.Lockstep,
+                report: RunReport, stack: contextlib.AsyncExitStack) -> Run:
+    """Every part of the run, wired; what must be closed goes on `stack` (closed in reverse).
+    `prepared`: `make_data`'s answer if a preflight read it already (it is not read twice)."""
+    rs, ro, ds = s.run, s.rollout, s.data
+    log = get_logger(component="run", policy=rs.policy, run_id=run_id)
 
     # the user's data and reward, within the model's token budget
     tokenizer = trainer.tokenizer
-    stops = stop_ids(cfg.model_dir, tokenizer)
-    data, reward_spec, task_tokens = cfg.prepared or make_data(cfg)
-    cfg.prepared = None
-    budget = PromptBudget.for_model(cfg.max_prompt_tokens, cfg.max_response_tokens,
-                                    check_model_dir(cfg.model_dir).max_context, task_tokens)
-    source = RequestSource(data, tokenizer, budget, stops, run_id=run_id, seed=cfg.seed, samples=cfg.samples,
-                           temperature=cfg.temperature)
-    scorer = Scorer(reward_spec, tokenizer, stops, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
+    stops = stop_ids(model_dir, tokenizer)
+    data, reward_spec, task_tokens = prepared or make_data(ds, rs.seed)
+    budget = PromptBudget.for_model(ds.max_prompt_tokens, ds.max_response_tokens,
+                                    check_model_dir(model_dir).max_context, task_tokens)
+    source = RequestSource(data, tokenizer, budget, stops, run_id=run_id, seed=rs.seed, samples=ro.samples,
+                           temperature=ro.temperature)
+    scorer = Scorer(reward_spec, tokenizer, stops, workers=ds.reward_workers, timeout_s=ds.reward_timeout_s)
     stack.callback(scorer.close)
     evaluation = Evaluation(data.eval_samples(), tokenizer, budget, stops, pad_id(tokenizer, stops), ops, scorer)
 
     # the rollout side: this life's local workers and the reserved side's seeding engine
     fleet = LocalFleet(nats_url, redis_url, run_dir, pool=POOL, reserved_pool=RESERVED_POOL,
-                       model_dir=cfg.model_dir, slots=cfg.slots, checkpoint_tokens=cfg.checkpoint_tokens)
+                       model_dir=model_dir, slots=ro.slots, checkpoint_tokens=ro.checkpoint_tokens)
     stack.callback(fleet.stop)
-    seeding = fleet.seeding_engines(c, ro, s.worker, serves=cfg.policy != "disaggregated")
+    seeding = fleet.seeding_engines(c, ro, s.worker, serves=rs.policy != "disaggregated")
 
     async def close_engine() -> None:
         if seeding.engine is not None:
@@ -214,15 +160,15 @@ async def setup(cfg: RunConfig, c: Clients, nats_url: str, redis_url: str, run_d
 
     stack.push_async_callback(close_engine)
     stack.push_async_callback(seeding.close)
-    chaos = Chaos(fleet, cfg.chaos, run_id)
+    chaos = Chaos(fleet, parse_chaos(rs.chaos), run_id)
 
     # policy versions, the trainer's port, the step
     ledger = await VersionLedger.open(c.js, s.weights.publisher_options(), lambda: trainer.version,
                                       off_policy=ro.mode != "sync", keep_versions=s.weights.keep_versions,
                                       staleness=0 if ro.mode == "sync" else ro.max_staleness, run_id=run_id)
     port = TrainerPort(trainer, ops, source, scorer, ledger, partial=ro.mode == "partial")
-    window = SeedWindow(initial_s=cfg.t_seed_initial, floor_s=cfg.t_seed_floor)
-    tally = StepMetrics(run_id, cfg.policy, ro.mode, s.run, trainer.ranks.world, pool=POOL,
+    window = SeedWindow(initial_s=ro.t_seed, floor_s=ro.t_seed_floor)
+    tally = StepMetrics(run_id, rs.policy, ro.mode, rs, trainer.ranks.world, pool=POOL,
                         reserved_pool=RESERVED_POOL)
 
     def on_result(r: wire.RolloutResult, arrived: int, total: int) -> None:
@@ -231,22 +177,21 @@ async def setup(cfg: RunConfig, c: Clients, nats_url: str, redis_url: str, run_d
         report.progress(r.step, arrived, total)
         chaos.on_result(r, arrived, total)
 
-    orchestrator = Orchestrator(c, POOL, seeding, port, policy=cfg.policy, window=window, mode=ro.mode,
-                                max_staleness=ro.max_staleness, overprovision=ro.overprovision, samples=cfg.samples,
+    orchestrator = Orchestrator(c, POOL, seeding, port, policy=rs.policy, window=window, mode=ro.mode,
+                                max_staleness=ro.max_staleness, overprovision=ro.overprovision, samples=ro.samples,
                                 on_result=on_result)
     stack.push_async_callback(orchestrator.close)  # closed first: groups still being scored need the reward pool
     if ro.mode != "sync" and s.algorithm.off_policy == "none":
         # not switched on behind the user's back (none is a valid choice); said once, loudly
         log.warning("rollout.mode trains stale tokens: algorithm.off_policy = \"tis\" corrects them "
                     "with the behaviour logprobs (none only clips around them)", mode=ro.mode)
-    rs = s.run
     loggers = Loggers(rs.loggers, run_dir, run_id, rs.wandb_project, rs.wandb_mode,
                       config={k: v for k, v in msgspec.to_builtins(s).items() if k != "services"})
     stack.callback(loggers.close)
 
     # a resumed run: the parts' state from its last checkpoint
     resumed = Resumed()
-    last = ckpt.latest(run_dir) if cfg.resume else None
+    last = ckpt.latest(run_dir) if resume else None
     if last is not None:
         state = await asyncio.to_thread(ops.call, "load_checkpoint", str(last))
         resumed = restore(state, run_dir, max_staleness=orchestrator.max_staleness, source=source, window=window,
@@ -261,35 +206,35 @@ async def setup(cfg: RunConfig, c: Clients, nats_url: str, redis_url: str, run_d
         orchestrator.carry(drawn, carried)
     if isinstance(seeding, ProcessSeeding):
         await seeding.start(timeout_s=90.0)
-    if cfg.policy != "colocated" and cfg.workers:
-        await fleet.start_workers(cfg.workers, orchestrator.manager)
+    if rs.policy != "colocated" and rs.workers:
+        await fleet.start_workers(rs.workers, orchestrator.manager)
     if not resumed.resumed:
         resumed.eval_first = await evaluation.accuracy()
     report.start(resumed.eval_first)
-    return Run(cfg=cfg, run_id=run_id, run_dir=run_dir, trainer=trainer, ops=ops, report=report, loggers=loggers,
+    return Run(settings=s, run_id=run_id, run_dir=run_dir, trainer=trainer, ops=ops, report=report, loggers=loggers,
                source=source, scorer=scorer, evaluation=evaluation, fleet=fleet, ledger=ledger, port=port,
-               orchestrator=orchestrator, metrics=tally, window=window, resumed=resumed, log=log)
+               orchestrator=orchestrator, metrics=tally, chaos=chaos, window=window, resumed=resumed, log=log)
 
 
 async def step(run: Run, step: int) -> dict:
     """One step of the product's orchestration (rlboost/orchestrator.py) with the real trainer;
     returns its metrics row."""
-    cfg = run.cfg
+    rs, ro = run.settings.run, run.settings.rollout
     t_step = time.monotonic()
     run.port.start_step(step)
     run.metrics.begin_step()
     run.source.step_filtered = run.scorer.step_errors = run.scorer.step_timeouts = 0
     # the steps a dead trainer published past its checkpoint go out again under the same request ids
-    o = await run.orchestrator.step(step, run.ledger.version, run.source, cfg.prompts,
+    o = await run.orchestrator.step(step, run.ledger.version, run.source, ro.prompts,
                                     republish=step <= run.resumed.republish_through)
-    if cfg.save_rollouts:
+    if rs.save_rollouts:
         save_rollouts(run.run_dir / "rollouts.jsonl", run.run_id, o.trained)
     step_s = time.monotonic() - t_step  # held-out evaluation is bookkeeping, not the step
     eval_acc = None
-    if step % cfg.eval_every == 0 or step == cfg.steps - 1:
+    if step % rs.eval_every == 0 or step == rs.steps - 1:
         eval_acc = await run.evaluation.accuracy()
     return run.metrics.row(step, o, step_s, version=run.ledger.version, eval_acc=eval_acc,
-                           regenerated=run.fleet.regenerated_tokens(), chaos=cfg.chaos.get(step, []),
+                           regenerated=run.fleet.regenerated_tokens(), chaos=run.chaos.plan.get(step, []),
                            filtered=run.source.step_filtered, reward_errors=run.scorer.step_errors,
                            reward_timeouts=run.scorer.step_timeouts, data_state=run.source.data.state())
 
@@ -297,7 +242,7 @@ async def step(run: Run, step: int) -> dict:
 async def main_loop(run: Run, t0: float) -> list[dict]:
     """The steps of this life, a checkpoint every `run.checkpoint_every` and at the end; stops
     early when the data runs out or after the step that crosses `run.max_minutes`."""
-    cfg, rs = run.cfg, run.cfg.settings.run
+    rs = run.settings.run
     rows: list[dict] = []
     last_saved = run.resumed.last_saved
 
@@ -308,7 +253,7 @@ async def main_loop(run: Run, t0: float) -> list[dict]:
         await asyncio.to_thread(run.ops.call, "save_checkpoint", str(run.run_dir), step, meta, rs.keep_checkpoints)
         last_saved = step
 
-    for i in range(run.resumed.first_step, cfg.steps):
+    for i in range(run.resumed.first_step, rs.steps):
         try:
             row = await step(run, i)
         except DataExhausted as e:
@@ -319,7 +264,7 @@ async def main_loop(run: Run, t0: float) -> list[dict]:
         rows.append(row)
         run.report.step(row)
         run.loggers.log(row)
-        stop_early = cfg.max_minutes and time.monotonic() - t0 > cfg.max_minutes * 60 and i < cfg.steps - 1
+        stop_early = rs.max_minutes and time.monotonic() - t0 > rs.max_minutes * 60 and i < rs.steps - 1
         if stop_early and row["eval_acc"] is None:
             row["eval_acc"] = await run.evaluation.accuracy()
         if rs.checkpoint_every and (i + 1) % rs.checkpoint_every == 0:
@@ -331,31 +276,37 @@ async def main_loop(run: Run, t0: float) -> list[dict]:
     return rows
 
 
-def make_data(cfg: RunConfig) -> tuple[GeneratedData | FileData, str, int]:
+def make_data(ds: DataSettings, seed: int) -> tuple[GeneratedData | FileData, str, int]:
     """(prompt source, reward spec, the task's response budget: 0 = none, the model's context
     decides, `PromptBudget.for_model`) from the task / data / reward settings."""
-    task = cfg.task or ("addition" if not cfg.data else "")
+    task = ds.task or ("addition" if not ds.train else "")
     if task and task not in TASKS and task != "math":
         raise DataError(f"unknown task {task!r}; built in: addition, math")
-    if not cfg.data:
+    if not ds.train:
         if task != "addition":
             raise DataError(f"the {task} task needs --data (a JSONL/Parquet file or a datasets folder)")
         generator = get_task("addition")
-        return (GeneratedData(generator, seed=cfg.seed), cfg.reward or "addition",
+        return (GeneratedData(generator, seed=seed), ds.reward or "addition",
                 generator.max_response_chars + 1)  # + EOS: never truncates an answer
-    reward = cfg.reward or task
+    reward = ds.reward or task
     if not reward:
         raise RewardError("--data needs a reward: --reward module:fn or path/to/file.py:fn (or --task math)")
-    data = FileData(cfg.data, cfg.eval_data, FieldMap(**cfg.fields), seed=cfg.seed, shuffle=cfg.shuffle,
-                    epochs=cfg.epochs, eval_size=cfg.eval_size, eval_fraction=cfg.eval_fraction)
+    fields = FieldMap(prompt=ds.prompt_key, messages=ds.messages_key, ground_truth=ds.ground_truth_key,
+                      data_source=ds.data_source_key)
+    data = FileData(ds.train, ds.eval, fields, seed=seed, shuffle=ds.shuffle, epochs=ds.epochs,
+                    eval_size=ds.eval_size, eval_fraction=ds.eval_fraction)
     return data, reward, 0
 
 
-async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path, settings: Settings | None = None,
-                ranks: distributed.Ranks = distributed.SINGLE) -> dict:
-    report = RunReport(run_dir, cfg.steps)
-    run_id = run_identity(run_dir, cfg.resume, cfg.settings.run.run_id)
-    trainer = make_trainer(cfg, ranks)
+async def train(inv: Invocation, model_dir: str, nats_url: str, redis_url: str, run_dir: Path,
+                settings: Settings | None = None, ranks: distributed.Ranks = distributed.SINGLE,
+                prepared: tuple | None = None) -> dict:
+    """`settings`: the servers' and the metrics endpoint's (default: the run's own)."""
+    s = inv.settings
+    settings = settings or s
+    report = RunReport(run_dir, s.run.steps)
+    run_id = run_identity(run_dir, inv.resume, s.run.run_id)
+    trainer = make_trainer(s, model_dir, ranks)
     ops = distributed.Lockstep(trainer, ranks)
     async with open_clients(nats_url, redis_url, "rlboost-trainer", settings=settings,
                             pools=(POOL, RESERVED_POOL)) as c, contextlib.AsyncExitStack() as stack:
@@ -364,10 +315,11 @@ async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path, se
         t0 = time.monotonic()
         stop_metrics = asyncio.Event()
         stack.callback(stop_metrics.set)
-        if cfg.metrics_port:
-            metrics.start_metrics_server(cfg.metrics_port, cfg.metrics_bind)
+        if settings.metrics.port:
+            metrics.start_metrics_server(settings.metrics.port, settings.metrics.bind)
             asyncio.create_task(metrics.poll_queue_pending(c.js, (POOL,), stop_metrics))
-        run = await setup(cfg, c, nats_url, redis_url, run_dir, run_id, trainer, ops, report, stack)
+        run = await setup(s, model_dir, prepared, inv.resume, c, nats_url, redis_url, run_dir, run_id, trainer, ops,
+                          report, stack)
         rows = await main_loop(run, t0)
         final_sha = None if ranks.distributed else weights_sha256(trainer.state_dict(torch.float32))
     if not rows:
@@ -376,7 +328,7 @@ async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path, se
     final = ckpt.latest(run_dir)
     first_step = run.resumed.first_step
     return {"steps": rows[-1]["step"] + 1, "steps_this_life": len(rows),
-            "resumed_from_step": first_step if run.resumed.resumed else None, "policy": cfg.policy, "run_id": run_id,
+            "resumed_from_step": first_step if run.resumed.resumed else None, "policy": s.run.policy, "run_id": run_id,
             "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
             "eval_first": None if run.resumed.eval_first is None else round(run.resumed.eval_first, 4),
             "eval_last": round(evals[-1], 4) if evals else None, "handoffs": run.metrics.handoffs_total,
@@ -390,48 +342,52 @@ async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path, se
             "checkpoint": str(final) if final else None, "run_dir": str(run_dir)}
 
 
-def follow(cfg: RunConfig, ranks: distributed.Ranks) -> None:
+def follow(s: Settings, model_dir: str, ranks: distributed.Ranks) -> None:
     """A rank other than 0: the same trainer, driven by rank 0 until it stops."""
-    trainer = make_trainer(cfg, ranks)
+    trainer = make_trainer(s, model_dir, ranks)
     distributed.Lockstep(trainer, ranks).follow()
 
 
 PREFLIGHT_SAMPLES = 1024  # training prompts a preflight tokenises (as many as the run drops before refusing)
 
 
-def preflight(cfg: RunConfig, s: Settings) -> None:
+def preflight(inv: Invocation, s: Settings | None = None) -> tuple:
     """Every flag, file and setting checked before anything slow starts (the demo model's build
     and warm start, the servers, the workers): a one-line RlboostError now, not minutes in. The
     data, the reward function, the model folder and its tokenizer (the demo's, before it is
     built), the token budget against the model's context, and that some training prompts fit it.
-    The data read here is the run's (`cfg.prepared`)."""
-    if cfg.resume and not (Path(cfg.run_dir) / "run.json").exists():
-        raise ConfigError(f"--resume {cfg.run_dir}: no run.json there (not a run folder)")
-    data, reward, task_tokens = make_data(cfg)
+    Returns the data it read (`make_data`'s answer), for the run to take (not read twice).
+    `s`: where the demo's model lives (`services.data_dir`; default: the run's own settings)."""
+    rs, ds = inv.settings.run, inv.settings.data
+    s = s or inv.settings
+    if inv.resume and not (Path(rs.run_dir) / "run.json").exists():
+        raise ConfigError(f"--resume {rs.run_dir}: no run.json there (not a run folder)")
+    data, reward, task_tokens = make_data(ds, rs.seed)
     load_function(reward)  # RewardError: a spec that names no usable function
-    if cfg.model_dir and not cfg.init_model:
-        context, tokenizer = check_model_dir(cfg.model_dir).max_context, load_tokenizer(cfg.model_dir)
+    if rs.model_dir and not rs.init_model:
+        context, tokenizer = check_model_dir(rs.model_dir).max_context, load_tokenizer(rs.model_dir)
     else:  # the demo's model: its folder if built, else what it will be built as
-        model_dir = Path(cfg.model_dir or Path(s.services.data_dir).expanduser() / "model").expanduser()
+        model_dir = Path(rs.model_dir or Path(s.services.data_dir).expanduser() / "model").expanduser()
         if (model_dir / "config.json").exists() and (model_dir / META_FILE).exists():
             context, tokenizer = check_model_dir(model_dir).max_context, load_tokenizer(model_dir)
         else:
             context, tokenizer = DEMO_CONTEXT, build_tokenizer(get_task("addition").alphabet)
-    budget = PromptBudget.for_model(cfg.max_prompt_tokens, cfg.max_response_tokens, context, task_tokens)
+    budget = PromptBudget.for_model(ds.max_prompt_tokens, ds.max_response_tokens, context, task_tokens)
     if isinstance(data, FileData):
         samples = data.iterator.samples[:PREFLIGHT_SAMPLES]
         budget.check_samples(samples, lambda smp: encode_prompt(tokenizer, smp),
                              f"{'first ' if len(data.iterator.samples) > len(samples) else ''}training prompts")
-    cfg.prepared = (data, reward, task_tokens)
+    return data, reward, task_tokens
 
 
-def resolve_model(cfg: RunConfig, s: Settings) -> str:
+def resolve_model(rs: RunSettings, s: Settings) -> str:
     """A user's `--model-dir` is checked and used as it is: read, never written. Without one
     (or with `--init-model`, for a folder of rlboost's own such as a container volume), the
-    demo's model, built and warm-started on first use."""
-    if cfg.model_dir and not cfg.init_model:
-        return str(check_model_dir(cfg.model_dir).path)
-    model_dir = Path(cfg.model_dir or Path(s.services.data_dir).expanduser() / "model").expanduser()
+    demo's model, built and warm-started on first use. `rs`: the run's section; `s`: where the
+    demo's model lives (`services.data_dir`) and how to log its build."""
+    if rs.model_dir and not rs.init_model:
+        return str(check_model_dir(rs.model_dir).path)
+    model_dir = Path(rs.model_dir or Path(s.services.data_dir).expanduser() / "model").expanduser()
     if model_dir.exists() and any(model_dir.iterdir()) and not (model_dir / META_FILE).exists():
         raise ModelDirError(f"{model_dir} holds files that rlboost init-model did not make: "
                             "not building the demo model there")
@@ -443,7 +399,7 @@ def resolve_model(cfg: RunConfig, s: Settings) -> str:
         torch.set_num_threads(2)  # nothing else runs yet: both cores
         configure_logging(json=s.log_json, level="info")  # its progress lines
         try:
-            out = warm_start(get_task("addition"), model_dir, cfg.bootstrap_target, cfg.bootstrap_seconds, seed=0)
+            out = warm_start(get_task("addition"), model_dir, rs.bootstrap_target, rs.bootstrap_seconds, seed=0)
         finally:
             torch.set_num_threads(threads)
             configure_logging(json=s.log_json, level=os.environ.get("RLBOOST_LOG_LEVEL", "warning"))
@@ -473,7 +429,7 @@ FLAGS = {"policy": "run.policy", "steps": "run.steps", "max_minutes": "run.max_m
          "eval_size": "data.eval_size", "epochs": "data.epochs", "reward_timeout": "data.reward_timeout_s"}
 
 
-def parse(argv: list[str], demo: bool = False, s: Settings | None = None) -> RunConfig:
+def parse(argv: list[str], demo: bool = False, s: Settings | None = None) -> Invocation:
     """The command line on top of the settings tree `s` (defaults < TOML < environment < this)."""
     s = s or Settings()
     p = argparse.ArgumentParser(prog="rlboost demo" if demo else "rlboost run", description=__doc__.splitlines()[0],
@@ -546,37 +502,41 @@ def parse(argv: list[str], demo: bool = False, s: Settings | None = None) -> Run
         s.run.run_dir = a.resume
     else:
         s = apply_overrides(s, overrides)
-    return RunConfig.from_settings(s, resume=bool(a.resume))
+    parse_chaos(s.run.chaos)  # a bad plan fails here, whichever way it was set
+    return Invocation(settings=s, resume=bool(a.resume))
 
 
-def effective_settings(cfg: RunConfig) -> str:
+def effective_settings(run: Settings, model_dir: str) -> str:
     """settings.toml of a run: start a new run from it (`rlboost --config settings.toml run`) and
     it is the same run (a new id and folder); `--resume` reads it back for this one."""
-    s = msgspec.convert(msgspec.to_builtins(cfg.settings), Settings)
-    s.run.run_dir, s.run.run_id, s.run.model_dir, s.run.init_model = "", "", cfg.model_dir, False
+    s = msgspec.convert(msgspec.to_builtins(run), Settings)
+    s.run.run_dir, s.run.run_id, s.run.model_dir, s.run.init_model = "", "", model_dir, False
     return dump_toml(s)
 
 
-def execute(cfg: RunConfig, s: Settings | None = None) -> dict:
-    s = cfg.settings if s is None else s
+def execute(inv: Invocation, s: Settings | None = None) -> dict:
+    """The run `inv` asks for. `s`: the servers, the metrics endpoint and the demo model's home
+    (default: the run's own settings; a bench passes the tree it parsed the command line on)."""
+    run = inv.settings
+    s = run if s is None else s
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    random.seed(cfg.seed)
-    ranks = distributed.init_from_env(cfg.settings.trainer.device)
+    random.seed(run.run.seed)
+    ranks = distributed.init_from_env(run.trainer.device)
     try:
+        prepared, model_dir = None, run.run.model_dir
         if ranks.leader:  # before anything starts: a bad flag, file or folder fails fast
-            preflight(cfg, s)
-            cfg.model_dir = resolve_model(cfg, s)
-        cfg.model_dir = distributed.broadcast(cfg.model_dir, ranks)
+            prepared = preflight(inv, s)
+            model_dir = resolve_model(run.run, s)
+        model_dir = distributed.broadcast(model_dir, ranks)
         if not ranks.leader:
-            follow(cfg, ranks)
+            follow(run, model_dir, ranks)
             return {}
-        run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        run_dir = Path(run.run.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         run_dir.mkdir(parents=True, exist_ok=True)
-        cfg.metrics_port, cfg.metrics_bind = s.metrics.port, s.metrics.bind
         with running_services(s.services) as (nats_url, redis_url):
-            if not cfg.resume:
-                (run_dir / "settings.toml").write_text(effective_settings(cfg))
-            return asyncio.run(train(cfg, nats_url, redis_url, run_dir, s, ranks))
+            if not inv.resume:
+                (run_dir / "settings.toml").write_text(effective_settings(run, model_dir))
+            return asyncio.run(train(inv, model_dir, nats_url, redis_url, run_dir, s, ranks, prepared))
     finally:
         distributed.shutdown()
 
@@ -595,13 +555,13 @@ def launch_ranks(argv: list[str], nproc: int) -> int:
 
 
 def main(argv: list[str], s: Settings, demo: bool = False) -> int:
-    cfg = parse(argv, demo, s)
-    if cfg.settings.run.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return launch_ranks(sys.argv[1:], cfg.settings.run.nproc)
+    inv = parse(argv, demo, s)
+    if inv.settings.run.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return launch_ranks(sys.argv[1:], inv.settings.run.nproc)
     if "RLBOOST_LOG_LEVEL" not in os.environ:  # the live table is the interface; logs only warn
         configure_logging(json=s.log_json, level="warning")
     try:
-        out = execute(cfg)
+        out = execute(inv)
     except (ModelDirError, DataError, RewardError, EngineError) as e:  # the user's input: one line, no traceback
         print(f"rlboost {'demo' if demo else 'run'}: error: {e}", file=sys.stderr)
         code = 2
