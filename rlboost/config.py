@@ -250,15 +250,42 @@ class WeightsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     delta_max_ratio: float = 0.5  # a delta pays when its bytes are at most this fraction of the full version
     full_every: int = 10  # a full snapshot at least every N versions (bounds a late joiner's replay)
     keep_versions: int = 3  # GC keeps the newest N versions, plus every version they need
+    # where versions live: "" = the embedded JetStream Object Store; "s3://bucket/prefix" = an
+    # S3-compatible bucket (pip install 'rlboost[s3]'; credentials from AWS_ACCESS_KEY_ID etc.);
+    # "file:///path" or a path = a directory (local disk or a mount every worker sees)
+    store: str = ""
+    s3_endpoint: str = ""  # S3 API endpoint URL (MinIO, Ceph, R2); "" = AWS or $AWS_ENDPOINT_URL
+    s3_region: str = ""  # "" = $AWS_REGION / $AWS_DEFAULT_REGION, else us-east-1
 
     def __post_init__(self) -> None:
         _check(0 < self.delta_max_ratio <= 1, "weights.delta_max_ratio", "must be in (0, 1]")
         _check(self.full_every >= 1, "weights.full_every", "must be >= 1")
         _check(self.keep_versions >= 1, "weights.keep_versions", "must be >= 1")
+        if self.store.startswith("s3://"):
+            from rlboost.wire import parse_s3_url
+
+            try:
+                parse_s3_url(self.store)
+            except ValueError as e:
+                _check(False, "weights.store", str(e))
+        else:
+            _check("://" not in self.store or self.store.startswith("file://"), "weights.store",
+                   f"{self.store!r}: use s3://bucket/prefix, file:///path, a path, or empty (JetStream)")
+        _check(not self.s3_endpoint or self.s3_endpoint.startswith(("http://", "https://")),
+               "weights.s3_endpoint", f"{self.s3_endpoint!r} is not an http(s):// URL")
 
     def publisher_options(self) -> dict:
         return {"deltas": self.deltas, "delta_max_ratio": self.delta_max_ratio, "full_every": self.full_every,
                 "keep_versions": self.keep_versions}
+
+    def store_options(self) -> dict:
+        """`rlboost.weights.open_store` keyword arguments for the configured backend."""
+        return {"url": self.store, "s3_endpoint": self.s3_endpoint, "s3_region": self.s3_region}
+
+    def store_env(self) -> dict[str, str]:
+        """The store's keys as RLBOOST_WEIGHTS__* variables, for a process this one starts."""
+        return {f"RLBOOST_WEIGHTS__{k.upper()}": v for k, v in
+                (("store", self.store), ("s3_endpoint", self.s3_endpoint), ("s3_region", self.s3_region)) if v}
 
 
 OFF_POLICY = ("none", "tis", "decoupled")  # algorithm.off_policy
@@ -327,6 +354,30 @@ class RolloutSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                f"{self.t_seed_floor} must be in [0, rollout.t_seed ({self.t_seed})]")
 
 
+class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Episodes: which environment a run's requests play in (`rlboost run --env`), and the
+    bounds every episode keeps (docs/concepts/environments.md)."""
+
+    ref: str = ""  # module:fn | path/to/file.py:fn | a built-in (calculator, reasoning-gym, textarena, gymnasium); "" = single-turn
+    options: dict[str, Any] = msgspec.field(default_factory=dict)  # keyword arguments of fn ([env.options] game = "...")
+    tool_timeout_s: float = 30.0  # a tool call running longer counts as a failed call (env.on_tool_error)
+    on_tool_error: str = "message"  # a tool that raises or times out: message (the model reads the error) | end (the episode)
+    max_turns: int = 8  # model turns per episode; a turn past it ends the episode (its tool calls are not run)
+    max_episode_tokens: int = 4096  # prompt + model + environment tokens; no room for one more model token ends it
+    inline: bool = False  # run tool calls in the generation worker (true) or hand them to the env pool (false)
+
+    def __post_init__(self) -> None:
+        # msgspec turns a ValueError of __post_init__ into a ValidationError that names it
+        if self.on_tool_error not in ("message", "end"):
+            raise ValueError(f"env.on_tool_error: {self.on_tool_error!r} must be message or end")
+        if not self.tool_timeout_s > 0:
+            raise ValueError(f"env.tool_timeout_s: {self.tool_timeout_s} must be > 0")
+        if self.max_turns < 1:
+            raise ValueError(f"env.max_turns: {self.max_turns} must be >= 1")
+        if self.max_episode_tokens < 1:
+            raise ValueError(f"env.max_episode_tokens: {self.max_episode_tokens} must be >= 1")
+
+
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     run: RunSettings = msgspec.field(default_factory=RunSettings)
     trainer: TrainerSettings = msgspec.field(default_factory=TrainerSettings)
@@ -337,6 +388,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     metrics: MetricsSettings = msgspec.field(default_factory=MetricsSettings)
     data: DataSettings = msgspec.field(default_factory=DataSettings)
     weights: WeightsSettings = msgspec.field(default_factory=WeightsSettings)
+    env: EnvSettings = msgspec.field(default_factory=EnvSettings)
     log_json: bool = False
     log_level: str = "info"
 

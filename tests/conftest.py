@@ -68,3 +68,27 @@ async def store(redis_url):
 def rid():
     """A fresh request id, so Redis state never leaks between tests."""
     return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def s3_env():
+    """Dummy AWS credentials in the environment (where the S3 store reads them) for the session."""
+    from s3server import S3_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in S3_ENV.items():
+            mp.setenv(k, v)
+        mp.delenv("AWS_PROFILE", raising=False)
+        mp.delenv("AWS_ENDPOINT_URL", raising=False)
+        mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+        yield
+
+
+@pytest.fixture(scope="session")
+def s3_server(s3_env, tmp_path_factory):
+    """A real S3 API server (moto's) on a free loopback port, for the session."""
+    from s3server import MotoS3
+
+    srv = MotoS3(tmp_path_factory.mktemp("moto") / "moto.log").start()
+    yield srv
+    srv.stop()

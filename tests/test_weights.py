@@ -1,4 +1,5 @@
-"""Weight store: publish / pull / verify / GC, on a real JetStream Object Store and a real directory."""
+"""Weight store: publish / pull / verify / GC, on a real JetStream Object Store, a real directory and a
+real S3 API server (moto's, on loopback)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import pytest_asyncio
 import torch
 
 from rlboost import wire
-from rlboost.weights import BlobStore, FileBlobStore, JetStreamBlobStore
+from rlboost.weights import BlobStore, FileBlobStore, JetStreamBlobStore, S3BlobStore
 from rlboost.weights import WeightCache, load_tensors, read_safetensors
 from rlboost.weights.safetensors_io import whole_tensor_dir
 from rlboost.weights.source import StoreWeights
 from rlboost.weights import (
     Manifest,
+    ObjectMissing,
     ShardCorrupt,
     StoreUnavailable,
     VersionPointer,
@@ -65,15 +67,22 @@ async def pointer(js) -> VersionPointer:
     return await VersionPointer.open(js, key=f"weights-test-{uuid.uuid4().hex[:10]}")
 
 
-@pytest.fixture(params=["jetstream", "file"])
+@pytest.fixture(params=["jetstream", "file", "s3"])
 def backend(request) -> str:
     return request.param
 
 
 @pytest_asyncio.fixture
-async def store(backend, js, tmp_path) -> AsyncIterator[BlobStore]:
+async def store(backend, js, tmp_path, request) -> AsyncIterator[BlobStore]:
+    """Each backend behind the same contract: every test taking `store` runs on all three."""
     if backend == "file":
         yield FileBlobStore(tmp_path / "store", create=True)
+        return
+    if backend == "s3":
+        srv = request.getfixturevalue("s3_server")
+        bucket = srv.new_bucket()
+        yield S3BlobStore(f"s3://{bucket}/weights", endpoint=srv.url)
+        srv.drop_bucket(bucket)
         return
     bucket = f"rbw-{uuid.uuid4().hex[:10]}"
     yield await JetStreamBlobStore.open(js, bucket)
@@ -121,6 +130,41 @@ class FaultyStore(BlobStore):
                     chunk = chunk + b"\0" * 100
             first = False
             yield chunk
+
+
+# ---------------------------------------------------------------- the BlobStore contract
+
+
+async def test_blob_store_contract(store):
+    """What every backend promises the publisher and the cache (put, has, streamed read,
+    delete, list), on the real JetStream Object Store, a directory and an S3 API server."""
+    assert await store.list() == []
+    assert not await store.has("shards/a.bin")
+    with pytest.raises(ObjectMissing):
+        await store.read_all("shards/a.bin")
+    big = os.urandom(9 * (1 << 20) + 123)  # several chunks on every backend
+    await store.put("shards/a.bin", big)
+    await store.put("shards/ab.bin", memoryview(bytearray(b"x" * 10)))  # any buffer
+    await store.put("manifests/v1.json", b"{}")
+    await store.put("empty", b"")
+    assert await store.has("shards/a.bin") and await store.has("empty")
+    chunks = [bytes(c) async for c in store.read("shards/a.bin")]
+    assert b"".join(chunks) == big
+    assert await store.read_all("shards/ab.bin") == b"x" * 10
+    assert await store.read_all("empty") == b""
+    assert await store.list("shards/") == ["shards/a.bin", "shards/ab.bin"]
+    assert await store.list("shards/a") == ["shards/a.bin", "shards/ab.bin"]  # a string prefix, not a folder
+    assert await store.list("shards/ab") == ["shards/ab.bin"]
+    assert await store.list("manifests/v") == ["manifests/v1.json"]
+    assert await store.list() == ["empty", "manifests/v1.json", "shards/a.bin", "shards/ab.bin"]
+    await store.put("shards/a.bin", b"replaced")  # a put replaces the whole blob
+    assert await store.read_all("shards/a.bin") == b"replaced"
+    await store.delete("shards/a.bin")
+    await store.delete("shards/a.bin")  # a missing blob is not an error
+    assert not await store.has("shards/a.bin")
+    with pytest.raises(ObjectMissing):
+        await store.read_all("shards/a.bin")
+    assert await store.list("shards/") == ["shards/ab.bin"]
 
 
 # ---------------------------------------------------------------- planning

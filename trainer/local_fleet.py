@@ -34,8 +34,10 @@ from workers.seeding import InProcessSeeding, ProcessSeeding, make_seeding_engin
 
 class LocalFleet:
     def __init__(self, nats_url: str, redis_url: str, run_dir: Path, *, pool: str, reserved_pool: str,
-                 model_dir: str, slots: int, checkpoint_tokens: int) -> None:
+                 model_dir: str, slots: int, checkpoint_tokens: int, env: dict[str, str] | None = None) -> None:
+        """`env`: more environment for every process (the weight store's keys, `WeightsSettings.store_env`)."""
         self.nats_url, self.redis_url, self.run_dir = nats_url, redis_url, run_dir
+        self.env = env or {}
         self.pool, self.reserved_pool = pool, reserved_pool
         self.model_dir, self.slots, self.checkpoint_tokens = model_dir, slots, checkpoint_tokens
         # one folder and one worker-id prefix per life of the trainer: a resumed run's workers
@@ -52,7 +54,8 @@ class LocalFleet:
         return WorkerFleet(self.nats_url, self.redis_url, self.workdir, pool, worker_args=[
             "--engine", engine, "--model-dir", self.model_dir, "--slots", str(self.slots),
             "--checkpoint-tokens", str(self.checkpoint_tokens), *extra],
-            env={"RLBOOST_WORKER__CACHE_DIR": str(self.run_dir / "weight-cache"), "RLBOOST_LOG_LEVEL": "warning"},
+            env={"RLBOOST_WORKER__CACHE_DIR": str(self.run_dir / "weight-cache"), "RLBOOST_LOG_LEVEL": "warning",
+                 **self.env},
             die_with_parent=True)  # the run's own workers go with a killed trainer; a resume starts new ones
 
     def seeding_engines(self, c: Clients, ro: RolloutSettings, worker: WorkerSettings,

@@ -1,7 +1,7 @@
 """The reward: a user's function, run in a process pool with a per-call timeout.
 
 `--reward` names a function as `module:fn`, `path/to/file.py:fn`, or a built-in task's name
-(`addition`, `math`). Two shapes are accepted, told apart by parameter names:
+(`addition`, `math`), loaded by `rlboost.plugins` (the same loader as `--env`). Two shapes are accepted, told apart by parameter names:
 
 - per sample, verl's `compute_score(data_source, solution_str, ground_truth, extra_info)`;
   any subset of those names (and `prompt`, `finish_reason`) works, as keywords;
@@ -24,19 +24,16 @@ the run.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import multiprocessing
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 
+from rlboost import plugins
 from rlboost.errors import RlboostError
 from rlboost.logs import get_logger
 
@@ -49,36 +46,12 @@ class RewardError(RlboostError, ValueError):
 
 
 def resolve(spec: str) -> str:
-    return BUILTIN.get(spec, spec)
+    return plugins.resolve(spec, BUILTIN)
 
 
 def load_function(spec: str) -> Callable:
-    spec = resolve(spec)
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name:
-        raise RewardError(f"reward {spec!r}: use module:function or path/to/file.py:function")
-    if where.endswith(".py") or "/" in where:
-        path = Path(where).expanduser().resolve()
-        if not path.is_file():
-            raise RewardError(f"reward {spec!r}: no such file {path}")
-        module_name = f"rlboost_reward_{abs(hash(str(path)))}"
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        assert module_spec is not None and module_spec.loader is not None
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:
-            raise RewardError(f"reward {spec!r}: {path} failed to import ({e!r})") from None
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise RewardError(f"reward {spec!r}: cannot import {where} ({e})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise RewardError(f"reward {spec!r}: {where} has no function {name!r}")
-    shape(fn, spec)
+    fn = plugins.load(spec, what="reward", builtins=BUILTIN, error=RewardError)
+    shape(fn, resolve(spec))
     return fn
 
 

@@ -77,7 +77,7 @@ async def weight_source(s: Settings, js, worker_id: str) -> WeightSource | None:
     the weight store into a verified local cache; otherwise the engine's own source (virtual)."""
     if s.worker.engine == "emulated" and not s.worker.emulated_pulls:
         return None
-    store = await open_store(js=js)
+    store = await open_store(js=js, **s.weights.store_options())
     root = Path(s.worker.cache_dir or Path(s.services.data_dir).expanduser() / "weight-cache") / worker_id
     return StoreWeights(WeightCache(root, store), wait_s=5.0)
 
@@ -100,7 +100,9 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
             if weights else None
         try:
             while True:
-                worker = RolloutWorker(s.worker, engine, c, worker_id=worker_id, counters=counters, weights=weights)
+                # the environment this worker may run besides the built-ins ([env] ref, once wired in Settings)
+                worker = RolloutWorker(s.worker, engine, c, worker_id=worker_id, counters=counters, weights=weights,
+                                       env=s.env)
                 worker.install_signal_handlers()
                 watchdog = asyncio.create_task(_exit_after_grace(worker))
                 try:

@@ -3,6 +3,7 @@ pulled into a verified local cache.
 
 - `manifest`: the per-version contract (tensors and their SHA-256, shards, delta), validated at the door;
 - `blobstore`: the object store backends (embedded JetStream Object Store, a directory);
+- `s3`: an S3-compatible bucket as a blob store (optional extra `rlboost[s3]`, obstore);
 - `deltas`: bit-exact sparse/XOR encodings of a tensor's change, zstd-compressed;
 - `publisher`: trainer side (snapshot or delta, the version pointer, GC that keeps delta bases);
 - `pointer`: the latest published version in the `rb-policy` KV bucket;
@@ -34,11 +35,12 @@ from rlboost.weights.publisher import (
     plan_shards,
     published_versions,
 )
+from rlboost.weights.s3 import S3BlobStore
 from rlboost.weights.safetensors_io import load_tensors, read_safetensors
 from rlboost.weights.source import EmulatedWeights, StoreWeights, WeightSource
 
 __all__ = [
-    "BlobStore", "FileBlobStore", "JetStreamBlobStore", "DeltaCorrupt", "ObjectMissing", "ShardCorrupt",
+    "BlobStore", "FileBlobStore", "JetStreamBlobStore", "S3BlobStore", "DeltaCorrupt", "ObjectMissing", "ShardCorrupt",
     "StoreError", "StoreUnavailable", "VersionUnavailable", "MANIFEST_SCHEMA", "Manifest", "ShardEntry",
     "TensorEntry", "TensorPart", "check_shard_id", "VersionPointer", "parse_version", "DEFAULT_MAX_SHARD_BYTES",
     "DEFAULT_TARGET_SHARD_BYTES", "PublishReport", "WeightPublisher", "gc_store", "open_store", "plan_shards",

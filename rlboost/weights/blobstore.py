@@ -2,7 +2,7 @@
 
 The weight store only needs five operations on immutable, named blobs — put, has, streamed
 read, delete, list — so every backend (the embedded JetStream Object Store, a directory on
-local disk or a shared mount, later an S3-compatible bucket) is a few dozen lines behind
+local disk or a shared mount, an S3-compatible bucket in `rlboost.weights.s3`) is a few dozen lines behind
 `BlobStore`. Integrity is *not* the backend's job: the weight cache hashes every byte it
 receives against the manifest, so a backend may be as dumb as a directory.
 
@@ -11,9 +11,10 @@ version was never published or was garbage-collected) is final; `StoreUnavailabl
 did not answer: connection lost, mount gone, timeout) is transient and callers retry it with
 back-off.
 
-An S3 backend would map put → PutObject (multipart above ~64 MiB), has → HeadObject,
-read → a ranged/streamed GetObject body, delete → DeleteObject, list → ListObjectsV2 with a
-prefix, and raise `StoreUnavailable` on connection errors / 5xx.
+The S3 backend (`rlboost.weights.s3.S3BlobStore`, optional extra `rlboost[s3]`) maps put →
+PutObject (multipart above 64 MiB), has → HeadObject, read → a streamed GetObject body resumed
+by ranged GETs, delete → DeleteObject, list → ListObjectsV2 with a prefix, and raises
+`StoreUnavailable` on connection errors / 5xx.
 """
 
 from __future__ import annotations

@@ -77,9 +77,10 @@ class VersionLedger:
         self.log = get_logger(component="ledger", run_id=run_id)
 
     @classmethod
-    async def open(cls, js: JetStreamContext, publisher_options: dict, trained: Callable[[], int], *,
-                   off_policy: bool, keep_versions: int, staleness: int = 0, run_id: str = "") -> VersionLedger:
-        store = await open_store(js=js)
+    async def open(cls, js: JetStreamContext, store_options: dict, publisher_options: dict, trained: Callable[[], int],
+                   *, off_policy: bool, keep_versions: int, staleness: int = 0, run_id: str = "") -> VersionLedger:
+        """`store_options`: `open_store`'s (`WeightsSettings.store_options`); `publisher_options`: the publisher's."""
+        store = await open_store(js=js, **store_options)
         pointer = await VersionPointer.open(js)
         return cls(store, pointer, WeightPublisher(store, pointer, **publisher_options), trained,
                    off_policy=off_policy, keep_versions=keep_versions, staleness=staleness, run_id=run_id)

@@ -387,11 +387,23 @@ async def gc_store(store: BlobStore, keep: int, upto: int | None = None) -> list
 
 
 async def open_store(js: JetStreamContext | None = None, directory: str | os.PathLike[str] | None = None, *,
+                     url: str = "", s3_endpoint: str = "", s3_region: str = "",
                      bucket: str = wire.BUCKET_WEIGHTS, create: bool = True, replicas: int = 1) -> BlobStore:
-    """The configured backend: a directory if given (local disk / shared mount), else the
-    JetStream Object Store bucket (the embedded default)."""
+    """The configured backend (`[weights] store`, passed as `url`): `s3://bucket/prefix` an
+    S3-compatible bucket (`rlboost.weights.s3`, endpoint/region from `s3_endpoint`/`s3_region`
+    or the environment, credentials from the environment only); `file:///path` or a path a
+    directory (local disk / shared mount; also `directory`); empty: the JetStream Object Store
+    bucket (the embedded default)."""
+    if url.startswith("s3://"):
+        from rlboost.weights.s3 import S3BlobStore
+
+        return S3BlobStore(url, endpoint=s3_endpoint, region=s3_region)
+    if "://" in url and not url.startswith("file://"):
+        raise ValueError(f"weight store {url!r}: use s3://bucket/prefix, file:///path, a path, or empty (JetStream)")
+    if url:
+        directory = os.path.expanduser(url.removeprefix("file://"))
     if directory:
         return FileBlobStore(directory, create=create)
     if js is None:
-        raise ValueError("open_store needs a JetStream context or a directory")
+        raise ValueError("open_store needs a JetStream context, a directory or a store URL")
     return await JetStreamBlobStore.open(js, bucket, create=create, replicas=replicas)

@@ -1,0 +1,45 @@
+"""Episodes: multi-turn, tool-using rollouts (docs/concepts/environments.md).
+
+- `protocol`: the environment protocol and its messages (`Env`, `Opening`, `ToolResult`, ...);
+  its settings are `rlboost.config.EnvSettings` ([env]), a section of the one settings tree;
+- `chat`: the tool-call format (the model's own chat template, or a documented fallback) and the
+  parser of a model turn;
+- `episode`: the engine-agnostic episode runner, resumable from a snapshot after any turn;
+- `calculator`: a built-in multi-turn tool environment (arithmetic word problems);
+- `adapters`: environments from libraries users already have (reasoning-gym, textarena,
+  gymnasium).
+
+`load_env(ref)` loads an environment the way `--env` names it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlboost import plugins
+from rlboost.envs.protocol import EnvError, Environment
+
+BUILTIN_ENVS = {
+    "calculator": "rlboost.envs.calculator:make",
+    "reasoning-gym": "rlboost.envs.adapters:reasoning_gym",
+    "textarena": "rlboost.envs.adapters:textarena",
+    "gymnasium": "rlboost.envs.adapters:gymnasium",
+}
+
+
+def load_env(ref: str, **options: Any) -> Environment:
+    """The environment `ref` names: `module:fn`, `path/to/file.py:fn` or a built-in name; `fn`
+    (a function or a class) is called with `options` (`[env.options]`) and must return an
+    environment."""
+    factory = plugins.load(ref, what="env", builtins=BUILTIN_ENVS, error=EnvError)
+    try:
+        env = factory(**options)
+    except EnvError:
+        raise
+    except Exception as e:
+        raise EnvError(f"env {ref!r}: {plugins.resolve(ref, BUILTIN_ENVS)}() failed ({e!r})") from None
+    missing = [m for m in ("start", "call_tool", "respond", "score") if not callable(getattr(env, m, None))]
+    if missing:
+        raise EnvError(f"env {ref!r}: {type(env).__name__} is not an environment (no {', '.join(missing)}); "
+                       "subclass rlboost.envs.protocol.Env or write start/call_tool/respond/score")
+    return env
