@@ -1,0 +1,810 @@
+"""`rlboost serve-openai`: an OpenAI-compatible chat-completions endpoint backed by the dataflow.
+
+An agent loop rlboost does not own (the `verifiers` harness, OpenEnv, a user's own scaffold)
+points its OpenAI client at this server and drives episodes; every call is a rollout request
+like any other:
+
+1. the messages (and `tools=`) become prompt token ids through the model's own chat template
+   (`rlboost.envs.chat.chat_format`: the template where the tokenizer has one, else the
+   documented fallback);
+2. one `wire.RolloutRequest` per choice (`n`) is published through the `RolloutManager` on the
+   pool's work queue, under the latest published policy version; a worker claims it, generates
+   and checkpoints every K tokens in Redis, so a worker lost mid-turn costs at most K tokens
+   (none with notice) and another worker finishes the turn: the call just takes longer;
+3. the result is taken only once `RolloutManager.verify_result` agrees with the checkpoint
+   (tokens, logprobs, lease, segments), decoded and parsed for tool calls in the template's
+   syntax, and recorded: one JSON line per choice in `<run dir>/sessions/<session>.jsonl`,
+   fsynced before the answer goes out (so every answered call is on disk);
+4. the answer is the OpenAI response shape plus an `rlboost` field with the request ids, token
+   ids, logprobs and policy versions.
+
+Why a JSONL per session and not the results stream alone: the results stream already holds
+every call's tokens durably (and `rlboost replay` reads it), but not what makes a call part of
+an episode: the session, the call's turn in it, the parsed tool calls and the reward the
+harness reports (`POST /v1/rlboost/sessions/{id}/reward`). Those are facts only the endpoint
+knows; one file per session, in call order, is what a trainer reads as an episode
+(`read_sessions`), without NATS, and the token-level truth in it was checked against Redis
+before it was written.
+
+Guarantees (docs/guides/agent-harnesses.md): a model turn is durable (checkpointed tokens,
+resumed on any worker); the harness's own state (its loop, its tools' side effects, the
+conversation it holds) is not: a harness that dies loses its episode, and a call the endpoint
+never answered (it died) is the harness's to retry, which generates the turn again.
+
+HTTP: HTTP/1.1 with keep-alive, parsed by h11 (the sans-IO parser httpx and uvicorn use; pure
+Python, no dependencies) over asyncio streams. Bodies are bounded (`endpoint.max_body_bytes`),
+as are header sizes, idle connections and the calls waiting at once; nothing a client sends
+can end the server: every failure is answered as an OpenAI error object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import math
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h11
+
+from rlboost import bus, wire
+from rlboost.clients import Clients
+from rlboost.config import EndpointSettings, Settings
+from rlboost.envs.chat import ChatFormat, chat_format
+from rlboost.envs.protocol import Message, ToolCall, ToolSpec
+from rlboost.errors import RlboostError
+from rlboost.logs import get_logger
+from rlboost.manager import RolloutManager
+
+RECORD_VERSION = 1  # the schema of a session file's lines (`read_sessions`)
+SESSION_HEADERS = ("x-session-id", "x-episode-id")
+IDLE_TIMEOUT_S = 120.0  # a keep-alive connection with nothing to say for this long is closed
+MAX_HEADER_BYTES = 64 << 10
+MAX_STOP = 4
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_ROUTE_REWARD = re.compile(r"/v1/rlboost/sessions/([^/]+)/reward")
+
+
+class EndpointError(RlboostError, ValueError):
+    """A call the endpoint refuses, with the HTTP status and the OpenAI error type to answer."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.param, self.kind = status, param, kind
+
+
+def _bad(message: str, param: str | None = None) -> EndpointError:
+    return EndpointError(message, 400, param)
+
+
+# ---------------------------------------------------------------- the OpenAI request
+
+
+def _text(value: Any, where: str) -> str:
+    """A message's content: a string, null, or a list of text parts."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        out = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"{where}[{i}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported", where)
+            out.append(part["text"])
+        return "".join(out)
+    raise _bad(f"{where} must be a string, null or a list of text parts, got {type(value).__name__}", where)
+
+
+def _call_arguments(value: Any, where: str) -> dict[str, Any]:
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise _bad(f"{where} is not valid JSON ({e})", where) from None
+    if not isinstance(value, dict):
+        raise _bad(f"{where} must be a JSON object", where)
+    return value
+
+
+def parse_messages(raw: Any) -> list[Message]:
+    """OpenAI chat messages as the protocol's `Message`s; EndpointError naming what is wrong."""
+    if raw is None:
+        raise _bad("'messages' is required: a non-empty list of chat messages", "messages")
+    if not isinstance(raw, list) or not raw:
+        raise _bad("'messages' must be a non-empty list of chat messages", "messages")
+    out: list[Message] = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"{where} must be an object with a 'role'", where)
+        role = m.get("role")
+        role = "system" if role == "developer" else role
+        if role not in ("system", "user", "assistant", "tool"):
+            raise _bad(f"{where}.role {role!r}: use system, developer, user, assistant or tool", f"{where}.role")
+        content = _text(m.get("content"), f"{where}.content")
+        calls: list[ToolCall] = []
+        if role == "assistant" and m.get("tool_calls") is not None:
+            if not isinstance(m["tool_calls"], list):
+                raise _bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+            for j, c in enumerate(m["tool_calls"]):
+                w = f"{where}.tool_calls[{j}]"
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                    raise _bad(f"{w} needs a function with a name", w)
+                calls.append(ToolCall(key=str(c.get("id") or f"call-{i}-{j}"), name=fn["name"], index=j,
+                                      arguments=_call_arguments(fn.get("arguments"), f"{w}.function.arguments")))
+        tool_call_id = m.get("tool_call_id") or ""
+        name = m.get("name") or ""
+        if not isinstance(tool_call_id, str) or not isinstance(name, str):
+            raise _bad(f"{where}: tool_call_id and name must be strings", where)
+        out.append(Message(role=role, content=content, tool_calls=calls,
+                           tool_call_id=tool_call_id if role == "tool" else "", name=name if role == "tool" else ""))
+    return out
+
+
+def parse_tools(raw: Any) -> list[ToolSpec]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise _bad("'tools' must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    out = []
+    for i, t in enumerate(raw):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", f"tools[{i}]")
+        params = fn.get("parameters") if fn.get("parameters") is not None else {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise _bad(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}]")
+        desc = fn.get("description") or ""
+        if not isinstance(desc, str):
+            raise _bad(f"tools[{i}].function.description must be a string", f"tools[{i}]")
+        out.append(ToolSpec(name=fn["name"], description=desc, parameters=params))
+    return out
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v > hi or v < lo or (lo_open and v == lo):
+        raise _bad(f"'{key}' must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}", key)
+    return float(v)
+
+
+def _integer(body: dict, key: str, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise _bad(f"'{key}' must be an integer in [{lo}, {hi}], got {v!r}", key)
+    return v
+
+
+@dataclass
+class ChatCall:
+    """A validated chat-completions call."""
+
+    messages: list[Message]
+    tools: list[ToolSpec]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    n: int
+    seed: int | None
+    stop: list[str]
+    logprobs: bool
+    model: str
+
+
+_UNSUPPORTED_DEFAULTS = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "top_logprobs": 0,
+                         "parallel_tool_calls": True}
+
+
+def parse_call(body: Any, cfg: EndpointSettings) -> ChatCall:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    if body.get("stream"):
+        raise _bad("stream=true is not supported: this endpoint answers whole (non-streaming) responses; "
+                   "send stream=false or leave it out", "stream")
+    for key, default in _UNSUPPORTED_DEFAULTS.items():
+        if body.get(key) not in (None, default) and not (key == "parallel_tool_calls" and body.get(key) is False):
+            raise _bad(f"'{key}' is not supported (rollout engines sample from the plain distribution and record "
+                       "the sampled token's logprob only)", key)
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise _bad("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
+    tool_choice = body.get("tool_choice")
+    if tool_choice not in (None, "auto", "none"):
+        raise _bad("'tool_choice' may be \"auto\" or \"none\": forcing a call needs constrained decoding, "
+                   "which rollout engines do not do", "tool_choice")
+    messages = parse_messages(body.get("messages"))
+    tools = [] if tool_choice == "none" else parse_tools(body.get("tools"))
+    mt = _integer(body, "max_completion_tokens", 1, cfg.max_tokens)
+    if mt is None:
+        mt = _integer(body, "max_tokens", 1, cfg.max_tokens)
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise _bad(f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _bad("'logprobs' must be true or false", "logprobs")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+    seed = _integer(body, "seed", -(2**63), 2**63 - 1)
+    return ChatCall(messages=messages, tools=tools, max_tokens=mt if mt is not None else cfg.default_max_tokens,
+                    temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                    top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+                    n=_integer(body, "n", 1, cfg.max_n) or 1, seed=seed, stop=stop, logprobs=bool(logprobs),
+                    model=model or cfg.model_name)
+
+
+def _choice_seed(seed: int | None, choice: int) -> int:
+    """The sampling key of one choice: derived from the call's seed (the same seed, the same
+    choices: a rerun reproduces them), or fresh."""
+    if seed is None:
+        return secrets.randbits(63)
+    digest = hashlib.sha256(f"{seed}/{choice}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def session_id(headers: dict[str, str], body: Any) -> str:
+    """The episode a call belongs to: the X-Session-Id (or X-Episode-Id) header, else the body's
+    `user` (hashed when it is not a plain id), else `default`."""
+    for h in SESSION_HEADERS:
+        if h in headers:
+            value = headers[h]
+            if not _NAME.fullmatch(value):
+                raise _bad(f"the {h} header must be 1-128 of [A-Za-z0-9_-], got {value[:64]!r}")
+            return value
+    user = body.get("user") if isinstance(body, dict) else None
+    if isinstance(user, str) and user:
+        return user if _NAME.fullmatch(user) else "u-" + hashlib.sha256(user.encode()).hexdigest()[:16]
+    return "default"
+
+
+# ---------------------------------------------------------------- session records
+
+
+@dataclass
+class Session:
+    """One session file, read back: its calls (one dict per choice, in call order) and the last
+    reward the harness reported (None: none yet)."""
+
+    session: str
+    calls: list[dict] = field(default_factory=list)
+    reward: float | None = None
+    metrics: dict = field(default_factory=dict)
+    done: bool = False
+
+
+def read_session(path: str | os.PathLike[str]) -> Session:
+    """A session file's records. A last line cut short (the endpoint died while writing it; its
+    call was never answered) is skipped; any other line that does not parse raises."""
+    p = Path(path)
+    out = Session(session=p.stem)
+    lines = p.read_bytes().split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            if i >= len(lines) - 2:  # the torn tail of a write that never finished
+                break
+            raise EndpointError(f"{p}: line {i + 1} is not JSON") from None
+        if rec.get("kind") == "call":
+            out.calls.append(rec)
+        elif rec.get("kind") == "reward":
+            out.reward, out.metrics, out.done = rec.get("reward"), rec.get("metrics") or {}, bool(rec.get("done"))
+    return out
+
+
+def read_sessions(run_dir: str | os.PathLike[str]) -> list[Session]:
+    """Every session an endpoint recorded under `run_dir`, by session id."""
+    return [read_session(p) for p in sorted((Path(run_dir) / "sessions").glob("*.jsonl"))]
+
+
+def _append_lines(path: Path, lines: list[dict]) -> None:
+    data = b"".join(json.dumps(rec, ensure_ascii=False, separators=(",", ":")).encode() + b"\n" for rec in lines)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- the endpoint
+
+
+class OpenAIEndpoint:
+    """The server. `start()` binds and begins following results; `close()` stops both."""
+
+    def __init__(self, clients: Clients, cfg: EndpointSettings, tokenizer, stop_ids: list[int], run_dir: str | Path,
+                 *, token: str = "", max_context: int = 0, fmt: ChatFormat | None = None) -> None:
+        self.c, self.cfg = clients, cfg
+        self.tokenizer = tokenizer
+        self.fmt = fmt or chat_format(tokenizer)
+        self.stops = list(dict.fromkeys([*stop_ids, *self.fmt.stop_ids]))
+        self.max_context = max_context
+        self.token = token
+        self.run_dir = Path(run_dir)
+        (self.run_dir / "sessions").mkdir(parents=True, exist_ok=True)
+        self.run_id = wire.new_run_id()  # request ids of this life never collide with an earlier one's
+        self.manager = RolloutManager(clients, cfg.pool)
+        self.step = cfg.step
+        self.log = get_logger(component="endpoint", run_id=self.run_id, pool=cfg.pool)
+        self._pending: dict[str, tuple[wire.RolloutRequest, asyncio.Future]] = {}
+        self._calls = 0
+        self._turns: dict[str, int] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._inflight = 0
+        self._server: asyncio.Server | None = None
+        self._follower: asyncio.Task | None = None
+        self._conns: set[asyncio.Task] = set()
+        self._policy_kv = None
+        self.address: tuple[str, int] = ("", 0)
+
+    # ------------------------------------------------------------ life
+
+    async def start(self) -> tuple[str, int]:
+        if not self.token and not _loopback(self.cfg.host):
+            raise EndpointError(f"endpoint.host {self.cfg.host!r} is not a loopback address: set a token in "
+                                f"${self.cfg.token_env} first (an open endpoint spends the pool's GPUs)")
+        last = (await self.c.js.stream_info(wire.STREAM_RESULTS)).state.last_seq
+        self._sub = await self._subscribe(last + 1)
+        self._follower = asyncio.create_task(self._follow())
+        self._server = await asyncio.start_server(self._connection, self.cfg.host, self.cfg.port)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        self.address = (host, port)
+        self.log.info("serving", host=host, port=port, step=self.step, run_dir=str(self.run_dir),
+                      auth=bool(self.token), chat_format=getattr(self.fmt, "name", "?"))
+        return self.address
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._conns):
+            t.cancel()
+        await asyncio.gather(*self._conns, return_exceptions=True)
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+        for _, fut in self._pending.values():
+            if not fut.done():
+                fut.cancel()
+
+    async def _subscribe(self, start_seq: int):
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        return await self.c.js.subscribe(
+            wire.result_subject(self.step), stream=wire.STREAM_RESULTS, ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq))
+
+    async def _follow(self) -> None:
+        """One follower of the endpoint's results subject for every call (not one per call from
+        the stream's start): each result is verified against its checkpoint, then handed to the
+        call waiting for it. The checkpoint scripts are loaded again every few seconds (a
+        restarted Redis forgets them, and workers may only run them)."""
+        scripts_at = 0.0
+        while True:
+            if time.monotonic() - scripts_at > 5.0:
+                scripts_at = time.monotonic()
+                with contextlib.suppress(Exception):
+                    await self.c.store.load_scripts()
+            try:
+                msg = await self._sub.next_msg(timeout=0.5)
+            except TimeoutError:
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a subscription the connection lost: follow again, from now
+                self.log.warning("results subscription lost, following again", error=str(e))
+                await asyncio.sleep(0.5)
+                with contextlib.suppress(Exception):
+                    last = (await self.c.js.stream_info(wire.STREAM_RESULTS)).state.last_seq
+                    self._sub = await self._subscribe(max(1, last - 10_000))
+                continue
+            try:
+                r = wire.decode(wire.RolloutResult, msg.data)
+            except wire.WireError:
+                continue
+            waiting = self._pending.get(r.request_id)
+            if waiting is None or waiting[1].done():
+                continue  # another endpoint's, or a duplicate
+            req, fut = waiting
+            try:
+                reason = await self.manager.verify_result(self.step, r, req)
+            except Exception as e:
+                reason = f"cannot verify: {e}"
+            if reason:
+                self.log.warning("result refused", request_id=r.request_id, reason=reason)
+                with contextlib.suppress(Exception):
+                    await bus.dead_letter(self.c.js, msg, f"result for {r.request_id} refused: {reason}",
+                                          wire.STREAM_RESULTS, ack=False)
+                continue
+            fut.set_result(r)
+
+    # ------------------------------------------------------------ the calls
+
+    async def policy_version(self) -> int:
+        """The latest published version (0 before any is): what a call is generated with."""
+        if self._policy_kv is None:
+            self._policy_kv = await self.c.js.key_value(wire.BUCKET_POLICY)
+        try:
+            entry = await self._policy_kv.get(wire.WEIGHTS_POINTER_KEY)
+        except Exception:  # no version published yet
+            return 0
+        try:
+            return max(0, int((entry.value or b"0").decode()))
+        except ValueError:
+            return 0
+
+    def _stop_ids(self, stop: list[str]) -> list[int]:
+        out = []
+        for s in stop:
+            ids = self.fmt.encode(s, special=False)
+            vocab_id = self.tokenizer.convert_tokens_to_ids(s) if hasattr(self.tokenizer, "convert_tokens_to_ids") else None
+            if isinstance(vocab_id, int) and vocab_id >= 0 and vocab_id != getattr(self.tokenizer, "unk_token_id", None):
+                ids = [vocab_id]
+            if len(ids) != 1:
+                raise _bad(f"stop {s!r} is {len(ids)} tokens of this model's vocabulary: rollout engines stop on "
+                           "token ids, so each stop string must be exactly one token", "stop")
+            out.append(ids[0])
+        return out
+
+    def _turn(self, session: str) -> int:
+        """The session's next call index, counted on from its file after a restart."""
+        if session not in self._turns:
+            path = self.run_dir / "sessions" / f"{session}.jsonl"
+            calls = read_session(path).calls if path.exists() else []
+            self._turns[session] = 1 + max((c.get("turn", -1) for c in calls), default=-1)
+        t = self._turns[session]
+        self._turns[session] = t + 1
+        return t
+
+    async def chat(self, body: Any, headers: dict[str, str]) -> dict:
+        """One chat-completions call: the OpenAI response, or EndpointError."""
+        session = session_id(headers, body)
+        call = parse_call(body, self.cfg)
+        try:
+            prompt_ids = self.fmt.prompt_ids(call.messages, call.tools)
+        except Exception as e:  # the model's own template refused these messages (its own rules)
+            raise _bad(f"the model's chat template cannot render these messages: {type(e).__name__}: {e}",
+                       "messages") from None
+        if not prompt_ids:
+            raise _bad("the messages render to an empty prompt", "messages")
+        if self.max_context and len(prompt_ids) + call.max_tokens > self.max_context:
+            raise _bad(f"the prompt is {len(prompt_ids)} tokens; with max_tokens {call.max_tokens} that is over the "
+                       f"model's context of {self.max_context}", "max_tokens")
+        stops = list(dict.fromkeys([*self.stops, *self._stop_ids(call.stop)]))
+        if self._inflight >= self.cfg.max_inflight:
+            raise EndpointError(f"{self._inflight} calls are waiting already (endpoint.max_inflight); retry later",
+                                429, kind="rate_limit_error")
+        self._inflight += 1
+        try:
+            return await self._generate(session, call, prompt_ids, stops)
+        finally:
+            self._inflight -= 1
+
+    async def _generate(self, session: str, call: ChatCall, prompt_ids: list[int], stops: list[int]) -> dict:
+        version = await self.policy_version()
+        k = self._calls
+        self._calls += 1
+        reqs = [wire.RolloutRequest(
+            request_id=wire.request_id(self.step, k, i, run=self.run_id), step=self.step, policy_version=version,
+            prompt_ids=prompt_ids, max_new_tokens=call.max_tokens, seed=_choice_seed(call.seed, i),
+            sampling=wire.SamplingParams(temperature=call.temperature, top_p=call.top_p),
+            eos_id=stops[0] if stops else -1, stop_ids=stops, group=k) for i in range(call.n)]
+        log = self.log.bind(session=session, call=k, request_id=reqs[0].request_id, policy_version=version)
+        loop = asyncio.get_running_loop()
+        futs = []
+        for r in reqs:
+            fut = loop.create_future()
+            self._pending[r.request_id] = (r, fut)
+            futs.append(fut)
+        t0 = time.monotonic()
+        try:
+            await self.manager.publish_step(reqs, deadline_s=30.0)
+            try:
+                results: list[wire.RolloutResult] = await asyncio.wait_for(asyncio.gather(*futs),
+                                                                           self.cfg.request_timeout_s)
+            except TimeoutError:
+                raise EndpointError(f"no result within {self.cfg.request_timeout_s:g} s (endpoint.request_timeout_s): "
+                                    f"are workers serving pool {self.cfg.pool!r}? The request stays queued under "
+                                    f"{reqs[0].request_id}", 504, kind="timeout") from None
+        except bus.PublishFailed as e:
+            raise EndpointError(f"the request could not be queued: {e}", 503, kind="service_unavailable") from None
+        finally:
+            for r in reqs:
+                self._pending.pop(r.request_id, None)
+        lock = self._locks.setdefault(session, asyncio.Lock())
+        async with lock:  # turns are numbered and written in the order calls finish
+            turn = self._turn(session)
+            choices, records = [], []
+            for i, (req, res) in enumerate(zip(reqs, results, strict=True)):
+                choice, rec = self._choice(session, turn, i, call, req, res)
+                choices.append(choice)
+                records.append(rec)
+            call_id = f"chatcmpl-{self.run_id}-{k}"
+            now = time.time()
+            for rec in records:
+                rec.update(call_id=call_id, ts=now, session=session, turn=turn)
+            await asyncio.to_thread(_append_lines, self.run_dir / "sessions" / f"{session}.jsonl", records)
+        log.info("answered", turn=turn, choices=len(choices), seconds=round(time.monotonic() - t0, 3),
+                 tokens=sum(len(r.token_ids) for r in results))
+        errors = [r.error for r in results if r.finish_reason == "error"]
+        if errors:
+            raise EndpointError(f"the engine could not serve the request: {errors[0]}", 400)
+        n_out = sum(len(r.token_ids) for r in results)
+        return {"id": call_id, "object": "chat.completion", "created": int(now), "model": call.model,
+                "choices": choices, "system_fingerprint": f"rlboost-v{version}",
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
+                          "total_tokens": len(prompt_ids) + n_out},
+                "rlboost": {"session": session, "turn": turn, "step": self.step, "policy_version": version,
+                            "prompt_token_ids": prompt_ids, "run_dir": str(self.run_dir)}}
+
+    def _choice(self, session: str, turn: int, i: int, call: ChatCall, req: wire.RolloutRequest,
+                res: wire.RolloutResult) -> tuple[dict, dict]:
+        ids = list(res.token_ids)
+        text_ids = ids[:-1] if ids and ids[-1] in req.stops() else ids  # the stop token is not content
+        episode = session if call.n == 1 else f"{session}-c{i}"
+        parsed = self.fmt.parse(text_ids, call.tools, episode, turn) if res.finish_reason != "error" else None
+        calls = parsed.tool_calls if parsed else []
+        content = (parsed.raw.strip() if parsed.errors else parsed.text) if parsed else ""
+        tool_calls = [{"id": c.key, "type": "function",
+                       "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                      for c in calls]
+        finish = {"length": "length", "error": "error"}.get(res.finish_reason, "tool_calls" if calls else "stop")
+        message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        segments = [{"offset": s.offset, "worker_id": s.worker_id, "epoch": s.epoch,
+                     "policy_version": s.policy_version, "weights": s.weights} for s in res.segments]
+        versions = wire.token_versions(list(res.segments), len(ids))
+        ext = {"request_id": res.request_id, "token_ids": ids, "logprobs": list(res.logprobs),
+               "policy_versions": sorted({s.policy_version for s in res.segments}), "segments": segments,
+               "tool_call_errors": parsed.errors if parsed else [res.error]}
+        choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish, "logprobs": None,
+                                  "rlboost": ext}
+        if call.logprobs:
+            choice["logprobs"] = {"content": [self._logprob(t, lp) for t, lp in zip(ids, res.logprobs, strict=True)]}
+        rec = {"v": RECORD_VERSION, "kind": "call", "choice": i, "request_id": res.request_id, "step": res.step,
+               "group": res.group, "policy_version": req.policy_version, "prompt_ids": list(res.prompt_ids),
+               "completion_ids": ids, "logprobs": list(res.logprobs), "token_versions": versions,
+               "segments": segments, "finish_reason": res.finish_reason, "worker_id": res.worker_id,
+               "epoch": res.epoch, "content": content, "tool_calls": tool_calls,
+               "tool_call_errors": ext["tool_call_errors"], "error": res.error,
+               "sampling": {"temperature": call.temperature, "top_p": call.top_p, "seed": req.seed,
+                            "max_tokens": call.max_tokens}}
+        return choice, rec
+
+    def _logprob(self, token: int, logprob: float) -> dict:
+        text = self.tokenizer.decode([token], skip_special_tokens=False)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
+
+    async def reward(self, session: str, body: Any) -> dict:
+        if not _NAME.fullmatch(session):
+            raise _bad("a session id is 1-128 of [A-Za-z0-9_-]")
+        if not isinstance(body, dict):
+            raise _bad("the request body must be a JSON object")
+        reward = body.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise _bad("'reward' must be a finite number", "reward")
+        metrics = body.get("metrics") or {}
+        if not isinstance(metrics, dict):
+            raise _bad("'metrics' must be an object", "metrics")
+        path = self.run_dir / "sessions" / f"{session}.jsonl"
+        async with self._locks.setdefault(session, asyncio.Lock()):
+            if not path.exists():
+                raise EndpointError(f"no session {session!r}: it made no call", 404, kind="not_found_error")
+            await asyncio.to_thread(_append_lines, path, [{
+                "v": RECORD_VERSION, "kind": "reward", "session": session, "reward": float(reward),
+                "metrics": metrics, "done": bool(body.get("done", True)), "ts": time.time()}])
+        self.log.info("reward recorded", session=session, reward=float(reward))
+        return {"session": session, "recorded": True}
+
+    # ------------------------------------------------------------ HTTP
+
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        if not self.token:
+            return True
+        got = headers.get("authorization", "")
+        scheme, _, value = got.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token.encode())
+
+    async def _route(self, method: str, target: str, headers: dict[str, str], body: bytes) -> tuple[int, dict]:
+        path = target.split("?", 1)[0]
+        if path == "/health":
+            return 200, {"ok": True, "inflight": self._inflight}
+        if not path.startswith("/v1/"):
+            raise EndpointError(f"no route {path}: this is an OpenAI-compatible API under /v1", 404, kind="not_found_error")
+        if not self._authorized(headers):
+            raise EndpointError("missing or wrong bearer token (Authorization: Bearer <token>)", 401,
+                                kind="authentication_error")
+        if path == "/v1/models":
+            if method != "GET":
+                raise EndpointError("use GET /v1/models", 405)
+            return 200, {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": 0,
+                                                     "owned_by": "rlboost"}]}
+        reward = _ROUTE_REWARD.fullmatch(path)
+        if path == "/v1/chat/completions" or reward:
+            if method != "POST":
+                raise EndpointError(f"use POST {path}", 405)
+            try:
+                parsed = json.loads(body) if body else None
+            except ValueError as e:
+                raise _bad(f"the request body is not JSON ({e})") from None
+            if reward:
+                return 200, await self.reward(reward.group(1), parsed)
+            return 200, await self.chat(parsed, headers)
+        raise EndpointError(f"no route {path}", 404, kind="not_found_error")
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._conns.add(task)
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+        try:
+            while True:
+                event = await self._next(conn, reader)
+                if not isinstance(event, h11.Request):
+                    break
+                headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
+                length = headers.get("content-length", "")
+                if length.isdigit() and int(length) > self.cfg.max_body_bytes:
+                    await self._send(conn, writer, 413, _error(EndpointError(
+                        f"the body is {length} bytes, over endpoint.max_body_bytes ({self.cfg.max_body_bytes})", 413)),
+                        close=True)
+                    break
+                body = bytearray()
+                too_big = False
+                while True:
+                    ev = await self._next(conn, reader)
+                    if isinstance(ev, h11.Data):
+                        body += ev.data
+                        if len(body) > self.cfg.max_body_bytes:
+                            too_big = True
+                            break
+                    elif isinstance(ev, h11.EndOfMessage):
+                        break
+                    else:
+                        return
+                if too_big:
+                    await self._send(conn, writer, 413, _error(EndpointError(
+                        f"the body is over endpoint.max_body_bytes ({self.cfg.max_body_bytes})", 413)), close=True)
+                    break
+                status, payload = await self._answer(event.method.decode("latin-1"),
+                                                     event.target.decode("latin-1"), headers, bytes(body))
+                await self._send(conn, writer, status, payload)
+                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                    break
+                try:
+                    conn.start_next_cycle()
+                except h11.LocalProtocolError:
+                    break
+        except h11.RemoteProtocolError as e:  # not HTTP: answer 400 when a response can still go out
+            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                with contextlib.suppress(Exception):
+                    await self._send(conn, writer, 400, _error(_bad(f"malformed HTTP: {e}")), close=True)
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # never the server: one connection ends
+            self.log.error("connection failed", error=f"{type(e).__name__}: {e}")
+        finally:
+            if task is not None:
+                self._conns.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 2.0)
+
+    async def _answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> tuple[int, dict]:
+        try:
+            return await self._route(method, target, headers, body)
+        except EndpointError as e:
+            if e.status >= 500:
+                self.log.warning("call failed", status=e.status, error=str(e))
+            return e.status, _error(e)
+        except Exception as e:  # a bug or a server fault: this call fails, the server serves on
+            self.log.error("call failed", error=f"{type(e).__name__}: {e}", target=target[:200])
+            return 500, _error(EndpointError(f"internal error: {type(e).__name__}: {e}", 500, kind="server_error"))
+
+    async def _next(self, conn: h11.Connection, reader: asyncio.StreamReader):
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            data = await asyncio.wait_for(reader.read(65536), IDLE_TIMEOUT_S)
+            conn.receive_data(data)
+
+    async def _send(self, conn: h11.Connection, writer: asyncio.StreamWriter, status: int, payload: dict,
+                    close: bool = False) -> None:
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+        headers = [("content-type", "application/json"), ("content-length", str(len(data)))]
+        if close:
+            headers.append(("connection", "close"))
+        out = conn.send(h11.Response(status_code=status, headers=headers))
+        out += conn.send(h11.Data(data=data))
+        out += conn.send(h11.EndOfMessage())
+        writer.write(out)
+        await writer.drain()
+
+
+def _error(e: EndpointError) -> dict:
+    return {"error": {"message": str(e), "type": e.kind, "param": e.param, "code": e.status}}
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------- the command
+
+
+def main(argv: list[str], s: Settings) -> int:
+    p = argparse.ArgumentParser(prog="rlboost serve-openai", description=__doc__.splitlines()[0])
+    p.add_argument("--host", help="address to bind (endpoint.host; loopback by default)")
+    p.add_argument("--port", type=int, help="port (endpoint.port; 0 = a free one)")
+    p.add_argument("--model-dir", help="the model folder whose tokenizer and chat template are used (endpoint.model_dir)")
+    p.add_argument("--model-name", help="the model id /v1/models lists (endpoint.model_name)")
+    p.add_argument("--pool", help="the worker pool the calls go to (endpoint.pool)")
+    p.add_argument("--run-dir", help="where sessions are recorded (endpoint.run_dir)")
+    a = p.parse_args(argv)
+    cfg = s.endpoint
+    for key in ("host", "port", "model_dir", "model_name", "pool", "run_dir"):
+        if getattr(a, key) is not None:
+            setattr(cfg, key, getattr(a, key))
+    return asyncio.run(serve(s))
+
+
+async def serve(s: Settings, stop: asyncio.Event | None = None) -> int:
+    from rlboost.clients import open_clients
+    from rlboost.modeldir import check_model_dir, load_tokenizer, stop_ids
+    from rlboost.services import resolve_urls
+
+    cfg = s.endpoint
+    model_dir = cfg.model_dir or s.run.model_dir or str(Path(s.services.data_dir) / "model")
+    info = check_model_dir(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("endpoint-%Y%m%d-%H%M%S"))
+    token = os.environ.get(cfg.token_env, "") if cfg.token_env else ""
+    nats_url, redis_url = resolve_urls(s.services)
+    async with open_clients(nats_url, redis_url, "rlboost-endpoint", settings=s, pools=(cfg.pool,)) as c:
+        ep = OpenAIEndpoint(c, cfg, tokenizer, stop_ids(model_dir, tokenizer), run_dir, token=token,
+                            max_context=info.max_context)
+        host, port = await ep.start()
+        print(f"serving an OpenAI-compatible API on http://{host}:{port}/v1 (model {cfg.model_name!r}, pool "
+              f"{cfg.pool!r}, {'bearer token from $' + cfg.token_env if token else 'no token: loopback only'}); "
+              f"sessions recorded in {run_dir / 'sessions'}", flush=True)
+        try:
+            await (stop.wait() if stop is not None else asyncio.Event().wait())
+        finally:
+            await ep.close()
+    return 0

@@ -1,0 +1,295 @@
+"""`rlboost serve-openai` against real NATS and Redis and a real rollout worker, driven by the
+`openai` client as an external agent loop would: multi-turn with a tool, every call recorded
+with the tokens, logprobs and versions its checkpoint holds; no token, bad input and broken
+HTTP refused with a clear message, and the server serves on.
+
+The only test double is the LLM: the worker's engine is a scripted calculator policy that reads
+the question and the tool results from its prompt tokens (like test_envs.py's perfect policy),
+so the loop is deterministic; everything else (the worker, the leases, the checkpoints, the
+results stream, the HTTP server, the client) is the real thing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import threading
+
+import httpx
+import openai
+import pytest
+from helpers import build_hf_model
+
+from rlboost import wire
+from rlboost.clients import open_clients
+from rlboost.config import EndpointSettings, WorkerSettings
+from rlboost.endpoint import OpenAIEndpoint, read_sessions
+from rlboost.modeldir import load_tokenizer, stop_ids
+from workers.counters import Counters
+from workers.engines.base import Engine, Generated, Sequence
+from workers.worker import RolloutWorker
+from rlboost.weights.source import EmulatedWeights
+
+TOKEN = "test-token-123"
+STEP = 99999
+CALC = {"type": "function", "function": {
+    "name": "calc", "description": "evaluate an arithmetic expression",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+class CalculatorPolicy(Engine):
+    """The LLM double: answers `What is A * B + C?` in two calls of the calc tool, reading the
+    tool results from its prompt; deterministic per prompt and position (the engine contract).
+    `delay_s` per engine call: slow enough to be preempted mid-turn."""
+
+    name = "scripted"
+
+    def __init__(self, tokenizer, stop_id: int, delay_s: float = 0.0) -> None:
+        self.tok, self.stop_id, self.delay_s = tokenizer, stop_id, delay_s
+        self.calls = 0
+        self.weights_id = "emulated-v0"  # as the emulated engine: virtual weights, named by version
+
+    def weight_source(self):
+        return EmulatedWeights()  # versions are labels: the worker serves whichever the request names
+
+    def answer(self, prompt_ids: list[int]) -> list[int]:
+        text = self.tok.decode(prompt_ids, skip_special_tokens=False)
+        q = list(re.finditer(r"What is (\d+) \* (\d+) \+ (\d+)\?", text))
+        if not q:
+            out = "I only do arithmetic."
+        else:
+            a, b, c = q[-1].groups()
+            results = re.findall(r"<tool_response>(.*?)</tool_response>", text[q[-1].end():], re.S)
+            if not results:
+                out = json.dumps({"name": "calc", "arguments": {"expression": f"{a} * {b}"}})
+                out = f"<tool_call>{out}</tool_call>"
+            elif len(results) == 1:
+                out = json.dumps({"name": "calc", "arguments": {"expression": f"{results[0].strip()} + {c}"}})
+                out = f"Now add.<tool_call>{out}</tool_call>"
+            else:
+                out = f"The answer is {results[-1].strip()}."
+        return self.tok(out, add_special_tokens=False)["input_ids"] + [self.stop_id]
+
+    async def generate(self, batch: list[Sequence], max_tokens: int,
+                       stop: threading.Event | None = None) -> list[Generated]:
+        self.calls += 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        out = []
+        for s in batch:
+            full = self.answer(s.prompt_ids)
+            at = len(s.token_ids)
+            take = full[at:min(len(full), s.max_new_tokens, at + max_tokens)]
+            lps = [-0.05 * ((at + j) % 5 + 1) for j in range(len(take))]
+            out.append(Generated(take, lps, at + len(take) >= min(len(full), s.max_new_tokens)))
+        return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_hf_model(tmp_path_factory.mktemp("endpoint-model"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return load_tokenizer(model_dir)
+
+
+def _worker(c, tokenizer, pool: str, name: str, delay_s: float = 0.0, k: int = 16) -> RolloutWorker:
+    settings = WorkerSettings(pool=pool, slots=8, ack_wait_s=3.0, lease_ttl_s=2.0, heartbeat_s=0.2,
+                              checkpoint_tokens=k)
+    engine = CalculatorPolicy(tokenizer, tokenizer.convert_tokens_to_ids("<|im_end|>"), delay_s)
+    return RolloutWorker(settings, engine, c, worker_id=f"{pool}-{name}", counters=Counters())
+
+
+@contextlib.asynccontextmanager
+async def serving(nats_url, redis_url, tokenizer, model_dir, tmp_path, pool: str, workers: int = 1, **worker_kw):
+    """The endpoint on a free loopback port and `workers` real workers on `pool`."""
+    async with open_clients(nats_url, redis_url, f"test-endpoint-{pool}", pools=(pool,)) as c:
+        ws = [_worker(c, tokenizer, pool, f"w{i}", **worker_kw) for i in range(workers)]
+        tasks = [asyncio.create_task(w.run()) for w in ws]
+        cfg = EndpointSettings(port=0, pool=pool, step=STEP, max_tokens=256, default_max_tokens=64,
+                               max_body_bytes=64 << 10, request_timeout_s=30.0)
+        ep = OpenAIEndpoint(c, cfg, tokenizer, stop_ids(model_dir, tokenizer), tmp_path / "endpoint-run",
+                            token=TOKEN, max_context=1024)
+        await ep.start()
+        try:
+            yield ep, c, ws
+        finally:
+            await ep.close()
+            for w in ws:
+                w.request_drain("test over")
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await RolloutWorker.settled()  # its last fetches handed back before the connection closes
+
+
+def _url(ep) -> str:
+    return f"http://127.0.0.1:{ep.address[1]}"
+
+
+def _calc(expression: str) -> str:
+    a, op, b = expression.split()
+    return str(int(a) * int(b) if op == "*" else int(a) + int(b))
+
+
+async def _agent_loop(client: openai.AsyncOpenAI, session: str, question: str, max_turns: int = 6,
+                      between=None) -> list:
+    """The harness: call the model, run each tool call it makes, feed the results back as tool
+    messages, until it answers without a call."""
+    messages: list[dict] = [{"role": "system", "content": "Use the calc tool."}, {"role": "user", "content": question}]
+    responses = []
+    for turn in range(max_turns):
+        r = await client.chat.completions.create(model="rlboost", messages=messages, tools=[CALC], max_tokens=200,
+                                                 temperature=1.0, seed=7, extra_headers={"X-Session-Id": session})
+        responses.append(r)
+        msg = r.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
+        if not msg.tool_calls:
+            break
+        for call in msg.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": _calc(json.loads(call.function.arguments)["expression"])})
+        if between is not None:
+            await between(turn)
+    return responses
+
+
+@pytest.mark.slow
+async def test_an_agent_loop_with_a_tool_is_recorded_with_its_checkpointed_tokens(
+        nats_url, redis_url, js, tokenizer, model_dir, tmp_path):
+    async with serving(nats_url, redis_url, tokenizer, model_dir, tmp_path, "oa-loop") as (ep, c, _):
+        kv = await c.js.key_value(wire.BUCKET_POLICY)
+        with contextlib.suppress(Exception):
+            await kv.delete(wire.WEIGHTS_POINTER_KEY)
+
+        async def new_version(turn: int) -> None:
+            if turn == 0:  # the trainer publishes version 1 between the first and the second call
+                await kv.put(wire.WEIGHTS_POINTER_KEY, b"1")
+
+        client = openai.AsyncOpenAI(base_url=_url(ep) + "/v1", api_key=TOKEN, max_retries=0)
+        responses = await _agent_loop(client, "episode-1", "What is 12 * 7 + 5?", between=new_version)
+        assert [r.choices[0].finish_reason for r in responses] == ["tool_calls", "tool_calls", "stop"]
+        assert responses[-1].choices[0].message.content == "The answer is 89."
+        assert responses[1].choices[0].message.content == "Now add."
+        first_call = responses[0].choices[0].message.tool_calls[0]
+        assert first_call.function.name == "calc" and json.loads(first_call.function.arguments) == {"expression": "12 * 7"}
+        async with httpx.AsyncClient(base_url=_url(ep), headers={"Authorization": f"Bearer {TOKEN}"}) as h:
+            got = await h.post("/v1/rlboost/sessions/episode-1/reward", json={"reward": 1.0, "metrics": {"turns": 3}})
+            assert got.status_code == 200, got.text
+            missing = await h.post("/v1/rlboost/sessions/nobody/reward", json={"reward": 1.0})
+            assert missing.status_code == 404 and "no session" in missing.json()["error"]["message"]
+        await client.close()
+
+        (session,) = read_sessions(ep.run_dir)
+        assert session.session == "episode-1" and session.reward == 1.0 and session.metrics == {"turns": 3}
+        assert [rec["turn"] for rec in session.calls] == [0, 1, 2]
+        assert [rec["policy_version"] for rec in session.calls] == [0, 1, 1]
+        for rec, resp in zip(session.calls, responses, strict=True):
+            ext = resp.model_extra["rlboost"]
+            choice_ext = resp.choices[0].model_extra["rlboost"]
+            # the record, the response and the checkpoint in Redis agree, token for token
+            tokens, logprobs = await c.store.read(rec["request_id"])
+            segments = await c.store.segments(rec["request_id"])
+            owner, epoch, finished = await c.store.owner(rec["request_id"])
+            assert finished and rec["completion_ids"] == tokens == choice_ext["token_ids"]
+            assert rec["logprobs"] == pytest.approx(logprobs, abs=1e-6) and len(tokens) == len(logprobs) > 0
+            assert choice_ext["logprobs"] == rec["logprobs"]
+            assert rec["prompt_ids"] == ext["prompt_token_ids"]
+            assert resp.usage.prompt_tokens == len(rec["prompt_ids"]) and resp.usage.completion_tokens == len(tokens)
+            assert [(s["offset"], s["worker_id"], s["epoch"], s["policy_version"], s["weights"])
+                    for s in rec["segments"]] == [
+                (s.offset, s.worker_id, s.epoch, s.policy_version, s.weights) for s in segments]
+            assert rec["token_versions"] == wire.token_versions(segments, len(tokens)) == [rec["policy_version"]] * len(tokens)
+            assert all(s.weights == f"emulated-v{rec['policy_version']}" for s in segments)
+            assert (rec["worker_id"], rec["epoch"]) == (owner, epoch)
+            assert rec["request_id"] == choice_ext["request_id"]
+        # each call's prompt is the conversation so far through the model's chat template, and
+        # the previous call's answer is in it
+        first, second = session.calls[0], session.calls[1]
+        assert len(second["prompt_ids"]) > len(first["prompt_ids"]) + len(first["completion_ids"]) - 1
+        assert '"expression": "12 * 7"' in tokenizer.decode(second["prompt_ids"])
+        assert "<tool_response>84</tool_response>" in tokenizer.decode(second["prompt_ids"])
+
+
+async def test_no_token_wrong_token_refused_and_models_listed(nats_url, redis_url, js, tokenizer, model_dir, tmp_path):
+    async with serving(nats_url, redis_url, tokenizer, model_dir, tmp_path, "oa-auth", workers=0) as (ep, _, _):
+        for key in ("", "wrong"):
+            client = openai.AsyncOpenAI(base_url=_url(ep) + "/v1", api_key=key or "x", max_retries=0,
+                                        default_headers={"Authorization": f"Bearer {key}"} if key else
+                                        {"Authorization": ""})
+            with pytest.raises(openai.AuthenticationError, match="bearer token"):
+                await client.chat.completions.create(model="rlboost", messages=[{"role": "user", "content": "hi"}])
+            with pytest.raises(openai.AuthenticationError):
+                await client.models.list()
+            await client.close()
+        client = openai.AsyncOpenAI(base_url=_url(ep) + "/v1", api_key=TOKEN, max_retries=0)
+        assert [m.id for m in (await client.models.list()).data] == ["rlboost"]
+        await client.close()
+        assert not list((ep.run_dir / "sessions").iterdir())  # nothing refused was recorded
+
+
+BAD = [
+    ({"model": "rlboost"}, "'messages' is required"),
+    ({"messages": []}, "non-empty list"),
+    ({"messages": "hi"}, "non-empty list"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream": True}, "stream=true is not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, "'max_tokens' must be an integer in [1, 256]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi " * 1500}], "max_tokens": 10}, "over the model's context of 1024"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "'temperature' must be a number"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "'top_p'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 99}, "'n' must be an integer in [1, 16]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": "a long stop string"}, "each stop string must be exactly one token"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5}, "'top_logprobs' is not supported"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "calc", "arguments": "{not json"}}]}]},
+     "arguments is not valid JSON"),
+    ([1, 2, 3], "must be a JSON object"),
+]
+
+
+async def test_bad_input_is_a_400_that_says_why_and_the_server_serves_on(
+        nats_url, redis_url, js, tokenizer, model_dir, tmp_path):
+    async with serving(nats_url, redis_url, tokenizer, model_dir, tmp_path, "oa-bad") as (ep, _, _):
+        async with httpx.AsyncClient(base_url=_url(ep), headers={"Authorization": f"Bearer {TOKEN}"}) as h:
+            for body, why in BAD:
+                r = await h.post("/v1/chat/completions", json=body)
+                assert r.status_code == 400, (body, r.text)
+                assert why in r.json()["error"]["message"], (body, r.json())
+                assert r.json()["error"]["type"] == "invalid_request_error"
+            r = await h.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+            r = await h.post("/v1/chat/completions", content=b"x" * (65 << 10))
+            assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
+            r = await h.get("/v1/chat/completions")
+            assert r.status_code == 405
+            r = await h.get("/nowhere")
+            assert r.status_code == 404
+            r = await h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                             headers={"X-Session-Id": "bad session/id"})
+            assert r.status_code == 400 and "x-session-id" in r.json()["error"]["message"]
+        # not HTTP at all, and a connection that hangs up mid-body: each costs one connection
+        for junk in (b"\x16\x03\x01\x02\x00garbage\r\n\r\n", b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                     b"content-length: 1000\r\n\r\n{\"messages\""):
+            reader, writer = await asyncio.open_connection("127.0.0.1", ep.address[1])
+            writer.write(junk)
+            await writer.drain()
+            if junk.startswith(b"\x16"):
+                head = await asyncio.wait_for(reader.read(1000), 10)
+                assert head.startswith(b"HTTP/1.1 400") and b"malformed HTTP" in head
+            writer.close()
+        # and it still answers: two choices, two requests, both recorded
+        client = openai.AsyncOpenAI(base_url=_url(ep) + "/v1", api_key=TOKEN, max_retries=0)
+        r = await client.chat.completions.create(
+            model="anything", n=2, user="someone@example.com", logprobs=True, max_tokens=200,
+            messages=[{"role": "user", "content": "What is 2 * 3 + 4?"}], tools=[CALC])
+        await client.close()
+        assert len(r.choices) == 2 and all(ch.finish_reason == "tool_calls" for ch in r.choices)
+        assert len({ch.model_extra["rlboost"]["request_id"] for ch in r.choices}) == 2
+        assert [lp.logprob for lp in r.choices[0].logprobs.content] == r.choices[0].model_extra["rlboost"]["logprobs"]
+        (session,) = read_sessions(ep.run_dir)
+        assert session.session.startswith("u-") and [rec["choice"] for rec in session.calls] == [0, 1]
