@@ -790,11 +790,14 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> int:
     from rlboost.services import resolve_urls
 
     cfg = s.endpoint
+    token = os.environ.get(cfg.token_env, "") if cfg.token_env else ""
+    if not token and not _loopback(cfg.host):  # before anything connects or loads
+        raise EndpointError(f"endpoint.host {cfg.host!r} is not a loopback address: set a token in "
+                            f"${cfg.token_env or 'RLBOOST_ENDPOINT_TOKEN'} first (an open endpoint spends the pool's GPUs)")
     model_dir = cfg.model_dir or s.run.model_dir or str(Path(s.services.data_dir) / "model")
     info = check_model_dir(model_dir)
     tokenizer = load_tokenizer(model_dir)
     run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("endpoint-%Y%m%d-%H%M%S"))
-    token = os.environ.get(cfg.token_env, "") if cfg.token_env else ""
     nats_url, redis_url = resolve_urls(s.services)
     async with open_clients(nats_url, redis_url, "rlboost-endpoint", settings=s, pools=(cfg.pool,)) as c:
         ep = OpenAIEndpoint(c, cfg, tokenizer, stop_ids(model_dir, tokenizer), run_dir, token=token,
@@ -803,8 +806,15 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> int:
         print(f"serving an OpenAI-compatible API on http://{host}:{port}/v1 (model {cfg.model_name!r}, pool "
               f"{cfg.pool!r}, {'bearer token from $' + cfg.token_env if token else 'no token: loopback only'}); "
               f"sessions recorded in {run_dir / 'sessions'}", flush=True)
+        if stop is None:  # SIGTERM / Ctrl-C: stop serving, close the connections, exit 0
+            import signal
+
+            stop = asyncio.Event()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         try:
-            await (stop.wait() if stop is not None else asyncio.Event().wait())
+            await stop.wait()
         finally:
             await ep.close()
     return 0

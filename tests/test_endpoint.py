@@ -293,3 +293,72 @@ async def test_bad_input_is_a_400_that_says_why_and_the_server_serves_on(
         assert [lp.logprob for lp in r.choices[0].logprobs.content] == r.choices[0].model_extra["rlboost"]["logprobs"]
         (session,) = read_sessions(ep.run_dir)
         assert session.session.startswith("u-") and [rec["choice"] for rec in session.calls] == [0, 1]
+
+
+@pytest.mark.slow
+async def test_a_worker_preempted_mid_turn_costs_the_call_time_not_tokens(
+        nats_url, redis_url, js, tokenizer, model_dir, tmp_path):
+    """The model turn is durable: the worker generating it gets a spot notice halfway through,
+    hands it off, another worker resumes from the checkpoint, and the harness gets the very
+    turn it would have got, with nothing generated twice."""
+    async with serving(nats_url, redis_url, tokenizer, model_dir, tmp_path, "oa-pre", delay_s=0.05, k=4) as (ep, c, ws):
+        (slow,) = ws
+        client = openai.AsyncOpenAI(base_url=_url(ep) + "/v1", api_key=TOKEN, max_retries=0)
+        call = asyncio.create_task(client.chat.completions.create(
+            model="rlboost", messages=[{"role": "user", "content": "What is 6 * 7 + 1?"}], tools=[CALC],
+            max_tokens=200, extra_headers={"X-Session-Id": "preempted"}))
+        for _ in range(400):  # until the slow worker has checkpointed part of the turn
+            if slow.counters.get("checkpointed") >= 12 or call.done():
+                break
+            await asyncio.sleep(0.05)
+        assert not call.done() and slow.counters.get("checkpointed") >= 12
+        ctl = await c.js.key_value(wire.BUCKET_CONTROL)
+        await ctl.put(slow.worker_id, wire.encode(wire.control("drain", slow.worker_id, "spot notice")))
+        fast = _worker(c, tokenizer, "oa-pre", "fast")
+        fast_task = asyncio.create_task(fast.run())
+        try:
+            r = await asyncio.wait_for(call, 30)
+        finally:
+            fast.request_drain("test over")
+            await fast_task
+        await client.close()
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"expression": "6 * 7"}
+        (rec,) = read_sessions(ep.run_dir)[0].calls
+        reference = CalculatorPolicy(tokenizer, tokenizer.convert_tokens_to_ids("<|im_end|>")).answer(rec["prompt_ids"])
+        assert rec["completion_ids"] == reference == (await c.store.read(rec["request_id"]))[0]
+        assert [s["worker_id"] for s in rec["segments"]] == [slow.worker_id, fast.worker_id]
+        assert 12 <= rec["segments"][1]["offset"] < len(reference)
+        s = slow.counters.snapshot()
+        assert s["handed_off"] == 1 and s["generated"] == s["checkpointed"]  # nothing to generate again
+        assert fast.counters.get("generated") == len(reference) - rec["segments"][1]["offset"]
+
+
+@pytest.mark.slow
+def test_the_command_serves_until_sigterm_and_refuses_an_open_public_bind(nats_url, redis_url, model_dir, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
+    env.pop("RLBOOST_ENDPOINT_TOKEN", None)
+    cmd = [sys.executable, "-m", "rlboost.cli", "serve-openai", "--model-dir", str(model_dir),
+           "--run-dir", str(tmp_path / "run"), "--pool", "oa-cli"]
+    refused = subprocess.run([*cmd, "--host", "0.0.0.0"], env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "not a loopback address: set a token in $RLBOOST_ENDPOINT_TOKEN" in refused.stderr
+    proc = subprocess.Popen([*cmd, "--port", "0", "--model-name", "my-policy"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env={**env, "RLBOOST_ENDPOINT_TOKEN": TOKEN})
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        assert m, line
+        base = f"http://127.0.0.1:{m.group(1)}"
+        assert httpx.get(base + "/v1/models").status_code == 401
+        got = httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert got.status_code == 200 and got.json()["data"][0]["id"] == "my-policy"
+        bad = httpx.post(base + "/v1/chat/completions", json={"messages": []}, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert bad.status_code == 400 and "non-empty list" in bad.json()["error"]["message"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
