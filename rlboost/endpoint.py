@@ -278,6 +278,25 @@ def session_id(headers: dict[str, str], body: Any) -> str:
     return "default"
 
 
+def conversation_digest(messages: list[Message], tools: list[ToolSpec]) -> str:
+    """What identifies a conversation (messages and tools, tool-call indices aside): a call whose
+    messages are an earlier call's plus its answer continues that call's token stream."""
+    canon = [{"role": m.role, "content": m.content, "tool_call_id": m.tool_call_id, "name": m.name,
+              "calls": [[c.key, c.name, c.arguments] for c in m.tool_calls]} for m in messages]
+    data = json.dumps({"messages": canon, "tools": [t.openai() for t in tools]}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(data.encode()).hexdigest()[:32]
+
+
+MAX_SESSIONS_CACHED = 4096  # sessions whose last answer is kept in memory (the rest re-read their file)
+
+
+@dataclass
+class _SessionState:
+    next_turn: int = 0
+    # conversation digest (the call's messages + one choice's answer) -> (that stream's tokens, request id)
+    tails: dict[str, tuple[list[int], str]] = field(default_factory=dict)
+
+
 # ---------------------------------------------------------------- session records
 
 
@@ -291,6 +310,41 @@ class Session:
     reward: float | None = None
     metrics: dict = field(default_factory=dict)
     done: bool = False
+
+    def episode(self) -> dict | None:
+        """The session as one token stream, as the native episode protocol records it: the last
+        call's prompt and completion, where every call's prompt continued the one before it
+        (`extends`: its tokens start with the previous call's prompt and completion, exactly).
+        `mask` is 1 on the model's tokens (each call's completion), 0 on the prompt and on what
+        the harness added between calls (tool results, user turns): those are never trained.
+        `logprobs` and `token_versions` are the engines' on model tokens (0.0 and -1 elsewhere).
+        None when the session's calls do not chain (a harness that rewrote its history, an
+        endpoint restart between calls, or n > 1 with a choice continued that is not recorded)."""
+        if not self.calls:
+            return None
+        by_id = {c["request_id"]: c for c in self.calls}
+        chain = [self.calls[-1]]
+        while chain[-1].get("extends"):
+            prev = by_id.get(chain[-1]["extends"]["request_id"])
+            if prev is None:
+                return None
+            chain.append(prev)
+        chain.reverse()
+        ids: list[int] = []
+        mask: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        for c in chain:
+            if c["prompt_ids"][:len(ids)] != ids:
+                return None
+            new = c["prompt_ids"][len(ids):]
+            ids += new + c["completion_ids"]
+            mask += [0] * len(new) + [1] * len(c["completion_ids"])
+            logprobs += [0.0] * len(new) + list(c["logprobs"])
+            versions += [-1] * len(new) + list(c["token_versions"])
+        return {"session": self.session, "token_ids": ids, "mask": mask, "logprobs": logprobs,
+                "token_versions": versions, "request_ids": [c["request_id"] for c in chain],
+                "prompt_tokens": len(chain[0]["prompt_ids"]), "reward": self.reward}
 
 
 def read_session(path: str | os.PathLike[str]) -> Session:
@@ -352,7 +406,7 @@ class OpenAIEndpoint:
         self.log = get_logger(component="endpoint", run_id=self.run_id, pool=cfg.pool)
         self._pending: dict[str, tuple[wire.RolloutRequest, asyncio.Future]] = {}
         self._calls = 0
-        self._turns: dict[str, int] = {}
+        self._sessions: dict[str, _SessionState] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._inflight = 0
         self._server: asyncio.Server | None = None
@@ -471,22 +525,49 @@ class OpenAIEndpoint:
             out.append(ids[0])
         return out
 
-    def _turn(self, session: str) -> int:
-        """The session's next call index, counted on from its file after a restart."""
-        if session not in self._turns:
+    def _state(self, session: str) -> _SessionState:
+        """The session's next turn and last answers, read from its file once after a restart."""
+        st = self._sessions.pop(session, None)
+        if st is None:
             path = self.run_dir / "sessions" / f"{session}.jsonl"
             calls = read_session(path).calls if path.exists() else []
-            self._turns[session] = 1 + max((c.get("turn", -1) for c in calls), default=-1)
-        t = self._turns[session]
-        self._turns[session] = t + 1
-        return t
+            st = _SessionState(next_turn=1 + max((c.get("turn", -1) for c in calls), default=-1))
+            last = [c for c in calls if c.get("turn") == st.next_turn - 1]
+            st.tails = {c["answer_digest"]: (c["prompt_ids"] + c["completion_ids"], c["request_id"])
+                        for c in last if c.get("answer_digest")}
+            while len(self._sessions) >= MAX_SESSIONS_CACHED:
+                self._sessions.pop(next(iter(self._sessions)))
+        self._sessions[session] = st  # most recently used last
+        return st
+
+    def _prompt(self, session: str, call: ChatCall) -> tuple[list[int], dict | None]:
+        """The call's prompt token ids, and which earlier call it continues (None: none).
+
+        A harness sends the whole conversation each call. When it is an earlier call's
+        conversation plus that call's answer (as returned) plus new messages (tool results, a
+        user turn), the prompt is that call's exact tokens (prompt and completion, as generated:
+        never re-encoded from text) followed by the template's tokens for the new messages
+        (`ChatFormat.env_ids`), so the session stays one token stream. Otherwise (the first call,
+        a history the harness rewrote) the template renders the messages afresh."""
+        msgs = call.messages
+        last = max((i for i, m in enumerate(msgs) if m.role == "assistant"), default=-1)
+        if 0 <= last < len(msgs) - 1:
+            hit = self._state(session).tails.get(conversation_digest(msgs[:last + 1], call.tools))
+            if hit is not None:
+                base, rid = hit
+                try:
+                    env = self.fmt.env_ids(msgs[:last + 1], msgs[last + 1:], call.tools, turn_end_id=base[-1])
+                    return base + env, {"request_id": rid, "prefix_tokens": len(base)}
+                except Exception as e:  # a template that does not extend: render afresh
+                    self.log.info("session not continued as tokens", session=session, reason=str(e)[:200])
+        return self.fmt.prompt_ids(msgs, call.tools), None
 
     async def chat(self, body: Any, headers: dict[str, str]) -> dict:
         """One chat-completions call: the OpenAI response, or EndpointError."""
         session = session_id(headers, body)
         call = parse_call(body, self.cfg)
         try:
-            prompt_ids = self.fmt.prompt_ids(call.messages, call.tools)
+            prompt_ids, extends = self._prompt(session, call)
         except Exception as e:  # the model's own template refused these messages (its own rules)
             raise _bad(f"the model's chat template cannot render these messages: {type(e).__name__}: {e}",
                        "messages") from None
@@ -501,11 +582,12 @@ class OpenAIEndpoint:
                                 429, kind="rate_limit_error")
         self._inflight += 1
         try:
-            return await self._generate(session, call, prompt_ids, stops)
+            return await self._generate(session, call, prompt_ids, stops, extends)
         finally:
             self._inflight -= 1
 
-    async def _generate(self, session: str, call: ChatCall, prompt_ids: list[int], stops: list[int]) -> dict:
+    async def _generate(self, session: str, call: ChatCall, prompt_ids: list[int], stops: list[int],
+                        extends: dict | None) -> dict:
         version = await self.policy_version()
         k = self._calls
         self._calls += 1
@@ -538,7 +620,8 @@ class OpenAIEndpoint:
                 self._pending.pop(r.request_id, None)
         lock = self._locks.setdefault(session, asyncio.Lock())
         async with lock:  # turns are numbered and written in the order calls finish
-            turn = self._turn(session)
+            state = self._state(session)
+            turn = state.next_turn
             choices, records = [], []
             for i, (req, res) in enumerate(zip(reqs, results, strict=True)):
                 choice, rec = self._choice(session, turn, i, call, req, res)
@@ -547,8 +630,11 @@ class OpenAIEndpoint:
             call_id = f"chatcmpl-{self.run_id}-{k}"
             now = time.time()
             for rec in records:
-                rec.update(call_id=call_id, ts=now, session=session, turn=turn)
+                rec.update(call_id=call_id, ts=now, session=session, turn=turn, extends=extends)
             await asyncio.to_thread(_append_lines, self.run_dir / "sessions" / f"{session}.jsonl", records)
+            state.next_turn = turn + 1
+            state.tails = {rec["answer_digest"]: (rec["prompt_ids"] + rec["completion_ids"], rec["request_id"])
+                           for rec in records if rec["answer_digest"]}
         log.info("answered", turn=turn, choices=len(choices), seconds=round(time.monotonic() - t0, 3),
                  tokens=sum(len(r.token_ids) for r in results))
         errors = [r.error for r in results if r.finish_reason == "error"]
@@ -587,7 +673,13 @@ class OpenAIEndpoint:
                                   "rlboost": ext}
         if call.logprobs:
             choice["logprobs"] = {"content": [self._logprob(t, lp) for t, lp in zip(ids, res.logprobs, strict=True)]}
-        rec = {"v": RECORD_VERSION, "kind": "call", "choice": i, "request_id": res.request_id, "step": res.step,
+        # what the harness sends back as this turn, if it continues the conversation with it: the
+        # next call extends this stream (only a turn that ended on its stop token can be extended)
+        answer = Message(role="assistant", content=content, tool_calls=[
+            ToolCall(key=c.key, name=c.name, arguments=c.arguments) for c in calls])
+        extendable = res.finish_reason == "stop" and bool(ids) and ids[-1] in req.stops()
+        rec = {"v": RECORD_VERSION, "kind": "call",
+               "answer_digest": conversation_digest([*call.messages, answer], call.tools) if extendable else "", "choice": i, "request_id": res.request_id, "step": res.step,
                "group": res.group, "policy_version": req.policy_version, "prompt_ids": list(res.prompt_ids),
                "completion_ids": ids, "logprobs": list(res.logprobs), "token_versions": versions,
                "segments": segments, "finish_reason": res.finish_reason, "worker_id": res.worker_id,

@@ -204,12 +204,26 @@ async def test_an_agent_loop_with_a_tool_is_recorded_with_its_checkpointed_token
             assert all(s.weights == f"emulated-v{rec['policy_version']}" for s in segments)
             assert (rec["worker_id"], rec["epoch"]) == (owner, epoch)
             assert rec["request_id"] == choice_ext["request_id"]
-        # each call's prompt is the conversation so far through the model's chat template, and
-        # the previous call's answer is in it
-        first, second = session.calls[0], session.calls[1]
-        assert len(second["prompt_ids"]) > len(first["prompt_ids"]) + len(first["completion_ids"]) - 1
-        assert '"expression": "12 * 7"' in tokenizer.decode(second["prompt_ids"])
-        assert "<tool_response>84</tool_response>" in tokenizer.decode(second["prompt_ids"])
+        # the harness sent the whole conversation each time; each call's prompt is the previous
+        # call's exact tokens (prompt + completion as generated, never re-encoded) + the template's
+        # tokens for the tool result: the session is one token stream, as a native episode
+        for prev, rec in zip(session.calls, session.calls[1:]):
+            base = prev["prompt_ids"] + prev["completion_ids"]
+            assert rec["extends"] == {"request_id": prev["request_id"], "prefix_tokens": len(base)}
+            assert rec["prompt_ids"][:len(base)] == base
+        assert "<tool_response>84</tool_response>" in tokenizer.decode(session.calls[1]["prompt_ids"])
+        ep_ = session.episode()
+        last = session.calls[-1]
+        assert ep_["token_ids"] == last["prompt_ids"] + last["completion_ids"]
+        assert ep_["request_ids"] == [rec["request_id"] for rec in session.calls] and ep_["reward"] == 1.0
+        model_tokens = [t for t, m in zip(ep_["token_ids"], ep_["mask"], strict=True) if m]
+        assert model_tokens == [t for rec in session.calls for t in rec["completion_ids"]]
+        assert [v for v, m in zip(ep_["token_versions"], ep_["mask"], strict=True) if m] == \
+            [v for rec in session.calls for v in rec["token_versions"]]
+        env = tokenizer.decode([t for t, m in zip(ep_["token_ids"][ep_["prompt_tokens"]:],
+                                                   ep_["mask"][ep_["prompt_tokens"]:], strict=True) if not m])
+        assert "<tool_response>84</tool_response>" in env and "<tool_response>89</tool_response>" in env
+        assert "calc" not in env  # the model's own calls are model tokens, never the environment's
 
 
 async def test_no_token_wrong_token_refused_and_models_listed(nats_url, redis_url, js, tokenizer, model_dir, tmp_path):
