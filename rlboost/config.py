@@ -4,9 +4,9 @@ then command-line overrides (`--trainer.lr 1e-5` or `trainer.lr=1e-5`).
 Sections: [run] (what a run is: steps, seed, checkpoints, loggers), [trainer] (device,
 precision, optimizer, schedule, memory), [algorithm] (the GRPO loss, its off-policy correction),
 [rollout] (prompts, samples, the seeding window), [services], [worker], [metrics], [weights] (how
-policy versions are stored: snapshots and sparse deltas), [endpoint] (`rlboost serve-openai`). Environment names are the dotted path
-upper-cased with `__` between levels, plus two short aliases users expect: RLBOOST_NATS_URL and
-RLBOOST_REDIS_URL (= services.nats_url / redis_url). Example:
+policy versions are stored: snapshots and sparse deltas), [endpoint] (`rlboost serve-openai`).
+Environment names are the dotted path upper-cased with `__` between levels, plus two short
+aliases users expect: RLBOOST_NATS_URL and RLBOOST_REDIS_URL (= services.nats_url / redis_url). Example:
 RLBOOST_WORKER__SLOTS=64 sets `worker.slots`. Every value is validated when the tree is built,
 with an error that names the key; relations between keys (a lease shorter than the ack wait) are
 checked here too, not in one command's argument parser. `dump_toml` writes the effective
