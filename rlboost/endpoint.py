@@ -70,6 +70,7 @@ SESSION_HEADERS = ("x-session-id", "x-episode-id")
 IDLE_TIMEOUT_S = 120.0  # a keep-alive connection with nothing to say for this long is closed
 MAX_HEADER_BYTES = 64 << 10
 MAX_STOP = 4
+MAX_CONNECTIONS = 1024  # open HTTP connections; a client past it is answered 503
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _ROUTE_REWARD = re.compile(r"/v1/rlboost/sessions/([^/]+)/reward")
 
@@ -318,8 +319,10 @@ class Session:
         `mask` is 1 on the model's tokens (each call's completion), 0 on the prompt and on what
         the harness added between calls (tool results, user turns): those are never trained.
         `logprobs` and `token_versions` are the engines' on model tokens (0.0 and -1 elsewhere).
-        None when the session's calls do not chain (a harness that rewrote its history, an
-        endpoint restart between calls, or n > 1 with a choice continued that is not recorded)."""
+        The chain is followed back from the last call: where the harness rewrote its history,
+        the stream starts at the first call after the rewrite (`request_ids` says which calls it
+        holds). None when a call it names is not in the file, or when one of its calls was one
+        the engine could not serve (`finish_reason` error: nothing to train on)."""
         if not self.calls:
             return None
         by_id = {c["request_id"]: c for c in self.calls}
@@ -330,6 +333,8 @@ class Session:
                 return None
             chain.append(prev)
         chain.reverse()
+        if any(c["finish_reason"] == "error" for c in chain):
+            return None
         ids: list[int] = []
         mask: list[int] = []
         logprobs: list[float] = []
@@ -359,7 +364,7 @@ def read_session(path: str | os.PathLike[str]) -> Session:
         try:
             rec = json.loads(line)
         except ValueError:
-            if i >= len(lines) - 2:  # the torn tail of a write that never finished
+            if i == len(lines) - 1:  # no newline after it: the torn tail of a write that never finished
                 break
             raise EndpointError(f"{p}: line {i + 1} is not JSON") from None
         if rec.get("kind") == "call":
@@ -372,6 +377,18 @@ def read_session(path: str | os.PathLike[str]) -> Session:
 def read_sessions(run_dir: str | os.PathLike[str]) -> list[Session]:
     """Every session an endpoint recorded under `run_dir`, by session id."""
     return [read_session(p) for p in sorted((Path(run_dir) / "sessions").glob("*.jsonl"))]
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """An endpoint that died while writing a line left it without its newline (that call was
+    never answered): cut it off before appending, or the next line would be glued to it."""
+    try:
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+    except FileNotFoundError:
+        pass
 
 
 def _append_lines(path: Path, lines: list[dict]) -> None:
@@ -421,8 +438,8 @@ class OpenAIEndpoint:
         if not self.token and not _loopback(self.cfg.host):
             raise EndpointError(f"endpoint.host {self.cfg.host!r} is not a loopback address: set a token in "
                                 f"${self.cfg.token_env} first (an open endpoint spends the pool's GPUs)")
-        last = (await self.c.js.stream_info(wire.STREAM_RESULTS)).state.last_seq
-        self._sub = await self._subscribe(last + 1)
+        self._start_seq = (await self.c.js.stream_info(wire.STREAM_RESULTS)).state.last_seq + 1
+        self._sub = await self._subscribe(self._start_seq)
         self._follower = asyncio.create_task(self._follow())
         self._server = await asyncio.start_server(self._connection, self.cfg.host, self.cfg.port)
         host, port = self._server.sockets[0].getsockname()[:2]
@@ -459,6 +476,7 @@ class OpenAIEndpoint:
         call waiting for it. The checkpoint scripts are loaded again every few seconds (a
         restarted Redis forgets them, and workers may only run them)."""
         scripts_at = 0.0
+        seen = 0  # the stream sequence of the last result taken off the subscription
         while True:
             if time.monotonic() - scripts_at > 5.0:
                 scripts_at = time.monotonic()
@@ -470,13 +488,14 @@ class OpenAIEndpoint:
                 continue
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # a subscription the connection lost: follow again, from now
-                self.log.warning("results subscription lost, following again", error=str(e))
+            except Exception as e:  # a subscription the connection lost: follow again after the last one seen
+                self.log.warning("results subscription lost, following again", error=str(e), after=seen)
                 await asyncio.sleep(0.5)
                 with contextlib.suppress(Exception):
-                    last = (await self.c.js.stream_info(wire.STREAM_RESULTS)).state.last_seq
-                    self._sub = await self._subscribe(max(1, last - 10_000))
+                    self._sub = await self._subscribe(seen + 1 if seen else self._start_seq)
                 continue
+            with contextlib.suppress(Exception):
+                seen = msg.metadata.sequence.stream
             try:
                 r = wire.decode(wire.RolloutResult, msg.data)
             except wire.WireError:
@@ -530,6 +549,7 @@ class OpenAIEndpoint:
         st = self._sessions.pop(session, None)
         if st is None:
             path = self.run_dir / "sessions" / f"{session}.jsonl"
+            _cut_torn_tail(path)
             calls = read_session(path).calls if path.exists() else []
             st = _SessionState(next_turn=1 + max((c.get("turn", -1) for c in calls), default=-1))
             last = [c for c in calls if c.get("turn") == st.next_turn - 1]
@@ -708,6 +728,7 @@ class OpenAIEndpoint:
         async with self._locks.setdefault(session, asyncio.Lock()):
             if not path.exists():
                 raise EndpointError(f"no session {session!r}: it made no call", 404, kind="not_found_error")
+            self._state(session)  # a torn tail (an endpoint that died mid-write) is cut first
             await asyncio.to_thread(_append_lines, path, [{
                 "v": RECORD_VERSION, "kind": "reward", "session": session, "reward": float(reward),
                 "metrics": metrics, "done": bool(body.get("done", True)), "ts": time.time()}])
@@ -760,6 +781,11 @@ class OpenAIEndpoint:
                 event = await self._next(conn, reader)
                 if not isinstance(event, h11.Request):
                     break
+                if len(self._conns) > MAX_CONNECTIONS:
+                    await self._send(conn, writer, 503, _error(EndpointError(
+                        f"over {MAX_CONNECTIONS} open connections; retry later", 503, kind="service_unavailable")),
+                        close=True)
+                    break
                 headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
                 length = headers.get("content-length", "")
                 if length.isdigit() and int(length) > self.cfg.max_body_bytes:
@@ -767,6 +793,8 @@ class OpenAIEndpoint:
                         f"the body is {length} bytes, over endpoint.max_body_bytes ({self.cfg.max_body_bytes})", 413)),
                         close=True)
                     break
+                if conn.they_are_waiting_for_100_continue:  # curl sends larger bodies only after this
+                    writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
                 body = bytearray()
                 too_big = False
                 while True:

@@ -50,6 +50,11 @@ class CalculatorPolicy(Engine):
         self.calls = 0
         self.weights_id = "emulated-v0"  # as the emulated engine: virtual weights, named by version
 
+    def check(self, seq: Sequence) -> str | None:
+        if "REFUSE" in self.tok.decode(seq.prompt_ids):
+            return "this engine refuses prompts that say REFUSE"
+        return None
+
     def weight_source(self):
         return EmulatedWeights()  # versions are labels: the worker serves whichever the request names
 
@@ -225,6 +230,36 @@ async def test_an_agent_loop_with_a_tool_is_recorded_with_its_checkpointed_token
         assert "<tool_response>84</tool_response>" in env and "<tool_response>89</tool_response>" in env
         assert "calc" not in env  # the model's own calls are model tokens, never the environment's
 
+        # the endpoint dies (here: mid-write, a torn line) and a new one serves the same run dir:
+        # the session goes on where its file says, as the same token stream
+        path = ep.run_dir / "sessions" / "episode-1.jsonl"
+        with open(path, "ab") as f:
+            f.write(b'{"v":1,"kind":"call","request_id":"torn')
+        ep2 = OpenAIEndpoint(c, ep.cfg, tokenizer, stop_ids(model_dir, tokenizer), ep.run_dir, token=TOKEN,
+                             max_context=1024)
+        await ep2.start()
+        try:
+            client = openai.AsyncOpenAI(base_url=_url(ep2) + "/v1", api_key=TOKEN, max_retries=0)
+            messages = [{"role": "system", "content": "Use the calc tool."},
+                        {"role": "user", "content": "What is 12 * 7 + 5?"}]
+            for resp in responses:
+                msg = resp.choices[0].message
+                messages.append(msg.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
+                for call in msg.tool_calls or []:
+                    messages.append({"role": "tool", "tool_call_id": call.id,
+                                     "content": _calc(json.loads(call.function.arguments)["expression"])})
+            messages.append({"role": "user", "content": "And What is 2 * 3 + 4?"})
+            more = await client.chat.completions.create(model="rlboost", messages=messages, tools=[CALC],
+                                                        max_tokens=200, extra_headers={"X-Session-Id": "episode-1"})
+            await client.close()
+        finally:
+            await ep2.close()
+        assert json.loads(more.choices[0].message.tool_calls[0].function.arguments) == {"expression": "2 * 3"}
+        (session,) = read_sessions(ep.run_dir)
+        assert b"torn" not in path.read_bytes() and [rec["turn"] for rec in session.calls] == [0, 1, 2, 3]
+        assert session.calls[3]["extends"]["request_id"] == session.calls[2]["request_id"]
+        assert session.episode()["request_ids"] == [rec["request_id"] for rec in session.calls]
+
 
 async def test_no_token_wrong_token_refused_and_models_listed(nats_url, redis_url, js, tokenizer, model_dir, tmp_path):
     async with serving(nats_url, redis_url, tokenizer, model_dir, tmp_path, "oa-auth", workers=0) as (ep, _, _):
@@ -296,6 +331,23 @@ async def test_bad_input_is_a_400_that_says_why_and_the_server_serves_on(
                 head = await asyncio.wait_for(reader.read(1000), 10)
                 assert head.startswith(b"HTTP/1.1 400") and b"malformed HTTP" in head
             writer.close()
+        # a request the engine refuses (its worker answers an `error` result): a 400 that says why
+        async with httpx.AsyncClient(base_url=_url(ep), headers={"Authorization": f"Bearer {TOKEN}"}) as h:
+            r = await h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "REFUSE"}]},
+                             headers={"X-Session-Id": "refused"})
+            assert r.status_code == 400 and "engine could not serve the request" in r.json()["error"]["message"]
+            assert "refuses prompts that say REFUSE" in r.json()["error"]["message"]
+        # a client that waits for `100 Continue` before its body (curl does, for larger bodies)
+        reader, writer = await asyncio.open_connection("127.0.0.1", ep.address[1])
+        body = json.dumps({"messages": []}).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+                     b"authorization: Bearer " + TOKEN.encode() + b"\r\ncontent-length: %d\r\n\r\n" % len(body))
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).startswith(b"HTTP/1.1 100")
+        writer.write(body)
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n"), 10)).startswith(b"HTTP/1.1 400")
+        writer.close()
         # and it still answers: two choices, two requests, both recorded
         client = openai.AsyncOpenAI(base_url=_url(ep) + "/v1", api_key=TOKEN, max_retries=0)
         r = await client.chat.completions.create(
@@ -305,7 +357,8 @@ async def test_bad_input_is_a_400_that_says_why_and_the_server_serves_on(
         assert len(r.choices) == 2 and all(ch.finish_reason == "tool_calls" for ch in r.choices)
         assert len({ch.model_extra["rlboost"]["request_id"] for ch in r.choices}) == 2
         assert [lp.logprob for lp in r.choices[0].logprobs.content] == r.choices[0].model_extra["rlboost"]["logprobs"]
-        (session,) = read_sessions(ep.run_dir)
+        refused, session = read_sessions(ep.run_dir)  # sorted by id: "refused" < "u-..."
+        assert [rec["finish_reason"] for rec in refused.calls] == ["error"] and refused.episode() is None
         assert session.session.startswith("u-") and [rec["choice"] for rec in session.calls] == [0, 1]
 
 
