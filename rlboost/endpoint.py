@@ -312,6 +312,20 @@ class Session:
     metrics: dict = field(default_factory=dict)
     done: bool = False
 
+    def results(self) -> list[wire.RolloutResult]:
+        """The session's calls as the trainer takes rollouts (`GRPOTrainer.add_group`): one
+        result per recorded choice the engine served, each its call's prompt and completion with
+        the behaviour logprobs and the segments (who generated which tokens, with which version:
+        the per-token staleness). Every call's prompt holds the turns before it, and prompts are
+        never trained, so training each call with its session's reward trains the episode's model
+        tokens and nothing the harness added."""
+        return [wire.RolloutResult(
+            request_id=c["request_id"], step=c["step"], group=c["group"], prompt_ids=c["prompt_ids"],
+            token_ids=c["completion_ids"], logprobs=c["logprobs"], finish_reason=c["finish_reason"],
+            segments=[wire.Segment(offset=g["offset"], worker_id=g["worker_id"], epoch=g["epoch"],
+                                   policy_version=g["policy_version"], weights=g["weights"]) for g in c["segments"]],
+            worker_id=c["worker_id"], epoch=c["epoch"], ts=c["ts"]) for c in self.calls if c["finish_reason"] != "error"]
+
     def episode(self) -> dict | None:
         """The session as one token stream, as the native episode protocol records it: the last
         call's prompt and completion, where every call's prompt continued the one before it

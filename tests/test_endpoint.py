@@ -160,7 +160,6 @@ async def _agent_loop(client: openai.AsyncOpenAI, session: str, question: str, m
     return responses
 
 
-@pytest.mark.slow
 async def test_an_agent_loop_with_a_tool_is_recorded_with_its_checkpointed_tokens(
         nats_url, redis_url, js, tokenizer, model_dir, tmp_path):
     async with serving(nats_url, redis_url, tokenizer, model_dir, tmp_path, "oa-loop") as (ep, c, _):
@@ -362,7 +361,6 @@ async def test_bad_input_is_a_400_that_says_why_and_the_server_serves_on(
         assert session.session.startswith("u-") and [rec["choice"] for rec in session.calls] == [0, 1]
 
 
-@pytest.mark.slow
 async def test_a_worker_preempted_mid_turn_costs_the_call_time_not_tokens(
         nats_url, redis_url, js, tokenizer, model_dir, tmp_path):
     """The model turn is durable: the worker generating it gets a spot notice halfway through,
@@ -429,3 +427,47 @@ def test_the_command_serves_until_sigterm_and_refuses_an_open_public_bind(nats_u
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+async def test_sessions_recorded_by_the_endpoint_train_two_grpo_steps(
+        nats_url, redis_url, js, tokenizer, model_dir, tmp_path):
+    """From harness to trainer: two tasks, each with an episode the harness completes (reward 1)
+    and one it gives up after the first call (reward 0); the sessions' records, read back from
+    the run dir, are two GRPO steps of the real trainer on the real (tiny) model."""
+    import torch
+
+    from rlboost.config import TrainerSettings
+    from trainer.grpo_trainer import GRPOTrainer
+
+    async with serving(nats_url, redis_url, tokenizer, model_dir, tmp_path, "oa-train") as (ep, _, _):
+        client = openai.AsyncOpenAI(base_url=_url(ep) + "/v1", api_key=TOKEN, max_retries=0)
+        tasks = {"t0": "What is 3 * 4 + 2?", "t1": "What is 5 * 5 + 1?"}
+        async with httpx.AsyncClient(base_url=_url(ep), headers={"Authorization": f"Bearer {TOKEN}"}) as h:
+            for task, question in tasks.items():
+                for name, turns, reward in (("done", 6, 1.0), ("quit", 1, 0.0)):
+                    responses = await _agent_loop(client, f"{task}-{name}", question, max_turns=turns)
+                    assert len(responses) == (3 if name == "done" else 1)
+                    got = await h.post(f"/v1/rlboost/sessions/{task}-{name}/reward", json={"reward": reward})
+                    assert got.status_code == 200
+        await client.close()
+    sessions = {s.session: s for s in read_sessions(ep.run_dir)}
+    assert sorted(sessions) == ["t0-done", "t0-quit", "t1-done", "t1-quit"]
+    trainer = GRPOTrainer(str(model_dir), TrainerSettings(device="cpu", precision="fp32", lr=1e-3), seed=0)
+    before = [p.detach().clone() for p in trainer.params]
+    for step in range(2):
+        trainer.start_step(step, policy_version=1)
+        tokens = 0
+        for g, task in enumerate(tasks):
+            results, rewards = [], []
+            for name in ("done", "quit"):
+                s = sessions[f"{task}-{name}"]
+                for r in s.results():
+                    results.append(r)
+                    rewards.append(s.reward)
+                    tokens += len(r.token_ids)
+            trainer.add_group(g, results, rewards)
+        rep = trainer.finish_step()
+        # 8 trained calls: each finished episode's 3 calls with reward 1, each quit one's call with 0
+        assert rep.tokens == tokens and rep.responses == 8 and rep.reward_mean == pytest.approx(6 / 8)
+        assert rep.grad_norm > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.params, strict=True))
