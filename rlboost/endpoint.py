@@ -211,8 +211,8 @@ class ChatCall:
     model: str
 
 
-_UNSUPPORTED_DEFAULTS = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "top_logprobs": 0,
-                         "parallel_tool_calls": True}
+# accepted only at their neutral value (a harness may send it); parallel_tool_calls is ignored
+_UNSUPPORTED_DEFAULTS = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "top_logprobs": 0}
 
 
 def parse_call(body: Any, cfg: EndpointSettings) -> ChatCall:
@@ -222,7 +222,7 @@ def parse_call(body: Any, cfg: EndpointSettings) -> ChatCall:
         raise _bad("stream=true is not supported: this endpoint answers whole (non-streaming) responses; "
                    "send stream=false or leave it out", "stream")
     for key, default in _UNSUPPORTED_DEFAULTS.items():
-        if body.get(key) not in (None, default) and not (key == "parallel_tool_calls" and body.get(key) is False):
+        if body.get(key) not in (None, default):
             raise _bad(f"'{key}' is not supported (rollout engines sample from the plain distribution and record "
                        "the sampled token's logprob only)", key)
     rf = body.get("response_format")
@@ -675,7 +675,7 @@ class OpenAIEndpoint:
         if errors:
             raise EndpointError(f"the engine could not serve the request: {errors[0]}", 400)
         n_out = sum(len(r.token_ids) for r in results)
-        return {"id": call_id, "object": "chat.completion", "created": int(now), "model": call.model,
+        return {"id": call_id, "object": "chat.completion", "created": int(now), "model": self.cfg.model_name,
                 "choices": choices, "system_fingerprint": f"rlboost-v{version}",
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
                           "total_tokens": len(prompt_ids) + n_out},
@@ -780,6 +780,8 @@ class OpenAIEndpoint:
                 parsed = json.loads(body) if body else None
             except ValueError as e:
                 raise _bad(f"the request body is not JSON ({e})") from None
+            except RecursionError:
+                raise _bad("the request body is nested too deeply") from None
             if reward:
                 return 200, await self.reward(reward.group(1), parsed)
             return 200, await self.chat(parsed, headers)

@@ -311,6 +311,8 @@ async def test_bad_input_is_a_400_that_says_why_and_the_server_serves_on(
                 assert r.json()["error"]["type"] == "invalid_request_error"
             r = await h.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
             assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+            r = await h.post("/v1/chat/completions", content=b"[" * 60_000)
+            assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
             r = await h.post("/v1/chat/completions", content=b"x" * (65 << 10))
             assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
             r = await h.get("/v1/chat/completions")
@@ -354,6 +356,7 @@ async def test_bad_input_is_a_400_that_says_why_and_the_server_serves_on(
             messages=[{"role": "user", "content": "What is 2 * 3 + 4?"}], tools=[CALC])
         await client.close()
         assert len(r.choices) == 2 and all(ch.finish_reason == "tool_calls" for ch in r.choices)
+        assert r.model == "rlboost"  # the endpoint's model name, whatever the harness asked for
         assert len({ch.model_extra["rlboost"]["request_id"] for ch in r.choices}) == 2
         assert [lp.logprob for lp in r.choices[0].logprobs.content] == r.choices[0].model_extra["rlboost"]["logprobs"]
         refused, session = read_sessions(ep.run_dir)  # sorted by id: "refused" < "u-..."
