@@ -518,17 +518,32 @@ class OpenAIEndpoint:
             if waiting is None or waiting[1].done():
                 continue  # another endpoint's, or a duplicate
             req, fut = waiting
-            try:
-                reason = await self.manager.verify_result(self.step, r, req)
-            except Exception as e:
-                reason = f"cannot verify: {e}"
+            reason = await self._verify(r, req)
+            if reason is None:  # Redis did not answer: the call fails, the server serves on
+                if not fut.done():
+                    fut.set_exception(EndpointError(f"{r.request_id}: the result cannot be checked against its "
+                                                    "checkpoint (Redis unreachable); retry the call", 503,
+                                                    kind="service_unavailable"))
+                continue
             if reason:
                 self.log.warning("result refused", request_id=r.request_id, reason=reason)
                 with contextlib.suppress(Exception):
                     await bus.dead_letter(self.c.js, msg, f"result for {r.request_id} refused: {reason}",
                                           wire.STREAM_RESULTS, ack=False)
                 continue
-            fut.set_result(r)
+            if not fut.done():
+                fut.set_result(r)
+
+    async def _verify(self, r: wire.RolloutResult, req: wire.RolloutRequest) -> str | None:
+        """`RolloutManager.verify_result`'s reason ('' = genuine), retried while Redis does not
+        answer (a restart, a failover); None if it never did."""
+        for attempt in range(6):
+            try:
+                return await self.manager.verify_result(self.step, r, req)
+            except Exception as e:
+                self.log.warning("cannot verify a result yet", request_id=r.request_id, error=str(e), attempt=attempt)
+                await asyncio.sleep(0.25 * 2 ** attempt)
+        return None
 
     # ------------------------------------------------------------ the calls
 
