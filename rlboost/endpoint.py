@@ -56,7 +56,7 @@ from typing import Any
 
 import h11
 
-from rlboost import bus, wire
+from rlboost import bus, metrics, wire
 from rlboost.clients import Clients
 from rlboost.config import EndpointSettings, Settings
 from rlboost.envs.chat import ChatFormat, chat_format
@@ -630,10 +630,12 @@ class OpenAIEndpoint:
             raise EndpointError(f"{self._inflight} calls are waiting already (endpoint.max_inflight); retry later",
                                 429, kind="rate_limit_error")
         self._inflight += 1
+        metrics.ENDPOINT_INFLIGHT.set(self._inflight)
         try:
             return await self._generate(session, call, prompt_ids, stops, extends)
         finally:
             self._inflight -= 1
+            metrics.ENDPOINT_INFLIGHT.set(self._inflight)
 
     async def _generate(self, session: str, call: ChatCall, prompt_ids: list[int], stops: list[int],
                         extends: dict | None) -> dict:
@@ -870,15 +872,22 @@ class OpenAIEndpoint:
                 await asyncio.wait_for(writer.wait_closed(), 2.0)
 
     async def _answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> tuple[int, dict]:
+        t0 = time.monotonic()
         try:
-            return await self._route(method, target, headers, body)
+            status, payload = await self._route(method, target, headers, body)
         except EndpointError as e:
             if e.status >= 500:
                 self.log.warning("call failed", status=e.status, error=str(e))
-            return e.status, _error(e)
+            status, payload = e.status, _error(e)
         except Exception as e:  # a bug or a server fault: this call fails, the server serves on
             self.log.error("call failed", error=f"{type(e).__name__}: {e}", target=target[:200])
-            return 500, _error(EndpointError(f"internal error: {type(e).__name__}: {e}", 500, kind="server_error"))
+            status, payload = 500, _error(EndpointError(f"internal error: {type(e).__name__}: {e}", 500,
+                                                        kind="server_error"))
+        if target.split("?", 1)[0] == "/v1/chat/completions":
+            metrics.ENDPOINT_CALLS.labels(str(status)).inc()
+            if status == 200:
+                metrics.ENDPOINT_CALL_SECONDS.observe(time.monotonic() - t0)
+        return status, payload
 
     async def _next(self, conn: h11.Connection, reader: asyncio.StreamReader):
         while True:
@@ -950,6 +959,10 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> int:
     tokenizer = load_tokenizer(model_dir)
     run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("endpoint-%Y%m%d-%H%M%S"))
     nats_url, redis_url = resolve_urls(s.services)
+    if s.metrics.port:
+        from rlboost.metrics import start_metrics_server
+
+        start_metrics_server(s.metrics.port, s.metrics.bind)
     async with open_clients(nats_url, redis_url, "rlboost-endpoint", settings=s, pools=(cfg.pool,)) as c:
         ep = OpenAIEndpoint(c, cfg, tokenizer, stop_ids(model_dir, tokenizer), run_dir, token=token,
                             max_context=info.max_context)

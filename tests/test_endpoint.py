@@ -21,7 +21,7 @@ import openai
 import pytest
 from helpers import build_hf_model
 
-from rlboost import wire
+from rlboost import metrics, wire
 from rlboost.clients import open_clients
 from rlboost.config import EndpointSettings, WorkerSettings
 from rlboost.endpoint import OpenAIEndpoint, read_sessions
@@ -303,12 +303,17 @@ BAD = [
 async def test_bad_input_is_a_400_that_says_why_and_the_server_serves_on(
         nats_url, redis_url, js, tokenizer, model_dir, tmp_path):
     async with serving(nats_url, redis_url, tokenizer, model_dir, tmp_path, "oa-bad") as (ep, _, _):
+        def answered(status: str) -> float:
+            return metrics.REGISTRY.get_sample_value("rlboost_endpoint_calls_total", {"status": status}) or 0.0
+
+        before = answered("400")
         async with httpx.AsyncClient(base_url=_url(ep), headers={"Authorization": f"Bearer {TOKEN}"}) as h:
             for body, why in BAD:
                 r = await h.post("/v1/chat/completions", json=body)
                 assert r.status_code == 400, (body, r.text)
                 assert why in r.json()["error"]["message"], (body, r.json())
                 assert r.json()["error"]["type"] == "invalid_request_error"
+            assert answered("400") == before + len(BAD)  # counted for Prometheus, by status
             r = await h.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
             assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
             r = await h.post("/v1/chat/completions", content=b"[" * 60_000)
