@@ -81,6 +81,7 @@ redis.replicate_commands()  -- TIME is not deterministic: replicate the effects 
 local meta, lease, hist, tok = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner, ttl, version, steal, keep = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5])
 local weights = ARGV[6]
+local ep = KEYS[5]  -- an episode's state key: only an episode's claim names it (and gets its state)
 if redis.call('HGET', meta, 'finished') == '1' then
   return {-3, tonumber(redis.call('HGET', meta, 'epoch') or '0'), ''}
 end
@@ -99,6 +100,10 @@ redis.call('SET', lease, owner .. ' ' .. es, 'PX', ttl)
 local data = redis.call('GET', tok) or ''
 redis.call('RPUSH', hist, owner .. ' ' .. es .. ' ' .. (string.len(data) / 8) .. ' ' .. version .. ' ' .. weights)
 for _, k in ipairs({meta, hist, tok}) do redis.call('EXPIRE', k, keep) end
+if ep then
+  redis.call('EXPIRE', ep, keep)
+  return {es, 0, data, redis.call('GET', ep) or ''}
+end
 return {es, 0, data}
 """
 
@@ -145,6 +150,50 @@ reply[1] = table.concat(codes, ',')
 return reply
 """
 
+# An episode's environment tokens (a tool result, an env turn) and the episode state that follows
+# them, in one fenced step: the checks of an append (epoch, finished, offset), then the records
+# (logprobs 0), a history line `... env` for them and one that resumes the lease's model segment
+# after them (a copy of the lease's own line, the last of the history), and the state. So a
+# checkpoint never holds a tool result without the state that says it was answered, nor the
+# reverse. ARGV: epoch, offset, ttl_ms, owner, keep_s, records, state.
+_APPEND_ENV = """
+local meta, lease, tok, hist, ep = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local epoch, offset, ttl, owner, keep, data, state = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
+local m = redis.call('HMGET', meta, 'epoch', 'finished')
+if m[1] ~= epoch then return -1 end
+if m[2] == '1' then return -3 end
+if redis.call('STRLEN', tok) ~= tonumber(offset) * 8 then return -2 end
+local last = redis.call('LRANGE', hist, -1, -1)[1] or ''
+local o, e, at, v, w = string.match(last, '^(%S+) (%S+) (%d+) (%S+) ?(%S*)$')
+if e ~= epoch then return redis.error_reply('ERR the history does not end with this lease') end
+local len = redis.call('APPEND', tok, data) / 8
+if offset == '0' then redis.call('EXPIRE', tok, keep) end
+local head = o .. ' ' .. e .. ' '
+redis.call('RPUSH', hist, head .. offset .. ' ' .. v .. ' ' .. w .. ' env', head .. string.format('%d', len) .. ' ' .. v .. ' ' .. w)
+redis.call('SET', ep, state, 'EX', keep)
+if redis.call('PEXPIRE', lease, ttl) == 0 then
+  redis.call('SET', lease, owner .. ' ' .. epoch, 'PX', ttl)
+end
+return len
+"""
+
+# An episode's state alone (a turn's pending tool calls, the end of the episode), fenced: the
+# writer's epoch, not finished, and the checkpoint exactly `at` tokens long (the state describes
+# these tokens). ARGV: epoch, at, ttl_ms, owner, keep_s, state.
+_EPISODE = """
+local meta, lease, tok, ep = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local epoch, at, ttl, owner, keep, state = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local m = redis.call('HMGET', meta, 'epoch', 'finished')
+if m[1] ~= epoch then return -1 end
+if m[2] == '1' then return -3 end
+if redis.call('STRLEN', tok) ~= tonumber(at) * 8 then return -2 end
+redis.call('SET', ep, state, 'EX', keep)
+if redis.call('PEXPIRE', lease, ttl) == 0 then
+  redis.call('SET', lease, owner .. ' ' .. epoch, 'PX', ttl)
+end
+return 1
+"""
+
 _FINISH = """
 local meta, lease, tok = KEYS[1], KEYS[2], KEYS[3]
 local total = tonumber(ARGV[2])
@@ -177,6 +226,7 @@ class Claim:
     epoch: int
     token_ids: list[int]
     logprobs: list[float]
+    episode: wire.EpisodeState | None = None  # an episode's stored state (None: none stored yet)
 
 
 def pack(token_ids: Sequence[int], logprobs: Sequence[float]) -> bytes:
@@ -200,13 +250,14 @@ def unpack(data: bytes, rid: str = "?") -> tuple[list[int], list[float]]:
 
 
 def parse_segment(raw: bytes) -> wire.Segment:
-    """One history line `owner epoch offset policy_version [weights]`, or CorruptCheckpoint."""
+    """One history line `owner epoch offset policy_version [weights [env]]`, or CorruptCheckpoint."""
     try:
-        owner, epoch, offset, version, *weights = raw.decode("ascii").split(" ")
-        if len(weights) > 1:
-            raise ValueError(f"{5 + len(weights) - 1} fields")
+        owner, epoch, offset, version, *rest = raw.decode("ascii").split(" ")
+        if len(rest) > 2 or rest[1:] not in ([], ["env"]):
+            raise ValueError(f"{4 + len(rest)} fields")
         seg = wire.Segment(offset=int(offset), worker_id=wire.check_name("worker id", owner), epoch=int(epoch),
-                           policy_version=int(version), weights=wire.check_weights_id("".join(weights)))
+                           policy_version=int(version), weights=wire.check_weights_id(rest[0] if rest else ""),
+                           kind="env" if rest[1:] else "model")
     except (UnicodeDecodeError, ValueError) as e:
         raise CorruptCheckpoint(f"history line {raw[:80]!r}: {e}") from None
     if min(seg.offset, seg.epoch, seg.policy_version) < 0:
@@ -231,6 +282,8 @@ class CheckpointStore:
         self._finish = self.redis.register_script(_FINISH)
         self._renew = self.redis.register_script(_RENEW)
         self._release = self.redis.register_script(_RELEASE)
+        self._append_env = self.redis.register_script(_APPEND_ENV)
+        self._episode = self.redis.register_script(_EPISODE)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -241,7 +294,8 @@ class CheckpointStore:
         script cache, workers wait for the trainer's next load. False if this identity may not.
         On a Redis Cluster, redis-py sends SCRIPT LOAD to every master (each has its own cache)."""
         try:
-            for script in (self._claim, self._append_many, self._finish, self._renew, self._release):
+            for script in (self._claim, self._append_many, self._finish, self._renew, self._release,
+                           self._append_env, self._episode):
                 await self.redis.script_load(script.script)
         except redis.exceptions.NoPermissionError:
             return False
@@ -251,18 +305,21 @@ class CheckpointStore:
         await self.redis.ping()
 
     async def claim(self, rid: str, owner: str, policy_version: int, ttl_s: float, steal: bool = False,
-                    weights: str = "") -> Claim:
+                    weights: str = "", episode: bool = False) -> Claim:
         """Take the lease with a new epoch and get the tokens so far (to resume from).
-        `weights` names the weights that will generate from here on (recorded in the segment)."""
+        `weights` names the weights that will generate from here on (recorded in the segment).
+        `episode`: the request is an episode; its stored state comes back too (`Claim.episode`)."""
         k = wire
+        keys = [k.ckpt_meta_key(rid), k.ckpt_lease_key(rid), k.ckpt_history_key(rid), k.ckpt_tokens_key(rid)]
+        if episode:
+            keys.append(k.ckpt_episode_key(rid))
         try:
             reply = await self._coalesced(
-                ("EVALSHA", self._claim.sha, 4, k.ckpt_meta_key(rid), k.ckpt_lease_key(rid), k.ckpt_history_key(rid),
-                 k.ckpt_tokens_key(rid), owner, int(ttl_s * 1000), policy_version, "1" if steal else "0", self.keep_s,
-                 wire.check_weights_id(weights)))
+                ("EVALSHA", self._claim.sha, len(keys), *keys, owner, int(ttl_s * 1000), policy_version,
+                 "1" if steal else "0", self.keep_s, wire.check_weights_id(weights)))
             if isinstance(reply, Exception):
                 raise reply
-            status, extra, data = reply  # type: ignore[misc]
+            status, extra, data, *state = reply  # type: ignore[misc]
         except ResponseError as e:  # e.g. an epoch that is not an integer
             # A cluster's CLUSTERDOWN / TRYAGAIN / MOVED (a master restarting, slots moving) is
             # the store being unavailable, not the checkpoint being corrupt: the caller retries.
@@ -277,7 +334,11 @@ class CheckpointStore:
         if (err := lua_error("claim", status, rid)) is not None:
             raise err
         tokens, logprobs = unpack(data, rid)
-        return Claim(epoch=int(status), token_ids=tokens, logprobs=logprobs)
+        ep = _episode_state(rid, state[0]) if state else None
+        if ep is not None and ep.at > len(tokens):
+            raise CorruptCheckpoint(f"{rid}: the episode state describes {ep.at} tokens, the checkpoint holds "
+                                    f"{len(tokens)}")
+        return Claim(epoch=int(status), token_ids=tokens, logprobs=logprobs, episode=ep)
 
     def _coalesced(self, command: tuple) -> asyncio.Future:
         """One command's reply (or its error, as a value), sent in one pipeline with every other
@@ -503,6 +564,45 @@ class CheckpointStore:
             ((wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)), (epoch,)) for rid, epoch in leases])
         return [r == 1 for r in replies]
 
+    async def append_env(self, rid: str, owner: str, epoch: int, offset: int, token_ids: Sequence[int],
+                         state: wire.EpisodeState, ttl_s: float) -> int:
+        """Append an episode's environment tokens at `offset` and the state that follows them
+        (`state.at` must be their end), in one fenced step (`_APPEND_ENV`): refused like an
+        append (LeaseLost, OffsetMismatch, AlreadyFinished), and then nothing is written. The
+        new length on success."""
+        if state.at != offset + len(token_ids):
+            raise OffsetMismatch(f"{rid}: a state at {state.at} after {len(token_ids)} env tokens at {offset}")
+        blob = _state_bytes(rid, state)
+        k = wire
+        try:
+            r = await self._append_env(
+                keys=[k.ckpt_meta_key(rid), k.ckpt_lease_key(rid), k.ckpt_tokens_key(rid), k.ckpt_history_key(rid),
+                      k.ckpt_episode_key(rid)],
+                args=[epoch, offset, int(ttl_s * 1000), owner, self.keep_s, pack(token_ids, [0.0] * len(token_ids)),
+                      blob])
+        except ResponseError as e:
+            if isinstance(e, NoScriptError) or "NOPERM" in str(e) or "no permissions" in str(e).lower():
+                raise
+            raise CorruptCheckpoint(f"{rid}: env append refused by Redis: {e}") from None
+        if (err := lua_error("append_env", r, f"{rid} (epoch {epoch}, at {offset})")) is not None:
+            raise err
+        return int(r)
+
+    async def put_episode(self, rid: str, owner: str, epoch: int, state: wire.EpisodeState, ttl_s: float) -> None:
+        """Store an episode's state under the lease (`_EPISODE`): refused (LeaseLost,
+        AlreadyFinished, OffsetMismatch) unless `epoch` holds the lease and the checkpoint is
+        exactly `state.at` tokens long."""
+        k = wire
+        r = await self._episode(
+            keys=[k.ckpt_meta_key(rid), k.ckpt_lease_key(rid), k.ckpt_tokens_key(rid), k.ckpt_episode_key(rid)],
+            args=[epoch, state.at, int(ttl_s * 1000), owner, self.keep_s, _state_bytes(rid, state)])
+        if (err := lua_error("episode", r, f"{rid} (epoch {epoch}, at {state.at})")) is not None:
+            raise err
+
+    async def episode(self, rid: str) -> wire.EpisodeState | None:
+        """An episode's stored state (None: none stored), or CorruptCheckpoint."""
+        return _episode_state(rid, await self.redis.get(wire.ckpt_episode_key(rid)) or b"")
+
     async def read(self, rid: str) -> tuple[list[int], list[float]]:
         return unpack(await self.redis.get(wire.ckpt_tokens_key(rid)) or b"", rid)
 
@@ -579,6 +679,26 @@ def _segments(rid: str, lines: list[bytes]) -> list[wire.Segment]:
         except CorruptCheckpoint as e:
             log.warning("skipping corrupt history line", request_id=rid, error=str(e))
     return [s for i, s in enumerate(segs) if i + 1 == len(segs) or segs[i + 1].offset != s.offset]
+
+
+def _state_bytes(rid: str, state: wire.EpisodeState) -> bytes:
+    """An episode state as stored, checked first: a state the door would refuse is never written."""
+    data = wire.encode(state)
+    try:
+        wire.decode(wire.EpisodeState, data)
+    except wire.WireError as e:
+        raise CheckpointError(f"{rid}: refusing to store an invalid episode state: {e}") from None
+    return data
+
+
+def _episode_state(rid: str, raw: bytes) -> wire.EpisodeState | None:
+    """The episode door: stored bytes become an EpisodeState, None (nothing stored) or CorruptCheckpoint."""
+    if not raw:
+        return None
+    try:
+        return wire.decode(wire.EpisodeState, raw)
+    except wire.WireError as e:
+        raise CorruptCheckpoint(f"{rid}: episode state: {e}") from None
 
 
 def _bulks(parts: Sequence[bytes]) -> bytes:

@@ -74,6 +74,8 @@ SCRIPT_CODES: dict[str, frozenset[int]] = {
     "finish": frozenset({STALE_EPOCH, OFFSET_MISMATCH}),
     "renew": frozenset({STALE_EPOCH, FINISHED}),
     "release": frozenset({STALE_EPOCH}),
+    "append_env": frozenset({STALE_EPOCH, OFFSET_MISMATCH, FINISHED}),  # an episode's env tokens + state
+    "episode": frozenset({STALE_EPOCH, OFFSET_MISMATCH, FINISHED}),  # an episode's state alone
 }
 
 

@@ -205,6 +205,12 @@ class RolloutManager:
             return "tokens or logprobs differ from the checkpoint"
         if list(r.segments) != segments:
             return "segments (who generated which tokens, with which weights) differ from the checkpoint's history"
+        if r.episode is not None or (req is not None and req.episode is not None):
+            try:  # an episode's final state (what its reward is computed from) is the checkpoint's
+                if r.episode != await self.c.store.episode(r.request_id):
+                    return "the episode state differs from the checkpoint's"
+            except CheckpointError as e:
+                return f"episode state unreadable: {e}"
         return ""
 
     async def _refuse(self, msg, reason: str) -> None:

@@ -9,6 +9,7 @@ another version is refused with a clear reason instead of being misread.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 import time
@@ -25,7 +26,12 @@ from rlboost.errors import RlboostError
 # 3: token chunks travel as one `TokenFlush` per worker flush (and step) on
 # `rb.tok.<step>.<worker>`, their tokens packed as in the checkpoint (`RECORD`); a `TokenChunk`
 # is the per-request view of one (`TokenFlush.token_chunks`), no longer a message of its own.
-SCHEMA_VERSION = 3
+# 4: a request may be an episode (`RolloutRequest.episode`, issue 25): its checkpoint is one token
+# stream of typed segments (`Segment.kind`: model tokens, or environment tokens that are never
+# trained, `trainable_mask`), plus the episode's state (`EpisodeState` under `ckpt_episode_key`),
+# both written only under the lease (fenced like appends). Token chunks and results say which
+# tokens came from the environment; a result of an episode carries its final state.
+SCHEMA_VERSION = 4
 
 # ---------------------------------------------------------------- streams and subjects
 
@@ -251,8 +257,15 @@ def ckpt_append_keys(rid: str) -> tuple[bytes, bytes, bytes]:
 
 
 def ckpt_history_key(rid: str) -> str:
-    """List of segments `owner epoch offset policy_version`: who generated which tokens."""
+    """List of segments `owner epoch offset policy_version weights [env]`: who generated which
+    tokens (a line ending in `env`: environment tokens appended under that lease)."""
     return f"rb:{{{rid}}}:hist"
+
+
+def ckpt_episode_key(rid: str) -> str:
+    """An episode's state (`EpisodeState`, encoded): turn, the environment's JSON state, pending
+    tool calls. Written only by the lease holder, with the tokens it describes (fenced)."""
+    return f"rb:{{{rid}}}:ep"
 
 
 # ---------------------------------------------------------------- messages
@@ -272,9 +285,27 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_k: int = 0  # 0 = off
 
 
+class EpisodeSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What makes a request an episode: the environment that answers the model's turns and the
+    data row it starts from. The request's `max_new_tokens` bounds the whole episode (model and
+    environment tokens after the prompt); `max_turn_tokens` bounds one model turn (0: no bound
+    beyond the episode's); `max_turns` bounds the model turns. Every worker that continues the
+    episode reads the same bounds here, so a resumed episode ends where an undisturbed one would."""
+
+    env: str  # the environment: a built-in name or `module:fn` / `file.py:fn` (rlboost/envs)
+    row: str = "{}"  # JSON text of the data row the episode starts from
+    config: str = "{}"  # JSON text of the environment's own options (keyword arguments of its factory)
+    max_turns: int = 8
+    max_turn_tokens: int = 0
+    tool_timeout_s: float = 30.0  # a tool call running longer counts as a failed call
+    on_tool_error: Literal["message", "end"] = "message"  # a failed call: the model reads the error, or the end
+
+
 class RolloutRequest(msgspec.Struct, frozen=True, kw_only=True):
     """One (prompt, sample) to generate. `seed` keys sampling with the request id and the token
-    position, so whichever worker resumes the request produces the same tokens."""
+    position, so whichever worker resumes the request produces the same tokens. With `episode`
+    the request is a multi-turn episode (schema 4) whose tokens interleave model turns and
+    environment replies."""
 
     v: int = SCHEMA_VERSION
     request_id: str
@@ -287,6 +318,7 @@ class RolloutRequest(msgspec.Struct, frozen=True, kw_only=True):
     eos_id: int = -1  # -1 = no stop token
     stop_ids: list[int] = []  # every EOS id of the model (generation_config + tokenizer), with eos_id
     group: int = 0  # prompt index within the step: GRPO groups by it
+    episode: EpisodeSpec | None = None  # a multi-turn episode (schema 4); None: one response
 
     def stops(self) -> frozenset[int]:
         return frozenset(self.stop_ids) | ({self.eos_id} if self.eos_id >= 0 else frozenset())
@@ -306,17 +338,20 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: list[float]
     policy_version: int
     ts: float
+    kind: Literal["model", "env"] = "model"  # env: environment tokens (no logprobs, never trained)
 
 
 class FlushChunk(msgspec.Struct, frozen=True, array_like=True):
     """One request's new tokens in a flush: `records` are packed `RECORD`s, the very bytes
-    appended to its checkpoint under lease `epoch` at `offset`."""
+    appended to its checkpoint under lease `epoch` at `offset`. `env`: environment tokens of an
+    episode (their logprobs are 0 and mean nothing)."""
 
     request_id: str
     epoch: int
     offset: int
     policy_version: int
     records: bytes
+    env: bool = False
 
 
 FLUSH_MESSAGE_BYTES = 256 << 10  # records per token message, well under NATS' 1 MiB max_payload
@@ -352,7 +387,7 @@ class TokenFlush(msgspec.Struct, frozen=True, kw_only=True):
             rec = np.frombuffer(c.records, dtype=RECORD)
             out.append(TokenChunk(request_id=c.request_id, step=self.step, worker_id=self.worker_id, epoch=c.epoch,
                                   offset=c.offset, token_ids=rec["token"].tolist(), logprobs=rec["logprob"].tolist(),
-                                  policy_version=c.policy_version, ts=self.ts))
+                                  policy_version=c.policy_version, ts=self.ts, kind="env" if c.env else "model"))
         return out
 
 
@@ -360,13 +395,80 @@ class Segment(msgspec.Struct, frozen=True, array_like=True):
     """Tokens from `offset` on were generated by `worker_id` (lease `epoch`) with `policy_version`,
     with exactly the weights named by `weights`: the SHA-256 of the version's manifest
     (`rlboost.weights.manifest_digest`), `emulated-v<N>` for the emulated engine, "" if unknown
-    (an older worker). The trainer checks it against the manifest it published."""
+    (an older worker). The trainer checks it against the manifest it published.
+
+    `kind` "env": environment tokens of an episode (a tool result, an env/user turn), appended by
+    `worker_id` under lease `epoch` while the episode ran `policy_version`: part of the model's
+    context, never trained (`trainable_mask`), their logprobs 0."""
 
     offset: int
     worker_id: str
     epoch: int
     policy_version: int
     weights: str = ""
+    kind: Literal["model", "env"] = "model"
+
+
+MAX_TOOL_CALLS_PER_TURN = 64
+MAX_EPISODE_STATE_BYTES = 1 << 20  # the environment's JSON state, per checkpoint write
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool call a model turn made. `key` (`tool_call_key`) is its idempotency key: the
+    environment receives it, so a tool with side effects can de-duplicate the rare re-run after
+    a worker died during the call; its result, once fenced into the checkpoint, is never asked
+    for again."""
+
+    key: str
+    name: str
+    arguments: str = "{}"  # JSON text, as the model wrote it (parsed by the environment)
+
+
+class ToolRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool call that was answered: who ran it, how long it took, and where in the response
+    its turn's environment tokens start (`at`): what replay shows of a turn."""
+
+    key: str
+    name: str
+    worker_id: str
+    latency_s: float
+    at: int
+    error: bool = False  # the tool raised or timed out: the model was told so (or the episode ended)
+
+
+class EpisodeState(msgspec.Struct, frozen=True, kw_only=True):
+    """What an episode needs to continue on any machine, stored under `ckpt_episode_key` with the
+    tokens it describes (`at`: the checkpoint's length when it was written, checked by the store).
+
+    `turn`: model turns completed; `env_state`: the environment's own state as JSON text;
+    `pending`: the tool calls of the last model turn that have no result in the checkpoint yet
+    (a resume runs these, with the same keys); `calls`: every answered call; `done`: the episode
+    ended (`reason` says why)."""
+
+    v: int = SCHEMA_VERSION
+    turn: int = 0
+    at: int = 0
+    env_state: str = "null"
+    pending: list[ToolCall] = []
+    calls: list[ToolRecord] = []
+    done: bool = False
+    reason: str = ""
+
+
+def tool_call_key(request_id: str, turn: int, index: int) -> str:
+    """The idempotency key of call `index` of model turn `turn` of an episode, `<request id>/
+    <turn>/<index>` (the environment protocol's `idempotency_key`): the same on every worker
+    that (re)runs it."""
+    return f"{request_id}/{turn}/{index}"
+
+
+_TOOL_KEY = re.compile(r"[A-Za-z0-9_-]{1,128}/\d{1,9}/\d{1,9}")
+
+
+def check_tool_key(value: str) -> str:
+    if not isinstance(value, str) or not _TOOL_KEY.fullmatch(value):
+        raise WireError(f"invalid tool call key {value!r}: use <request id>/<turn>/<index>")
+    return value
 
 
 class RolloutResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -383,6 +485,7 @@ class RolloutResult(msgspec.Struct, frozen=True, kw_only=True):
     ts: float
     error: str = ""  # why, when finish_reason is "error"
     epoch: int = 0  # the lease epoch it was finished under: the trainer checks it against Redis
+    episode: EpisodeState | None = None  # an episode's final state (its reward is the trainer's to compute)
 
 
 def result_msg_id(r: RolloutResult) -> str:
@@ -421,6 +524,19 @@ def token_versions(segments: list[Segment], n_tokens: int) -> list[int]:
         start = max(0, seg.offset)
         if start < n_tokens:
             out[start:] = [seg.policy_version if seg.policy_version >= 0 else -1] * (n_tokens - start)
+    return out
+
+
+def trainable_mask(segments: list[Segment], n_tokens: int) -> list[bool]:
+    """Which of a response's `n_tokens` tokens the loss may train: False on environment tokens
+    (segments of kind "env", up to the next segment), True on the rest (model tokens, and tokens
+    no segment covers: a single-turn response is all model tokens). Segments are sorted as in
+    `token_versions` (from the wire: order not trusted; of two at one offset the later wins)."""
+    out = [True] * n_tokens
+    for seg in sorted(segments, key=lambda s: s.offset):
+        start = max(0, seg.offset)
+        if start < n_tokens:
+            out[start:] = [seg.kind != "env"] * (n_tokens - start)
     return out
 
 
@@ -493,7 +609,8 @@ class LeaseEvent(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
 
 
-Message = RolloutRequest | TokenFlush | TokenChunk | RolloutResult | WorkerHeartbeat | Control | LeaseEvent
+Message = (RolloutRequest | TokenFlush | TokenChunk | RolloutResult | WorkerHeartbeat | Control | LeaseEvent
+           | EpisodeState)
 
 
 class _Header(msgspec.Struct):
@@ -571,6 +688,12 @@ def _validate(msg: object) -> None:
         p = msg.sampling
         need(math.isfinite(p.temperature) and p.temperature >= 0 and math.isfinite(p.top_p) and 0 < p.top_p <= 1
              and p.top_k >= 0, "sampling parameters out of range")
+        if (ep := msg.episode) is not None:
+            need(0 < len(ep.env) <= 500 and ep.env.isprintable(), "episode env: 1-500 printable characters")
+            need(1 <= ep.max_turns <= MAX_TURNS and 0 <= ep.max_turn_tokens <= MAX_NEW_TOKENS,
+                 f"episode max_turns outside [1, {MAX_TURNS}] or negative max_turn_tokens")
+            need(math.isfinite(ep.tool_timeout_s) and 0 < ep.tool_timeout_s <= 86400, "episode tool_timeout_s")
+            need(_is_json(ep.row) and _is_json(ep.config), "episode row or config is not JSON text (or too large)")
     elif isinstance(msg, (TokenChunk, RolloutResult)):
         check_name("request id", msg.request_id)
         check_name("worker id", msg.worker_id)
@@ -580,6 +703,8 @@ def _validate(msg: object) -> None:
         if isinstance(msg, RolloutResult):
             for seg in msg.segments:
                 check_name("segment worker id", seg.worker_id)
+            if msg.episode is not None:
+                _validate(msg.episode)
     elif isinstance(msg, TokenFlush):
         check_name("worker id", msg.worker_id)
         need(msg.step >= 0, "negative step")
@@ -599,3 +724,32 @@ def _validate(msg: object) -> None:
     elif isinstance(msg, LeaseEvent):
         check_name("request id", msg.request_id)
         check_name("worker id", msg.worker_id)
+    elif isinstance(msg, EpisodeState):
+        need(msg.turn >= 0 and msg.at >= 0, "negative turn or offset")
+        need(_is_json(msg.env_state), "env_state is not JSON text (or too large)")
+        need(len(msg.pending) <= MAX_TOOL_CALLS_PER_TURN, f"over {MAX_TOOL_CALLS_PER_TURN} pending tool calls")
+        need(len(msg.calls) <= MAX_TURNS * MAX_TOOL_CALLS_PER_TURN, "too many tool calls")
+        need(len(msg.reason) <= 1000, "reason over 1000 characters")
+        for call in msg.pending:
+            check_tool_key(call.key)
+            need(len(call.name) <= 200 and len(call.arguments) <= MAX_EPISODE_STATE_BYTES, "tool call too large")
+        for rec in msg.calls:
+            check_tool_key(rec.key)
+            check_name("tool worker id", rec.worker_id)
+            need(len(rec.name) <= 200, "tool record too large")
+            need(rec.at >= 0 and math.isfinite(rec.latency_s) and rec.latency_s >= 0,
+                 "tool record: negative offset or latency")
+
+
+MAX_TURNS = 10_000
+
+
+def _is_json(text: str, limit: int = MAX_EPISODE_STATE_BYTES) -> bool:
+    """`text` is JSON within `limit` characters (nesting beyond Python's recursion limit is not)."""
+    if len(text) > limit:
+        return False
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True

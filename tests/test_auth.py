@@ -199,6 +199,11 @@ async def test_redis_acl(secured):
         c = await store.claim(rid, "w1", policy_version=0, ttl_s=10.0)
         assert c.epoch > 0
         assert await store.append(rid, "w1", c.epoch, 0, [5, 6], [-0.1, -0.2], 10.0) == 2
+        # an episode's env tokens and state, with what the worker identity may run (schema 4)
+        ep = await store.claim("acl-test-ep", "w1", policy_version=0, ttl_s=10.0, episode=True)
+        await store.put_episode("acl-test-ep", "w1", ep.epoch, wire.EpisodeState(turn=1), 10.0)
+        assert await store.append_env("acl-test-ep", "w1", ep.epoch, 0, [7], wire.EpisodeState(turn=1, at=1), 10.0) == 1
+        assert (await store.claim("acl-test-ep", "w1", 0, ttl_s=10.0, episode=True)).episode.at == 1
         with pytest.raises(redis.exceptions.NoPermissionError):
             await store.redis.set("not-a-checkpoint", "1")
         with pytest.raises(redis.exceptions.NoPermissionError):

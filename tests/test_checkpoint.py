@@ -8,7 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlboost.checkpoint import AlreadyFinished, CheckpointError, LeaseHeld, LeaseLost, OffsetMismatch
+from rlboost import wire
+from rlboost.checkpoint import (AlreadyFinished, CheckpointError, CorruptCheckpoint, LeaseHeld, LeaseLost,
+                                OffsetMismatch)
 
 chunkings = st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=40), min_size=0, max_size=12)
 
@@ -166,7 +168,8 @@ def test_every_lua_reply_code_means_one_thing_in_every_script():
 
     from rlboost import checkpoint, errors
     scripts = {"claim": checkpoint._CLAIM, "append": checkpoint._APPEND_MANY, "finish": checkpoint._FINISH,
-               "renew": checkpoint._RENEW, "release": checkpoint._RELEASE}
+               "renew": checkpoint._RENEW, "release": checkpoint._RELEASE, "append_env": checkpoint._APPEND_ENV,
+               "episode": checkpoint._EPISODE}
     for name, source in scripts.items():
         said = {int(c) for c in re.findall(r"(?:return \{?|codes\[i\] = ')(-\d+)", source)}
         assert said, name
@@ -175,3 +178,102 @@ def test_every_lua_reply_code_means_one_thing_in_every_script():
     assert isinstance(errors.lua_error("claim", errors.FINISHED, "r"), errors.AlreadyFinished)
     assert isinstance(errors.lua_error("append", errors.STALE_EPOCH, "r"), errors.LeaseLost)
     assert isinstance(errors.lua_error("release", errors.FINISHED, "r"), errors.CheckpointError)  # never said there
+
+
+# ---------------------------------------------------------------- episodes (schema 4)
+
+
+def _state(at: int, turn: int = 0, **kw) -> wire.EpisodeState:
+    return wire.EpisodeState(turn=turn, at=at, **kw)
+
+
+async def test_an_episode_round_trips_as_typed_segments_with_its_state(store, rid):
+    """Model turns and environment replies are one token stream; the history types each span, the
+    env span names the lease that appended it and the version it ran, and the model segment
+    resumes after it; the state comes back with the next claim."""
+    c = await store.claim(rid, "w1", 3, ttl_s=5, weights="emulated-v3", episode=True)
+    assert c.episode is None  # nothing stored yet
+    await store.append(rid, "w1", c.epoch, 0, [10, 11, 12], [-0.5, -0.25, -1.0], ttl_s=5)
+    call = wire.ToolCall(key=wire.tool_call_key(rid, 0, 0), name="calc", arguments='{"expr": "1+2"}')
+    await store.put_episode(rid, "w1", c.epoch, _state(3, turn=1, pending=[call]), ttl_s=5)
+    assert (await store.episode(rid)).pending == [call]
+    rec = wire.ToolRecord(key=call.key, name="calc", worker_id="w1", latency_s=0.01, at=3)
+    n = await store.append_env(rid, "w1", c.epoch, 3, [20, 21], _state(5, turn=1, env_state='{"x": 3}', calls=[rec]),
+                               ttl_s=5)
+    assert n == 5
+    await store.append(rid, "w1", c.epoch, 5, [13], [-0.125], ttl_s=5)
+    assert await store.read(rid) == ([10, 11, 12, 20, 21, 13], [-0.5, -0.25, -1.0, 0.0, 0.0, -0.125])
+    segs = await store.segments(rid)
+    assert [(s.offset, s.kind, s.worker_id, s.policy_version, s.weights) for s in segs] == [
+        (0, "model", "w1", 3, "emulated-v3"), (3, "env", "w1", 3, "emulated-v3"), (5, "model", "w1", 3, "emulated-v3")]
+    assert wire.trainable_mask(segs, 6) == [True, True, True, False, False, True]
+    await store.release(rid, c.epoch)
+    c2 = await store.claim(rid, "w2", 3, ttl_s=5, episode=True)
+    assert c2.token_ids == [10, 11, 12, 20, 21, 13]
+    assert c2.episode == _state(5, turn=1, env_state='{"x": 3}', calls=[rec])
+    # a second env reply under the new lease: its span names w2
+    await store.append_env(rid, "w2", c2.epoch, 6, [22], _state(7, turn=2), ttl_s=5)
+    segs = await store.segments(rid)
+    assert [(s.offset, s.kind, s.worker_id) for s in segs][-2:] == [(6, "env", "w2"), (7, "model", "w2")]
+    assert wire.trainable_mask(segs, 7) == [True] * 3 + [False] * 2 + [True, False]
+    await store.finish(rid, c2.epoch, 7)
+    assert await store.is_finished(rid)
+
+
+async def test_a_single_turn_claim_does_not_touch_the_episode_key(store, rid):
+    """Single-turn requests keep their claim: four keys, three replies, nothing read or kept for
+    an episode they are not."""
+    await store.redis.set(wire.ckpt_episode_key(rid), b"junk that is no episode state")
+    c = await store.claim(rid, "w1", 0, ttl_s=5)
+    assert c.episode is None and await store.redis.ttl(wire.ckpt_episode_key(rid)) == -1
+    with pytest.raises(CorruptCheckpoint, match="episode state"):
+        await store.claim(rid, "w2", 0, ttl_s=5, steal=True, episode=True)
+
+
+async def test_a_stale_lease_can_write_neither_env_tokens_nor_episode_state(store, rid):
+    """Fencing holds for an episode's environment tokens and its state as for model tokens: a
+    zombie that ran a tool after a takeover cannot add its result or move the episode on."""
+    zombie = await store.claim(rid, "zombie", 0, ttl_s=5, episode=True)
+    await store.append(rid, "zombie", zombie.epoch, 0, [1, 2], [0.0, 0.0], ttl_s=5)
+    await store.put_episode(rid, "zombie", zombie.epoch, _state(2, turn=1), ttl_s=5)
+    new = await store.claim(rid, "new", 0, ttl_s=5, steal=True, episode=True)
+    assert new.episode == _state(2, turn=1)
+    with pytest.raises(LeaseLost):
+        await store.append_env(rid, "zombie", zombie.epoch, 2, [7], _state(3, turn=1, env_state='"zombie"'), ttl_s=5)
+    with pytest.raises(LeaseLost):
+        await store.put_episode(rid, "zombie", zombie.epoch, _state(2, turn=9), ttl_s=5)
+    await store.append_env(rid, "new", new.epoch, 2, [8], _state(3, turn=1, env_state='"new"'), ttl_s=5)
+    assert (await store.read(rid))[0] == [1, 2, 8]
+    assert (await store.episode(rid)).env_state == '"new"'
+    assert [s.worker_id for s in await store.segments(rid) if s.kind == "env"] == ["new"]
+    await store.finish(rid, new.epoch, 3)
+    with pytest.raises(AlreadyFinished):
+        await store.append_env(rid, "new", new.epoch, 3, [9], _state(4), ttl_s=5)
+    with pytest.raises(AlreadyFinished):
+        await store.put_episode(rid, "new", new.epoch, _state(3, done=True), ttl_s=5)
+
+
+async def test_env_tokens_and_state_must_continue_the_checkpoint(store, rid):
+    """An env reply lands exactly where the checkpoint ends, and a state describes exactly the
+    tokens there are: otherwise nothing is written (tokens, history and state unchanged)."""
+    c = await store.claim(rid, "w1", 0, ttl_s=5, episode=True)
+    await store.append(rid, "w1", c.epoch, 0, [1, 2, 3], [0.0] * 3, ttl_s=5)
+    hist = await store.redis.lrange(wire.ckpt_history_key(rid), 0, -1)
+    with pytest.raises(OffsetMismatch):
+        await store.append_env(rid, "w1", c.epoch, 2, [7], _state(3), ttl_s=5)
+    with pytest.raises(OffsetMismatch):  # the state does not end where the env tokens do
+        await store.append_env(rid, "w1", c.epoch, 3, [7], _state(3), ttl_s=5)
+    with pytest.raises(OffsetMismatch):
+        await store.put_episode(rid, "w1", c.epoch, _state(2), ttl_s=5)
+    with pytest.raises(CheckpointError, match="invalid episode state"):  # never written
+        await store.put_episode(rid, "w1", c.epoch, _state(3, env_state="{nope"), ttl_s=5)
+    assert (await store.read(rid))[0] == [1, 2, 3] and await store.episode(rid) is None
+    assert await store.redis.lrange(wire.ckpt_history_key(rid), 0, -1) == hist
+
+
+async def test_an_env_append_renews_the_lease_and_keeps_the_state_as_long_as_the_tokens(store, rid):
+    c = await store.claim(rid, "w1", 0, ttl_s=0.5, episode=True)
+    await store.append_env(rid, "w1", c.epoch, 0, [5], _state(1), ttl_s=5)
+    assert 4000 < await store.redis.pttl(wire.ckpt_lease_key(rid)) <= 5000
+    assert 0 < await store.redis.ttl(wire.ckpt_episode_key(rid)) <= store.keep_s
+    assert 0 < await store.redis.ttl(wire.ckpt_tokens_key(rid)) <= store.keep_s

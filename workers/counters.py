@@ -18,7 +18,9 @@ FIELDS = ("generated", "checkpointed", "fenced", "handed_off", "results", "claim
           "request_errors",  # requests the engine could not serve: answered with an error result
           "stalls",  # heartbeats skipped for lack of progress (rlboost bench faults: stalled workers)
           "wrong_weights",  # requests refused because the engine held other weights (must stay 0)
-          "publishes_given_up")  # token chunks / lease events not stored after their retries
+          "publishes_given_up",  # token chunks / lease events not stored after their retries
+          "env_tokens",  # episodes: environment tokens (tool results, env turns) fenced into checkpoints
+          "episode_turns")  # episodes: model turns whose environment phase ended in a next turn
 _FMT = "<" + "q" * len(FIELDS)
 _SIZE = struct.calcsize(_FMT)
 

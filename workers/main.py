@@ -100,7 +100,9 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
             if weights else None
         try:
             while True:
-                worker = RolloutWorker(s.worker, engine, c, worker_id=worker_id, counters=counters, weights=weights)
+                # the environment this worker may run besides the built-ins ([env] ref, once wired in Settings)
+                worker = RolloutWorker(s.worker, engine, c, worker_id=worker_id, counters=counters, weights=weights,
+                                       env=s.env)
                 worker.install_signal_handlers()
                 watchdog = asyncio.create_task(_exit_after_grace(worker))
                 try:

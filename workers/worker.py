@@ -22,6 +22,10 @@ from a batch: its context overflows, a token id is outside the vocabulary) is fi
 checkpoint under its lease and answered with an `error` result that says why (verified by the
 trainer like any result), counted (`request_errors`), and acked: one bad request never drains a
 worker. Only an engine-wide failure (any other exception) drains it.
+
+An episode (a request with `episode`, schema 4) is generated one model turn at a time in the same
+batch; between turns its environment phase (tools, the environment's reply) runs beside the
+engine, fenced step by step into its checkpoint (workers/episodes.py).
 """
 
 from __future__ import annotations
@@ -50,12 +54,16 @@ from nats.aio.msg import Msg
 
 from rlboost import bus, metrics, wire
 from rlboost.checkpoint import AlreadyFinished, CheckpointError, CorruptCheckpoint, LeaseHeld, LeaseLost
+from rlboost.checkpoint import pack as checkpoint_pack
 from rlboost.clients import Clients
 from rlboost.config import WorkerSettings
+from rlboost.config import EnvSettings
+from rlboost.episodes import EpisodeStateError
 from rlboost.logs import get_logger
 from rlboost.weights.source import WeightSource
 from workers.counters import Counters
 from workers.engines.base import Engine, RequestError, Sequence
+from workers.episodes import EpisodeHost, EpisodeRefused, EpisodeRun
 
 T = TypeVar("T")
 JOIN_COALESCE_S = 0.05  # hand-offs arriving together interrupt the engine once per this
@@ -87,6 +95,8 @@ class Active:
     last_write: float = field(default_factory=time.monotonic)
     weights: str = ""  # the engine weights this request's tokens are generated with (its segment's)
     stops: frozenset[int] = frozenset()  # req.stops(), computed once: checked after every engine call
+    episode: EpisodeRun | None = None  # an episode: its runner and state (workers/episodes.py)
+    in_env: float = 0.0  # an episode's environment phase runs (since this monotonic time; 0: not)
 
 
 def pack_flush(dirty: list[Active]) -> tuple[list[bytes], list[list[float]]]:
@@ -120,7 +130,8 @@ def make_sequence(req: wire.RolloutRequest, token_ids: list[int]) -> Sequence:
 
 class RolloutWorker:
     def __init__(self, settings: WorkerSettings, engine: Engine, clients: Clients, worker_id: str | None = None,
-                 counters: Counters | None = None, weights: WeightSource | None = None) -> None:
+                 counters: Counters | None = None, weights: WeightSource | None = None,
+                 env: EnvSettings | None = None) -> None:
         self.cfg = settings
         self.engine = engine
         self.c = clients
@@ -157,6 +168,9 @@ class RolloutWorker:
         self._join_pending = False
         self._last_join = 0.0
         self._floor = 0  # the pool's version floor (wire.VersionFloor): partial / async rollout
+        # episodes: the environments this worker runs (built-ins and its own [env] ref), inline tools
+        self.episodes = EpisodeHost(engine, settings.model_dir, env, self.worker_id)
+        self._env_tasks: set[asyncio.Task] = set()
 
     @staticmethod
     async def settled() -> None:
@@ -173,7 +187,11 @@ class RolloutWorker:
         """No engine step and no flush for `stall_s`: something this worker waits on does not
         answer. It then stops extending its requests (no in_progress, no lease renewal, no
         heartbeat), so they are redelivered to a worker that can make progress."""
-        return time.monotonic() - self._progress_at > self.cfg.stall_s
+        now = time.monotonic()
+        if any(a.in_env and now - a.in_env < a.req.episode.tool_timeout_s + self.cfg.stall_s  # type: ignore[union-attr]
+               for a in self.active.values()):
+            return False  # a tool runs (bounded by its timeout): a sign of life of its own
+        return now - self._progress_at > self.cfg.stall_s
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -236,7 +254,9 @@ class RolloutWorker:
                     if n := await bus.hand_back_buffered(sub):
                         self.log.info("handed back requests delivered and not taken", requests=n)
                     await sub.unsubscribe()
-            await asyncio.gather(*self._admissions, *self._finishing, return_exceptions=True)
+            # an episode's environment phase ends first (bounded by its tool timeout and the drain
+            # grace): its results fenced in, no tool runs again after a notice
+            await asyncio.gather(*self._admissions, *self._finishing, *self._env_tasks, return_exceptions=True)
             await self._hand_back_all()
             if self.handoff_pool != self.pool:
                 await self._forward_own_queue()
@@ -330,7 +350,8 @@ class RolloutWorker:
             reserved = req.policy_version  # released below unless the request becomes active
             try:
                 claim = await self.c.store.claim(req.request_id, self.worker_id, req.policy_version,
-                                                 self.cfg.lease_ttl_s, weights=self.engine.weights_id)
+                                                 self.cfg.lease_ttl_s, weights=self.engine.weights_id,
+                                                 episode=req.episode is not None)
             except AlreadyFinished:
                 await self._republish_finished(req)
                 await msg.ack()
@@ -346,20 +367,33 @@ class RolloutWorker:
             await self._event(req, claim.epoch, "claim", len(claim.token_ids))
             log.info("claimed", epoch=claim.epoch, resume_at=len(claim.token_ids))
             seq = make_sequence(req, claim.token_ids)
+            run: EpisodeRun | None = None
+            if req.episode is not None:
+                try:
+                    run = await self.episodes.open(req, claim.episode, claim.token_ids, claim.logprobs,
+                                                   self._episode_put(req, claim.epoch))
+                except EpisodeRefused as e:
+                    await self._refuse(msg, req, claim.epoch, claim.token_ids, claim.logprobs, str(e))
+                    return
+                seq.stop_ids, seq.eos_id, seq.max_new_tokens = run.stop_ids, -1, run.turn_limit()
             reason = self.engine.check(seq)
             if reason is not None:  # answered now, under this lease: it never reaches a batch
                 await self._refuse(msg, req, claim.epoch, claim.token_ids, claim.logprobs, reason)
                 return
             if (stale := self.active.get(req.request_id)) is not None:
                 self._forget(stale)  # redelivered to us while we held it: the new claim replaces it
-            self.active[req.request_id] = Active(msg=msg, req=req, seq=seq, epoch=claim.epoch,
-                                                 durable=len(claim.token_ids), logprobs=list(claim.logprobs),
-                                                 done=is_complete(req, claim.token_ids),
-                                                 weights=self.engine.weights_id, stops=req.stops())
+            a = self.active[req.request_id] = Active(
+                msg=msg, req=req, seq=seq, epoch=claim.epoch, durable=len(claim.token_ids),
+                logprobs=list(claim.logprobs),
+                done=is_complete(req, claim.token_ids) if run is None else run.turn_done(claim.token_ids),
+                weights=self.engine.weights_id, stops=req.stops() if run is None else frozenset(run.stop_ids),
+                episode=run)
             reserved = None  # the request holds its version until it leaves `active`
-            if claim.token_ids:
+            if run is not None and a.done:
+                self._start_env_phase(a)  # a turn over, tools half run, or the end: on with it
+            elif claim.token_ids:
                 self._join_soon()
-        except CorruptCheckpoint as e:  # a finished request whose tokens do not parse
+        except (CorruptCheckpoint, EpisodeStateError) as e:  # a finished request whose tokens do not parse
             with contextlib.suppress(Exception):
                 await bus.dead_letter(self.c.js, msg, f"corrupt checkpoint: {e}", wire.STREAM_REQUESTS)
                 self.counters.add("dead_lettered")
@@ -515,7 +549,8 @@ class RolloutWorker:
                     toks.extend(g.token_ids)
                     a.pending_tokens.extend(g.token_ids)
                     a.pending_logprobs.extend(g.logprobs)
-                    a.done = g.finished or len(toks) >= a.req.max_new_tokens or (bool(toks) and toks[-1] in a.stops)
+                    # (seq.max_new_tokens: the request's, or an episode's turn limit)
+                    a.done = g.finished or len(toks) >= a.seq.max_new_tokens or (bool(toks) and toks[-1] in a.stops)
                 if not self._engine_counts:
                     self.counters.add("generated", sum(len(g.token_ids) for g in outs))
             await self._flush()
@@ -569,7 +604,11 @@ class RolloutWorker:
         # (fenced finish, provenance, result publish, ack) that the next engine call need not
         # wait for. A finishing request keeps its slot until it leaves `active`; a drain waits
         # for these before handing the rest back (run).
-        done = [a for a in self.active.values() if a.done and not a.pending_tokens and not a.finishing]
+        done = [a for a in self.active.values() if a.done and not a.pending_tokens and not a.finishing and not a.in_env]
+        if any(a.episode is not None for a in done):
+            for a in [a for a in done if a.episode is not None and not a.episode.ended]:
+                self._start_env_phase(a)  # a model turn is over and durable: its tools, the env's reply
+            done = [a for a in done if a.episode is None or a.episode.ended]
         if done:
             for a in done:
                 a.finishing = True
@@ -577,6 +616,77 @@ class RolloutWorker:
             self._finishing.add(task)
             task.add_done_callback(self._finishing.discard)
         await self._publish_outbox_soon()
+
+    # ------------------------------------------------------------------ episodes
+
+    def _episode_put(self, req: wire.RolloutRequest, epoch: int) -> Callable[[wire.EpisodeState], Awaitable[None]]:
+        """An episode's state, fenced into its checkpoint under lease `epoch` (retried while the
+        store is unreachable; a lost lease raises)."""
+        async def put(state: wire.EpisodeState) -> None:
+            await self._retrying(lambda: self.c.store.put_episode(req.request_id, self.worker_id, epoch, state,
+                                                                  self.cfg.lease_ttl_s))
+            if (a := self.active.get(req.request_id)) is not None and a.epoch == epoch:
+                a.last_write = time.monotonic()  # the script renewed the lease
+        return put
+
+    def _start_env_phase(self, a: Active) -> None:
+        """Run an episode's environment phase beside the engine (the batch goes on without it)."""
+        a.in_env = time.monotonic()
+        task = asyncio.create_task(self._env_phase(a))
+        self._env_tasks.add(task)
+        task.add_done_callback(self._env_tasks.discard)
+
+    async def _env_phase(self, a: Active) -> None:
+        """After a durable model turn: its tool calls and the environment's reply, each fenced in
+        (`EpisodeRun.advance`); then the next turn joins the batch, or the episode is finished."""
+        run, rid = a.episode, a.req.request_id
+        assert run is not None
+
+        async def append_env(tokens: list[int], state: wire.EpisodeState) -> int:
+            offset, sent = a.durable, time.time()
+            n = await self._retrying(lambda: self.c.store.append_env(rid, self.worker_id, a.epoch, offset, tokens,
+                                                                     state, self.cfg.lease_ttl_s))
+            a.seq.token_ids.extend(tokens)
+            a.logprobs.extend([0.0] * len(tokens))
+            a.durable, a.last_write = n, time.monotonic()
+            self.counters.add("env_tokens", len(tokens))
+            chunk = wire.FlushChunk(rid, a.epoch, offset, a.req.policy_version,
+                                    checkpoint_pack(tokens, [0.0] * len(tokens)), True)
+            msg = wire.TokenFlush(step=a.req.step, worker_id=self.worker_id, ts=sent, chunks=[chunk])
+            self._outbox.append((wire.token_subject(a.req.step, self.worker_id), wire.encode(msg),
+                                 {wire.HDR_MSG_ID: wire.flush_msg_id(chunk)}))
+            return n
+
+        def alive() -> None:
+            a.in_env = time.monotonic()
+
+        try:
+            more = await run.advance(a.seq.token_ids[:a.durable], list(a.logprobs), a.req.policy_version, a.weights,
+                                     self._episode_put(a.req, a.epoch), append_env, alive)
+        except (LeaseLost, AlreadyFinished) as e:
+            a.in_env = 0.0
+            await self._drop_fenced(a, e)
+            return
+        except Exception as e:  # the store refused a write (a bug, never silent) or the runner broke
+            a.in_env = 0.0
+            self.log.error("episode step failed; handing the request back", request_id=rid, error=repr(e))
+            self._forget(a)
+            with contextlib.suppress(Exception):
+                await self.c.store.release(rid, a.epoch)
+                await a.msg.nak(delay=1.0)
+            return
+        a.in_env = 0.0
+        self._progress_at = time.monotonic()
+        if more:
+            a.seq.max_new_tokens = run.turn_limit()
+            a.done = False
+            self.counters.add("episode_turns")
+            if self.active.get(rid) is a and not self.draining.is_set():
+                self._join_soon()  # the next turn joins the running batch now
+            self._wake.set()
+            return
+        a.done = a.finishing = True
+        await self._finish_batch_safely([a])
 
     async def _publish_outbox_soon(self) -> None:
         """Publish the outbox while the engine makes the next tokens: token messages and events
@@ -643,7 +753,7 @@ class RolloutWorker:
                     await a.msg.nak(delay=1.0)
             else:
                 ready.append((a, self._result(a.req, a.seq.token_ids[: a.durable], a.logprobs, self.worker_id,
-                                              a.epoch, out)))
+                                              a.epoch, out, episode=a.episode.stored if a.episode else None)))
         if not ready:
             return
         published = await bus.publish_batch(
@@ -667,20 +777,23 @@ class RolloutWorker:
             self.log.info("finished", request_id=rid, step=a.req.step, tokens=a.durable)
 
     def _result(self, req: wire.RolloutRequest, tokens: list[int], logprobs: list[float], worker_id: str, epoch: int,
-                segments: list[wire.Segment], error: str = "") -> wire.RolloutResult:
+                segments: list[wire.Segment], error: str = "",
+                episode: wire.EpisodeState | None = None) -> wire.RolloutResult:
         """The result names the lease it was finished under (worker id, epoch): the trainer
-        takes it only if Redis agrees (rlboost/manager.py). `error`: the engine could not serve it."""
+        takes it only if Redis agrees (rlboost/manager.py). `error`: the engine could not serve it.
+        `episode`: an episode's final state, as its checkpoint holds it."""
         return wire.RolloutResult(
             request_id=req.request_id, step=req.step, group=req.group, prompt_ids=list(req.prompt_ids),
             token_ids=tokens, logprobs=logprobs, segments=segments,
             finish_reason="error" if error else finish_reason(req, tokens),  # type: ignore[arg-type]
-            worker_id=worker_id, ts=time.time(), epoch=epoch, error=error)
+            worker_id=worker_id, ts=time.time(), epoch=epoch, error=error, episode=episode)
 
     async def _publish_result(self, req: wire.RolloutRequest, tokens: list[int], logprobs: list[float],
                               worker_id: str, epoch: int, error: str = "") -> None:
         """One result (see `_result`), its provenance read from the checkpoint."""
+        episode = await self.c.store.episode(req.request_id) if req.episode is not None else None
         result = self._result(req, tokens, logprobs, worker_id, epoch, await self.c.store.segments(req.request_id),
-                              error)
+                              error, episode=episode)
         # Bounded, retried with the same id: stored once however often sent.
         (out,) = await bus.publish_batch(self.c.js, [(wire.result_subject(req.step), wire.encode(result),
                                                       {wire.HDR_MSG_ID: wire.result_msg_id(result)})],

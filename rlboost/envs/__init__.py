@@ -1,7 +1,7 @@
 """Episodes: multi-turn, tool-using rollouts (docs/concepts/environments.md).
 
-- `protocol`: the environment protocol and its messages (`Env`, `Opening`, `ToolResult`, ...),
-  `EnvSettings` ([env]);
+- `protocol`: the environment protocol and its messages (`Env`, `Opening`, `ToolResult`, ...);
+  its settings are `rlboost.config.EnvSettings` ([env]), a section of the one settings tree;
 - `chat`: the tool-call format (the model's own chat template, or a documented fallback) and the
   parser of a model turn;
 - `episode`: the engine-agnostic episode runner, resumable from a snapshot after any turn;

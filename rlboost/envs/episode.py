@@ -40,7 +40,8 @@ from typing import Any, Literal
 import msgspec
 
 from rlboost.envs.chat import ChatFormat
-from rlboost.envs.protocol import (Context, EnvError, EnvSettings, Environment, Message, ModelTurn, Opening, Reply,
+from rlboost.config import EnvSettings
+from rlboost.envs.protocol import (Context, EnvError, Environment, Message, ModelTurn, Opening, Reply,
                                    Score, ToolCall, ToolResult, ToolSpec)
 from rlboost.logs import get_logger
 

@@ -224,29 +224,3 @@ class Env:
     def score(self, transcript: list[Message], state: Any, ctx: Context) -> Score | float:
         raise NotImplementedError
 
-
-# ---------------------------------------------------------------- settings
-
-
-class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Episodes: which environment a run's requests play in (`rlboost run --env`), and the
-    bounds every episode keeps (docs/concepts/environments.md)."""
-
-    ref: str = ""  # module:fn | path/to/file.py:fn | a built-in (calculator, reasoning-gym, textarena, gymnasium); "" = single-turn
-    options: dict[str, Any] = msgspec.field(default_factory=dict)  # keyword arguments of fn ([env.options] game = "...")
-    tool_timeout_s: float = 30.0  # a tool call running longer counts as a failed call (env.on_tool_error)
-    on_tool_error: str = "message"  # a tool that raises or times out: message (the model reads the error) | end (the episode)
-    max_turns: int = 8  # model turns per episode; a turn past it ends the episode (its tool calls are not run)
-    max_episode_tokens: int = 4096  # prompt + model + environment tokens; no room for one more model token ends it
-    inline: bool = False  # run tool calls in the generation worker (true) or hand them to the env pool (false)
-
-    def __post_init__(self) -> None:
-        # msgspec turns a ValueError of __post_init__ into a ValidationError that names it
-        if self.on_tool_error not in ("message", "end"):
-            raise ValueError(f"env.on_tool_error: {self.on_tool_error!r} must be message or end")
-        if not self.tool_timeout_s > 0:
-            raise ValueError(f"env.tool_timeout_s: {self.tool_timeout_s} must be > 0")
-        if self.max_turns < 1:
-            raise ValueError(f"env.max_turns: {self.max_turns} must be >= 1")
-        if self.max_episode_tokens < 1:
-            raise ValueError(f"env.max_episode_tokens: {self.max_episode_tokens} must be >= 1")

@@ -1,0 +1,100 @@
+"""The calculator environment, counting its tool calls, and a scripted policy that solves it:
+what the episode tests run in worker processes (`episode_env:make`, with tests/ on the path).
+
+`CountingCalculator` appends each call's idempotency key to the file `log` (one `write` of one
+line, O_APPEND: a killed process leaves whole lines) before it answers, after `delay_s`.
+`solver(rows)` is a policy for workers.engines.scripted: it finds the row's question in the
+context, calls `calc` for each worked step with the results the tool gave (read back from the
+context: a wrong tool result gives a wrong answer), then answers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Any
+
+from rlboost import episodes, wire
+from rlboost.envs.calculator import ALPHABET, CALC, CalculatorEnv
+from rlboost.envs.chat import chat_format
+from rlboost.envs.episode import EpisodeRunner
+from rlboost.config import EnvSettings
+from rlboost.envs.protocol import Context, ToolCall, ToolResult
+
+ENV_REF = "episode_env:make"
+
+
+class CountingCalculator(CalculatorEnv):
+    def __init__(self, log: str, delay_s: float = 0.0) -> None:
+        super().__init__(instructions=True)
+        self.log, self.delay_s = log, delay_s
+
+    def call_tool(self, call: ToolCall, state: Any, ctx: Context) -> ToolResult:
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{call.key}\n".encode())
+        finally:
+            os.close(fd)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return super().call_tool(call, state, ctx)
+
+
+def make(log: str, delay_s: float = 0.0) -> CountingCalculator:
+    return CountingCalculator(log, delay_s)
+
+
+def calls(log: str) -> list[str]:
+    """Every tool call the environment ran, by key, in order."""
+    try:
+        with open(log, encoding="utf-8") as f:
+            return [line.strip() for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+_RESULT = re.compile(r"<tool_response>(.*?)</tool_response>")
+
+
+def solver(rows: list[dict[str, Any]]):
+    steps = {r["question"]: r["steps"] for r in rows}
+
+    def policy(context: str, seed: int) -> str:
+        question = next((q for q in steps if q in context), None)
+        if question is None:
+            return "Answer: 0"
+        results = _RESULT.findall(context)
+        k = len(results)
+        if k < len(steps[question]):
+            return f"<tool_call>calc {steps[question][k].format(*results)}</tool_call>"
+        return f"Answer: {results[-1]}"
+    return policy
+
+
+def tokenizer():
+    from trainer.model import build_tokenizer
+
+    return build_tokenizer(ALPHABET)
+
+
+async def requests(step: int, rows: list[dict[str, Any]], log: str, delay_s: float = 0.0, max_new: int = 600,
+                   run: str = "", max_turns: int = 8, max_turn_tokens: int = 256) -> list[wire.RolloutRequest]:
+    """One episode request per row (`rlboost.episodes.request`), its prompt the opening in the
+    fallback chat format (what a worker with the same tokenizer renders)."""
+    fmt = chat_format(tokenizer())
+    options = {"log": log, "delay_s": delay_s}
+    out = []
+    for i, row in enumerate(rows):
+        rid = wire.request_id(step, i, 0, run)
+        prompt = fmt.prompt_ids(*_opening(row))
+        settings = EnvSettings(max_turns=max_turns, max_episode_tokens=len(prompt) + max_new)
+        runner = EpisodeRunner(make(log, delay_s), fmt, settings, max_turn_tokens=max_turn_tokens)
+        out.append(await episodes.request(runner, ENV_REF, row, request_id=rid, step=step, policy_version=0,
+                                          seed=100 + i, group=i, env_options=options))
+    return out
+
+
+def _opening(row: dict[str, Any]):
+    env = CalculatorEnv()
+    return env.opening_messages(row), [CALC]

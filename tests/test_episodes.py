@@ -1,0 +1,278 @@
+"""Episodes on rollout workers against real NATS and Redis: calculator episodes with inline
+tools, the transcript of an undisturbed run whatever happens to the workers, every tool call
+run once per idempotency key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import episode_env
+import pytest
+from helpers import step_results
+
+from rlboost import episodes, wire
+from rlboost.clients import open_clients
+from rlboost.config import WorkerSettings
+from rlboost.envs import calculator
+from rlboost.envs.chat import chat_format
+from rlboost.envs.episode import EpisodeRunner
+from rlboost.config import EnvSettings
+from rlboost.manager import RolloutManager
+from workers.counters import Counters
+from workers.engines.base import Sequence
+from workers.engines.scripted import ScriptedEngine
+from workers.worker import RolloutWorker
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+async def clients(nats_url, redis_url, js):
+    async with open_clients(nats_url, redis_url, "test-episodes") as c:
+        yield c
+
+
+def _worker(clients, pool: str, rows, token_s: float = 0.0, name: str = "w") -> RolloutWorker:
+    engine = ScriptedEngine(episode_env.tokenizer(), episode_env.solver(rows), token_s=token_s)
+    settings = WorkerSettings(pool=pool, slots=8, checkpoint_tokens=4, ack_wait_s=3.0, lease_ttl_s=2.0,
+                              heartbeat_s=0.2)
+    return RolloutWorker(settings, engine, clients, worker_id=f"{pool}-{name}", counters=Counters(),
+                         env=EnvSettings(ref=episode_env.ENV_REF))
+
+
+async def _reference(reqs: list[wire.RolloutRequest], rows, log: str) -> dict[str, tuple[list[int], list, list[int]]]:
+    """Each episode run undisturbed by the runner alone (no worker, no store): its tokens after
+    the prompt, its messages and its training mask."""
+    engine = ScriptedEngine(episode_env.tokenizer(), episode_env.solver(rows))
+    out = {}
+    for req in reqs:
+        spec = req.episode
+        settings = EnvSettings(max_turns=spec.max_turns, max_episode_tokens=len(req.prompt_ids) + req.max_new_tokens,
+                               tool_timeout_s=spec.tool_timeout_s)
+        runner = EpisodeRunner(episode_env.make(log), chat_format(engine.tokenizer), settings,
+                               max_turn_tokens=spec.max_turn_tokens or req.max_new_tokens)
+
+        async def generate(ids: list[int], budget: int, stops: list[int], req=req):
+            seq = Sequence(request_id=req.request_id, prompt_ids=list(req.prompt_ids), seed=req.seed,
+                           max_new_tokens=len(ids) - len(req.prompt_ids) + budget, stop_ids=stops,
+                           token_ids=list(ids[len(req.prompt_ids):]))
+            new, lps = [], []
+            while not seq.done():
+                (g,) = await engine.generate([seq], 3)
+                seq.token_ids += g.token_ids
+                new += g.token_ids
+                lps += g.logprobs
+                if g.finished:
+                    break
+            return (new, lps)
+
+        res = await runner.run(generate, req.request_id, json.loads(spec.row))
+        n = res.prompt_len
+        assert res.token_ids[:n] == list(req.prompt_ids)
+        out[req.request_id] = (res.token_ids[n:], res.messages, [bool(m) for m in res.mask[n:]])
+    return out
+
+
+def _check(got: dict[str, wire.RolloutResult], reqs, rows, reference, log: str, rerun: frozenset = frozenset()) -> None:
+    """Every result is its undisturbed transcript, with env tokens masked, a solved problem, and
+    every tool call of it run exactly once (those in `rerun`: twice, with the same key)."""
+    ran = Counter(episode_env.calls(log))
+    for key in rerun:
+        assert ran[key] == 2, (key, ran)
+        ran[key] = 1
+    assert set(got) == {r.request_id for r in reqs}
+    for req, row in zip(reqs, rows, strict=True):
+        r = got[req.request_id]
+        tokens, messages, mask = reference[req.request_id]
+        assert r.finish_reason == "stop" and r.token_ids == tokens
+        assert wire.trainable_mask(r.segments, len(r.token_ids)) == mask
+        assert [lp for lp, m in zip(r.logprobs, mask) if not m] == [0.0] * mask.count(False)
+        snap = episodes.snapshot(r.episode)
+        assert r.episode.done and r.episode.reason == "done" and snap.messages == messages
+        keys = [c.key for c in r.episode.calls]
+        assert len(keys) == len(row["steps"]) and [ran[k] for k in keys] == [1] * len(keys), (keys, ran)
+        env = calculator.make()
+        assert env.score(snap.messages, snap.state, None).reward == 1.0
+    assert sum(ran.values()) == sum(len(row["steps"]) for row in rows)
+
+
+async def test_a_worker_serves_calculator_episodes_as_an_undisturbed_run_would(clients, tmp_path):
+    js, step, pool = clients.js, 301, "ep"
+    rows = calculator.rows("train", 6, seed=1)
+    log = str(tmp_path / "calls.log")
+    reqs = await episode_env.requests(step, rows, log, max_turns=6, max_turn_tokens=64)
+    assert [r.max_new_tokens for r in reqs] == [600] * 6 and reqs[0].episode.max_turn_tokens == 64
+    reference = await _reference(reqs, rows, str(tmp_path / "reference.log"))
+    w = _worker(clients, pool, rows)
+    task = asyncio.create_task(w.run())
+    manager = RolloutManager(clients, pool)
+    await manager.publish_step(reqs)
+    got = await step_results(js, step, len(reqs))
+    w.request_drain("test over")
+    await task
+    _check(got, reqs, rows, reference, log)
+    by_id = {r.request_id: r for r in reqs}
+    for r in got.values():  # the trainer takes them: tokens, provenance and final state are the checkpoint's
+        assert await manager.verify_result(step, r, by_id[r.request_id]) == ""
+        kinds = [s.kind for s in r.segments]
+        assert kinds.count("env") == len(r.episode.calls) and all(s.worker_id == w.worker_id for s in r.segments)
+    forged = msgspec_replace(next(iter(got.values())), "episode", reward_state="done")
+    assert "episode state differs" in await manager.verify_result(step, forged, by_id[forged.request_id])
+    assert w.counters.get("episode_turns") == sum(len(row["steps"]) for row in rows)
+
+
+def msgspec_replace(r: wire.RolloutResult, field: str, reward_state: str) -> wire.RolloutResult:
+    import msgspec
+
+    return msgspec.structs.replace(r, episode=msgspec.structs.replace(r.episode, reason=reward_state + "!"))
+
+
+async def test_a_notice_during_a_tool_call_fences_its_result_and_no_tool_runs_twice(clients, tmp_path):
+    """SIGTERM-like drain while a (slow) tool runs: the worker lets the call finish, fences its
+    result, hands the episode back; the next worker continues it without calling that tool
+    again, and nothing is regenerated."""
+    js, step, pool = clients.js, 302, "epdrain"
+    rows = calculator.rows("train", 2, seed=2)
+    log = str(tmp_path / "calls.log")
+    reqs = await episode_env.requests(step, rows, log, delay_s=0.4, max_turns=6, max_turn_tokens=64)
+    reference = await _reference(reqs, rows, str(tmp_path / "reference.log"))
+    first = _worker(clients, pool, rows, name="first")
+    task = asyncio.create_task(first.run())
+    await RolloutManager(clients, pool).publish_step(reqs)
+    deadline = time.monotonic() + 20
+    while not episode_env.calls(log) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert episode_env.calls(log), "no tool call started"
+    first.request_drain("spot notice")  # a tool call is under way now
+    await asyncio.wait_for(task, 10)
+    handed = first.counters.get("handed_off")
+    assert handed >= 1 and first.counters.get("results") + handed == len(reqs)
+    assert first.counters.get("generated") == first.counters.get("checkpointed")
+    second = _worker(clients, pool, rows, name="second")
+    task = asyncio.create_task(second.run())
+    got = await step_results(js, step, len(reqs))
+    second.request_drain("test over")
+    await task
+    _check(got, reqs, rows, reference, log)
+    assert any(s.worker_id == second.worker_id for r in got.values() for s in r.segments)
+
+
+async def test_an_environment_the_worker_does_not_run_is_refused_with_a_reason(clients, tmp_path):
+    js, step, pool = clients.js, 303, "epbad"
+    rows = calculator.rows("train", 1, seed=3)
+    (req,) = await episode_env.requests(step, rows, str(tmp_path / "calls.log"))
+    req = wire.RolloutRequest(**{**{f: getattr(req, f) for f in req.__struct_fields__},
+                                 "episode": wire.EpisodeSpec(env="os:system", row=req.episode.row)})
+    w = _worker(clients, pool, rows)
+    task = asyncio.create_task(w.run())
+    await RolloutManager(clients, pool).publish_step([req])
+    got = await step_results(js, step, 1)
+    w.request_drain("test over")
+    await task
+    r = got[req.request_id]
+    assert r.finish_reason == "error" and "not one this worker runs" in r.error and r.token_ids == []
+
+
+def _spawn(nats_url, redis_url, pool, wid, rows_file, token_s, logs: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent), "OMP_NUM_THREADS": "1"}
+    out = open(logs / f"{wid}.log", "w")
+    return subprocess.Popen([sys.executable, str(TESTS / "episode_worker.py"), nats_url, redis_url, pool, wid,
+                             str(rows_file), str(token_s)], env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("during", ["generation", "tool"])
+async def test_sigkill_mid_episode_a_second_worker_process_resumes_it_exactly(clients, nats_url, redis_url, tmp_path,
+                                                                           during):
+    """A worker process is SIGKILLed mid-episode: while it generates a model turn after a tool
+    result was fenced in, or while a tool call runs. A second process resumes every episode:
+    each transcript token-identical to an undisturbed run, each tool call run once per key, but
+    the one running at the kill, which runs again with the same key (the environment can
+    de-duplicate on it); the resumed turn continues at the checkpoint."""
+    js, step, pool = clients.js, 304 if during == "generation" else 306, f"epkill{during[0]}"
+    rows = calculator.rows("train", 4, seed=4)
+    rows_file = tmp_path / "rows.json"
+    rows_file.write_text(json.dumps(rows))
+    log = str(tmp_path / "calls.log")
+    delay = 0.0 if during == "generation" else 0.6
+    reqs = await episode_env.requests(step, rows, log, delay_s=delay, max_turns=6, max_turn_tokens=64)
+    reference = await _reference(reqs, rows, str(tmp_path / "reference.log"))
+    first = _spawn(nats_url, redis_url, pool, "epkill-first", rows_file, 0.02 if during == "generation" else 0.0,
+                   tmp_path)
+    second, running = None, frozenset()
+    try:
+        await RolloutManager(clients, pool).publish_step(reqs)
+        deadline, target = time.monotonic() + 60, None
+        while target is None and time.monotonic() < deadline and first.poll() is None:
+            for req in reqs:
+                state = await clients.store.episode(req.request_id)
+                if state is None:
+                    continue
+                tokens, _ = await clients.store.read(req.request_id)
+                if during == "generation" and state.calls and not state.pending and len(tokens) > state.at + 2:
+                    target = req.request_id  # a tool result fenced in, the next turn under way
+                elif during == "tool" and state.calls and state.pending and state.pending[0].key in \
+                        episode_env.calls(log):
+                    target = req.request_id  # its second call (or later) runs now
+                if target:
+                    break
+            await asyncio.sleep(0.02)
+        assert target is not None, f"no episode reached a {during} to kill it in"
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        killed_at = {r.request_id: len((await clients.store.read(r.request_id))[0]) for r in reqs}
+        # the calls that had started and had no result fenced in (the process is dead: stable)
+        pending = {p.key for r in reqs if (st := await clients.store.episode(r.request_id)) for p in st.pending}
+        running = frozenset(pending & set(episode_env.calls(log)))
+        assert running or during == "generation"
+        second = _spawn(nats_url, redis_url, pool, "epkill-second", rows_file, 0.0, tmp_path)
+        got = await step_results(js, step, len(reqs), timeout=60)
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(20)
+    _check(got, reqs, rows, reference, log, rerun=running)
+    resumed = got[target]
+    assert resumed.segments[0].worker_id == "epkill-first" and resumed.segments[-1].worker_id == "epkill-second"
+    # the second worker continued at the checkpoint: nothing before it was generated again
+    assert [s for s in resumed.segments if s.worker_id == "epkill-second"][0].offset == killed_at[target]
+
+async def test_the_stored_snapshot_holds_no_tokens_and_comes_back_whole_from_the_checkpoint(tmp_path):
+    """rlboost.episodes: the state keeps segment kinds and lengths, not tokens; the checkpoint's
+    tokens and float32 logprobs make the same snapshot again; a state that does not describe
+    its checkpoint is refused."""
+    rows = calculator.rows("train", 1, seed=5)
+    (req,) = await episode_env.requests(305, rows, str(tmp_path / "calls.log"))
+    ref = await _reference([req], rows, str(tmp_path / "reference.log"))
+    engine = ScriptedEngine(episode_env.tokenizer(), episode_env.solver(rows))
+    runner = EpisodeRunner(episode_env.make(str(tmp_path / "calls2.log")), chat_format(engine.tokenizer),
+                           EnvSettings(max_episode_tokens=len(req.prompt_ids) + req.max_new_tokens))
+    snap = await runner.begin(req.request_id, rows[0])
+    tokens, _, _ = ref[req.request_id]
+    turn = tokens[:tokens.index(engine.stop_id) + 1]
+    lps = [engine.logprob(req.seed, i) for i in range(len(turn))]
+    snap = runner.model_turn(snap, (turn, lps))
+    snap = await runner.run_tools(snap)
+    at = snap.n_tokens - len(req.prompt_ids)
+    state = wire.EpisodeState(turn=snap.turn, at=at, env_state=episodes.pack(snap))
+    assert "token_ids" not in state.env_state.replace('"token_ids":[]', "")
+    assert len(state.env_state) < len(json.dumps(snap.token_ids)) + 2000  # no second copy of the stream
+    stream = snap.token_ids[len(req.prompt_ids):]
+    back = episodes.unpack(state, list(req.prompt_ids), stream + [7, 7], lps + [0.0] * (len(stream) - len(lps)) + [-1, -1])
+    assert back == snap  # tokens past `at` (a turn under way) are not the snapshot's
+    assert episodes.snapshot(state).messages == snap.messages
+    with pytest.raises(episodes.EpisodeStateError, match="describes"):
+        episodes.unpack(state, list(req.prompt_ids), stream[:-1], lps)
+    with pytest.raises(episodes.EpisodeStateError, match="prompt"):
+        episodes.unpack(state, list(req.prompt_ids)[1:], [0] + stream, [0.0] + lps + [0.0] * (len(stream) - len(lps)))
+    with pytest.raises(episodes.EpisodeStateError, match="not a snapshot"):
+        episodes.unpack(wire.EpisodeState(at=0, env_state='{"x": 1}'), list(req.prompt_ids), [], [])
