@@ -28,8 +28,9 @@ before it was written.
 
 Guarantees (docs/guides/agent-harnesses.md): a model turn is durable (checkpointed tokens,
 resumed on any worker); the harness's own state (its loop, its tools' side effects, the
-conversation it holds) is not: a harness that dies loses its episode, and a call the endpoint
-never answered (it died) is the harness's to retry, which generates the turn again.
+conversation it holds) is not: a harness that dies loses its episode. A call the endpoint never
+answered (it died) is the harness's to retry; with the same `Idempotency-Key` header the retry
+names the same requests, so the turn comes from its checkpoint instead of being generated again.
 
 HTTP: HTTP/1.1 with keep-alive, parsed by h11 (the sans-IO parser httpx and uvicorn use; pure
 Python, no dependencies) over asyncio streams. Bodies are bounded (`endpoint.max_body_bytes`),
@@ -296,6 +297,7 @@ class _SessionState:
     next_turn: int = 0
     # conversation digest (the call's messages + one choice's answer) -> (that stream's tokens, request id)
     tails: dict[str, tuple[list[int], str]] = field(default_factory=dict)
+    recorded: dict[str, int] = field(default_factory=dict)  # request id -> turn, of every recorded call
 
 
 # ---------------------------------------------------------------- session records
@@ -323,7 +325,8 @@ class Session:
             request_id=c["request_id"], step=c["step"], group=c["group"], prompt_ids=c["prompt_ids"],
             token_ids=c["completion_ids"], logprobs=c["logprobs"], finish_reason=c["finish_reason"],
             segments=[wire.Segment(offset=g["offset"], worker_id=g["worker_id"], epoch=g["epoch"],
-                                   policy_version=g["policy_version"], weights=g["weights"]) for g in c["segments"]],
+                                   policy_version=g["policy_version"], weights=g["weights"],
+                                   kind=g.get("kind", "model")) for g in c["segments"]],
             worker_id=c["worker_id"], epoch=c["epoch"], ts=c["ts"]) for c in self.calls if c["finish_reason"] != "error"]
 
     def episode(self) -> dict | None:
@@ -473,9 +476,6 @@ class OpenAIEndpoint:
             await asyncio.gather(self._follower, return_exceptions=True)
         with contextlib.suppress(Exception):
             await self._sub.unsubscribe()
-        for _, fut in self._pending.values():
-            if not fut.done():
-                fut.cancel()
 
     async def _subscribe(self, start_seq: int):
         from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -547,6 +547,28 @@ class OpenAIEndpoint:
 
     # ------------------------------------------------------------ the calls
 
+    async def _finished(self, req: wire.RolloutRequest) -> wire.RolloutResult | None:
+        """A retried call's request whose checkpoint is finished: its result, read back from the
+        checkpoint (the tokens, logprobs and segments a result is verified against). None if it
+        is not finished (never published, queued, or under way: published again, and its result
+        comes on the stream)."""
+        try:
+            owner, epoch, finished = await self.c.store.owner(req.request_id)
+            if not finished:
+                return None
+            tokens, logprobs = await self.c.store.read(req.request_id)
+            segments = await self.c.store.segments(req.request_id)
+        except Exception as e:
+            raise EndpointError(f"{req.request_id}: the checkpoint store does not answer ({e}); retry the call", 503,
+                                kind="service_unavailable") from None
+        if not wire.is_complete(req, tokens):
+            raise EndpointError(f"{req.request_id}: this call was answered before with an error (the engine could "
+                                "not serve it); send it with another Idempotency-Key to try again", 400)
+        return wire.RolloutResult(
+            request_id=req.request_id, step=req.step, group=req.group, prompt_ids=list(req.prompt_ids),
+            token_ids=tokens, logprobs=logprobs, segments=segments,
+            finish_reason=wire.finish_reason(req, tokens), worker_id=owner, epoch=epoch, ts=time.time())
+
     async def policy_version(self) -> int:
         """The latest published version (0 before any is): what a call is generated with."""
         if self._policy_kv is None:
@@ -580,7 +602,8 @@ class OpenAIEndpoint:
             path = self.run_dir / "sessions" / f"{session}.jsonl"
             _cut_torn_tail(path)
             calls = read_session(path).calls if path.exists() else []
-            st = _SessionState(next_turn=1 + max((c.get("turn", -1) for c in calls), default=-1))
+            st = _SessionState(next_turn=1 + max((c.get("turn", -1) for c in calls), default=-1),
+                               recorded={c["request_id"]: c["turn"] for c in calls})
             last = [c for c in calls if c.get("turn") == st.next_turn - 1]
             st.tails = {c["answer_digest"]: (c["prompt_ids"] + c["completion_ids"], c["request_id"])
                         for c in last if c.get("answer_digest")}
@@ -632,31 +655,59 @@ class OpenAIEndpoint:
         self._inflight += 1
         metrics.ENDPOINT_INFLIGHT.set(self._inflight)
         try:
-            return await self._generate(session, call, prompt_ids, stops, extends)
+            return await self._generate(session, call, prompt_ids, stops, extends, headers.get("idempotency-key"))
         finally:
             self._inflight -= 1
             metrics.ENDPOINT_INFLIGHT.set(self._inflight)
 
     async def _generate(self, session: str, call: ChatCall, prompt_ids: list[int], stops: list[int],
-                        extends: dict | None) -> dict:
+                        extends: dict | None, idem: str | None = None) -> dict:
         version = await self.policy_version()
         k = self._calls
         self._calls += 1
+        run, group, seed = self.run_id, k, call.seed
+        if idem is not None:
+            # A retried call (the same Idempotency-Key, session and call) names the same requests,
+            # in any life of the endpoint: a turn generated or under way is taken from its
+            # checkpoint, never generated again.
+            if not 0 < len(idem) <= 256:
+                raise _bad("the Idempotency-Key header must be 1-256 characters")
+            digest = hashlib.sha256(json.dumps(
+                [session, idem, prompt_ids, stops, call.max_tokens, call.temperature, call.top_p, call.n, call.seed],
+                separators=(",", ":")).encode()).hexdigest()
+            run, group = "i" + digest[:24], 0
+            seed = call.seed if call.seed is not None else int(digest[24:40], 16)
         reqs = [wire.RolloutRequest(
-            request_id=wire.request_id(self.step, k, i, run=self.run_id), step=self.step, policy_version=version,
-            prompt_ids=prompt_ids, max_new_tokens=call.max_tokens, seed=_choice_seed(call.seed, i),
+            request_id=wire.request_id(self.step, group, i, run=run), step=self.step, policy_version=version,
+            prompt_ids=prompt_ids, max_new_tokens=call.max_tokens, seed=_choice_seed(seed, i),
             sampling=wire.SamplingParams(temperature=call.temperature, top_p=call.top_p),
-            eos_id=stops[0] if stops else -1, stop_ids=stops, group=k) for i in range(call.n)]
+            eos_id=stops[0] if stops else -1, stop_ids=stops, group=group) for i in range(call.n)]
         log = self.log.bind(session=session, call=k, request_id=reqs[0].request_id, policy_version=version)
+        finished: dict[str, wire.RolloutResult] = {}
+        if idem is not None:
+            for r in reqs:
+                if r.request_id not in self._pending and (done := await self._finished(r)) is not None:
+                    finished[r.request_id] = done
         loop = asyncio.get_running_loop()
-        futs = []
+        futs, mine, publish = [], [], []
         for r in reqs:
+            waiting = self._pending.get(r.request_id)
+            if waiting is not None:  # the same call, retried while its first attempt still waits
+                futs.append(waiting[1])
+                continue
             fut = loop.create_future()
-            self._pending[r.request_id] = (r, fut)
+            done = finished.get(r.request_id)
+            if done is not None:
+                fut.set_result(done)
+            else:
+                self._pending[r.request_id] = (r, fut)
+                mine.append(r)
+                publish.append(r)
             futs.append(fut)
         t0 = time.monotonic()
         try:
-            await self.manager.publish_step(reqs, deadline_s=30.0)
+            if publish:
+                await self.manager.publish_step(publish, deadline_s=30.0, republish=idem is not None)
             try:
                 results: list[wire.RolloutResult] = await asyncio.wait_for(asyncio.gather(*futs),
                                                                            self.cfg.request_timeout_s)
@@ -667,23 +718,26 @@ class OpenAIEndpoint:
         except bus.PublishFailed as e:
             raise EndpointError(f"the request could not be queued: {e}", 503, kind="service_unavailable") from None
         finally:
-            for r in reqs:
+            for r in mine:
                 self._pending.pop(r.request_id, None)
         lock = self._locks.setdefault(session, asyncio.Lock())
         async with lock:  # turns are numbered and written in the order calls finish
             state = self._state(session)
-            turn = state.next_turn
+            before = state.recorded.get(reqs[0].request_id)  # a retry of a call answered (and recorded) already
+            turn = state.next_turn if before is None else before
             choices, records = [], []
             for i, (req, res) in enumerate(zip(reqs, results, strict=True)):
                 choice, rec = self._choice(session, turn, i, call, req, res)
                 choices.append(choice)
                 records.append(rec)
-            call_id = f"chatcmpl-{self.run_id}-{k}"
+            call_id = f"chatcmpl-{run}-{group}" if idem is not None else f"chatcmpl-{self.run_id}-{k}"
             now = time.time()
             for rec in records:
                 rec.update(call_id=call_id, ts=now, session=session, turn=turn, extends=extends)
-            await asyncio.to_thread(_append_lines, self.run_dir / "sessions" / f"{session}.jsonl", records)
-            state.next_turn = turn + 1
+            if before is None:
+                await asyncio.to_thread(_append_lines, self.run_dir / "sessions" / f"{session}.jsonl", records)
+                state.next_turn = turn + 1
+                state.recorded.update((rec["request_id"], turn) for rec in records)
             state.tails = {rec["answer_digest"]: (rec["prompt_ids"] + rec["completion_ids"], rec["request_id"])
                            for rec in records if rec["answer_digest"]}
         log.info("answered", turn=turn, choices=len(choices), seconds=round(time.monotonic() - t0, 3),
@@ -715,7 +769,7 @@ class OpenAIEndpoint:
         if tool_calls:
             message["tool_calls"] = tool_calls
         segments = [{"offset": s.offset, "worker_id": s.worker_id, "epoch": s.epoch,
-                     "policy_version": s.policy_version, "weights": s.weights} for s in res.segments]
+                     "policy_version": s.policy_version, "weights": s.weights, "kind": s.kind} for s in res.segments]
         versions = wire.token_versions(list(res.segments), len(ids))
         ext = {"request_id": res.request_id, "token_ids": ids, "logprobs": list(res.logprobs),
                "policy_versions": sorted({s.policy_version for s in res.segments}), "segments": segments,

@@ -479,3 +479,51 @@ async def test_sessions_recorded_by_the_endpoint_train_two_grpo_steps(
         assert rep.tokens == tokens and rep.responses == 8 and rep.reward_mean == pytest.approx(6 / 8)
         assert rep.grad_norm > 0
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.params, strict=True))
+
+
+async def test_a_retried_call_with_an_idempotency_key_gets_its_turn_from_the_checkpoint(
+        nats_url, redis_url, js, tokenizer, model_dir, tmp_path):
+    """The endpoint dies while a call waits; the harness retries it, with the same
+    Idempotency-Key, on the endpoint's next life: the turn under way is finished, not started
+    again, recorded once; a retry of an answered call is answered from the checkpoint."""
+    async with serving(nats_url, redis_url, tokenizer, model_dir, tmp_path, "oa-idem", delay_s=0.05, k=4) as (ep, c, ws):
+        (w,) = ws
+        body = {"model": "rlboost", "messages": [{"role": "user", "content": "What is 9 * 9 + 9?"}],
+                "tools": [CALC], "max_tokens": 200}
+        hdrs = {"Authorization": f"Bearer {TOKEN}", "X-Session-Id": "retried", "Idempotency-Key": "call-1"}
+        async with httpx.AsyncClient(base_url=_url(ep), timeout=30) as h:
+            first = asyncio.create_task(h.post("/v1/chat/completions", json=body, headers=hdrs))
+            for _ in range(400):  # until the worker is halfway through the turn
+                if w.counters.get("checkpointed") >= 12:
+                    break
+                await asyncio.sleep(0.05)
+            await ep.close()  # the endpoint dies with the call waiting
+            with pytest.raises(httpx.HTTPError):
+                await first
+        assert read_sessions(ep.run_dir) == []  # never answered, never recorded
+        ep2 = OpenAIEndpoint(c, ep.cfg, tokenizer, stop_ids(model_dir, tokenizer), ep.run_dir, token=TOKEN,
+                             max_context=1024)
+        await ep2.start()
+        try:
+            async with httpx.AsyncClient(base_url=_url(ep2), timeout=30) as h:
+                again = await h.post("/v1/chat/completions", json=body, headers=hdrs)
+                claims = w.counters.get("claims")
+                third = await h.post("/v1/chat/completions", json=body, headers=hdrs)
+                other = await h.post("/v1/chat/completions", json=body, headers={**hdrs, "Idempotency-Key": "call-2"})
+        finally:
+            await ep2.close()
+    assert again.status_code == third.status_code == other.status_code == 200, again.text
+    a, t = again.json()["choices"][0], third.json()["choices"][0]
+    assert a["rlboost"]["request_id"] == t["rlboost"]["request_id"] != other.json()["choices"][0]["rlboost"]["request_id"]
+    assert a["rlboost"]["token_ids"] == t["rlboost"]["token_ids"] and a["message"] == t["message"]
+    assert a["finish_reason"] == "tool_calls"
+    (session,) = read_sessions(ep.run_dir)
+    assert [(rec["request_id"], rec["turn"]) for rec in session.calls] == [
+        (a["rlboost"]["request_id"], 0), (other.json()["choices"][0]["rlboost"]["request_id"], 1)]
+    # the turn was generated once: part by the first life's call, the rest after the retry,
+    # and the answered retry cost the worker no claim at all
+    reference = CalculatorPolicy(tokenizer, 0).answer(session.calls[0]["prompt_ids"])[:-1]
+    assert a["rlboost"]["token_ids"][:-1] == reference
+    assert w.counters.get("claims") == claims + 1  # only the call with the new key
+    assert w.counters.get("generated") == len(a["rlboost"]["token_ids"]) + len(
+        other.json()["choices"][0]["rlboost"]["token_ids"])
