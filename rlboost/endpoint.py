@@ -608,7 +608,11 @@ class OpenAIEndpoint:
             st.tails = {c["answer_digest"]: (c["prompt_ids"] + c["completion_ids"], c["request_id"])
                         for c in last if c.get("answer_digest")}
             while len(self._sessions) >= MAX_SESSIONS_CACHED:
-                self._sessions.pop(next(iter(self._sessions)))
+                old = next(iter(self._sessions))
+                self._sessions.pop(old)
+                lock = self._locks.get(old)
+                if lock is not None and not lock.locked():
+                    del self._locks[old]
         self._sessions[session] = st  # most recently used last
         return st
 
