@@ -297,7 +297,7 @@ def test_sigkill_before_a_checkpoint_or_between_two_then_resume(services, tmp_pa
     assert saved == ([] if every == 10 else [1]) and done_before[:kill_in] == list(range(kill_in))
     restart = 0 if every == 10 else 2  # the step the resumed life restarts from
     finished = asyncio.run(_results(nats_url, restart, run_id))  # all of it: the dead life trained it
-    assert len(finished) == 4 * 4
+    assert len(finished) == (4 + 2 if mode == "partial" else 4) * 4  # partial: with its overprovision
     lines_before = len((run_dir / "rollouts.jsonl").read_text().splitlines())
 
     rows = _resume(run_dir, env, run_id, steps=steps)
@@ -315,5 +315,7 @@ def test_sigkill_before_a_checkpoint_or_between_two_then_resume(services, tmp_pa
                                           for s in range(restart, steps) for p in range(4) for g in range(4))
     # what the dead life finished for the step the resumed one restarts was taken, never generated again
     for rid, r in finished.items():
+        if mode == "partial" and rid.removeprefix(run_id + "-") not in rollouts:
+            continue  # a group still in flight at the end (carried by the last checkpoint)
         again = rollouts[rid.removeprefix(run_id + "-")]
         assert again["tokens"] == r.token_ids and again["workers"] == [s.worker_id for s in r.segments]
