@@ -270,16 +270,19 @@ def test_resume_of_an_async_run_keeps_its_mode_and_staleness(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,every", [("sync", 10), ("sync", 2), ("async", 10), ("async", 2), ("partial", 10)])
-def test_sigkill_before_a_checkpoint_or_between_two_then_resume(services, tmp_path, model_dir, mode, every):
-    """Killed in step 2, before its first checkpoint (the default checkpoint_every), or in step 3
-    with a checkpoint after step 1 and step 2 done past it: the dead life published the steps up
-    to the one it died in (async: k more). The resumed life starts from the run's start (or the
-    checkpoint), publishes those steps again under their ids without taking them for another
-    message's, takes what the dead life finished for the step it restarts from the results stream
-    (its requests name the weights the resumed life starts with), and trains every request of
-    every step once. (Before: a `PublishFailed` traceback at step 0, "Nats-Msg-Id ... already
-    taken".)"""
+@pytest.mark.parametrize("mode,every,gone", [("sync", 10, False), ("sync", 2, False), ("async", 10, False),
+                                             ("async", 2, False), ("partial", 10, False), ("sync", 10, True)])
+def test_sigkill_before_a_checkpoint_or_between_two_then_resume(services, tmp_path, model_dir, mode, every, gone):
+    """Killed in step 2 before its first checkpoint (the default checkpoint_every), or in step 3
+    with a checkpoint after step 1 and step 2 trained past it. The resumed life restarts from the
+    run's start (or the checkpoint) under the version that step's requests name, takes what the
+    dead life finished for it from the results stream, and trains every request of every step once
+    (sync: on-policy; async: at most k versions old). Later steps, which the dead life published
+    with weights the resumed life never has, are generated again under its own ids (sync, async);
+    partial takes them off-policy. (Before: `PublishFailed` at step 0, "Nats-Msg-Id ... already
+    taken"; between two checkpoints, `WrongWeights` in sync.) `gone`: the version it restarts from
+    was garbage-collected (one version kept, no deltas): it publishes its weights anew and
+    generates every step under its own ids."""
     nats_url, redis_url = services
     run_dir = tmp_path / "run"
     steps, kill_in = (4, 2) if every == 10 else (5, 3)
@@ -290,6 +293,8 @@ def test_sigkill_before_a_checkpoint_or_between_two_then_resume(services, tmp_pa
             f"rollout.checkpoint_tokens={K}", "rollout.overprovision=0.5"]
     if every != 10:
         args.append(f"run.checkpoint_every={every}")
+    if gone:
+        args += ["weights.deltas=false", "weights.keep_versions=1"]
     run_id = _start_then_kill(tmp_path, run_dir, args, env, nats_url, kill_in,
                               ready=lambda d: len(_rows(d)) >= kill_in)
     done_before = [r["step"] for r in _rows(run_dir)]
@@ -311,10 +316,10 @@ def test_sigkill_before_a_checkpoint_or_between_two_then_resume(services, tmp_pa
         assert len(rollouts) == len(lines) == (steps - restart) * 4 * 4
     else:  # every request of every step from the restart on, trained once by the resumed life; those the
         # dead life published with weights of its own (trained past the restart) under the resumed life's ids
-        assert sorted(rollouts) == sorted(wire.request_id(s, p, g, run="l1" if s > restart else "")
+        assert sorted(rollouts) == sorted(wire.request_id(s, p, g, run="l1" if s > restart or gone else "")
                                           for s in range(restart, steps) for p in range(4) for g in range(4))
     # what the dead life finished for the step the resumed one restarts was taken, never generated again
-    for rid, r in finished.items():
+    for rid, r in ({} if gone else finished).items():
         if mode == "partial" and rid.removeprefix(run_id + "-") not in rollouts:
             continue  # a group still in flight at the end (carried by the last checkpoint)
         again = rollouts[rid.removeprefix(run_id + "-")]

@@ -273,7 +273,7 @@ class Run:
             # async: the requests published ahead name up to max_staleness older versions
             self.weights_digest |= {int(v): d for v, d in resumed.get("recent", {}).items() if int(v) in kept}
             if latest is not None and latest > resumed["version"]:  # its previous life trained past it
-                self._fresh_ids(self.resumed_step + 1, "versions were published past the checkpoint's")
+                self._fresh_ids(self.resumed_step + 1, "versions were published past the one it starts from")
         else:
             # a resumed trainer already counts its steps: the next version is still a new one
             self.base_version = (0 if latest is None else latest + 1) - self.trainer.version
