@@ -24,7 +24,9 @@ published again under the same request ids: JetStream drops the duplicates whose
 still queued or in flight (those come back to a worker after ack_wait and resume from their
 Redis checkpoints), results already in the results stream are taken from there, and a request
 whose original was already acked comes back as a fresh message that a worker finds finished in
-Redis and republishes without generating. Under torchrun (`--nproc N`) rank 0 is this run;
+Redis and republishes without generating. A run killed before its first checkpoint resumes from
+its start; steps a dead life trained past the restart are generated again under the resumed
+life's own ids in sync / async (`Run._fresh_ids`). Under torchrun (`--nproc N`) rank 0 is this run;
 other ranks follow (`trainer.distributed`).
 """
 
@@ -328,8 +330,8 @@ class Run:
         checkpoint this life starts from, or that checkpoint's version is gone): not on-policy,
         or older than max_staleness in this life's numbering, which skips the dead life's
         versions. Those requests are generated again; the ones the previous life left queued are
-        served and their results refused as answering no request of this life (bounded: the
-        steps it had published). Nothing is published ahead before `step` (async): requests
+        served, and their results answer no request of this life (bounded: the steps it had
+        published). Nothing is published ahead before `step` (async): requests
         published under this version would be more than k versions old one step later.
         A partial run trains off-policy and takes them as they are (`setup`)."""
         if self.orchestrator.mode != "partial":
