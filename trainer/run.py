@@ -24,7 +24,9 @@ published again under the same request ids: JetStream drops the duplicates whose
 still queued or in flight (those come back to a worker after ack_wait and resume from their
 Redis checkpoints), results already in the results stream are taken from there, and a request
 whose original was already acked comes back as a fresh message that a worker finds finished in
-Redis and republishes without generating. Under torchrun (`--nproc N`) rank 0 is this run;
+Redis and republishes without generating. A run killed before its first checkpoint resumes from
+its start; steps a dead life trained past the restart are generated again under the resumed
+life's own ids in sync / async (`Run._fresh_ids`). Under torchrun (`--nproc N`) rank 0 is this run;
 other ranks follow (`trainer.distributed`).
 """
 
@@ -188,6 +190,7 @@ class Run:
         workdir = run_dir / "workers" / f"life-{attempt}"
         workdir.mkdir(parents=True, exist_ok=True)
         self.worker_prefix = f"l{attempt}w"
+        self.life = f"l{attempt}"  # also the tag of request ids this life cannot take from a previous one
         self.fleet = WorkerFleet(nats_url, redis_url, workdir, POOL, worker_args=[
             "--engine", "torch", "--model-dir", cfg.model_dir, "--slots", str(cfg.slots),
             "--checkpoint-tokens", str(cfg.checkpoint_tokens)],
@@ -217,6 +220,9 @@ class Run:
         self.resumed_weights: dict | None = None  # {"version", "digest"} of the checkpoint being resumed
         self.resumed_step = -1  # the first step after that checkpoint
         self.republish_through = -1  # the last step a previous life may have published (see restore)
+        # request ids: `<run>[-<tag>]-s<step>-...`; steps from `fresh_from` on carry this life's tag, earlier
+        # ones the tag of the checkpoint's life (see `_fresh_ids`)
+        self.resumed_tag, self.fresh_from = "", None
         self.run_id = run_id
         self.base_version = 0  # policy versions continue from what the weight store already holds
 
@@ -260,27 +266,37 @@ class Run:
         self.seeding.weights = self.weights  # the reserved engine pulls what the trainer published
         latest = await pointer.get()
         resumed = self.resumed_weights
-        if resumed and resumed["version"] in await published_versions(store):
+        kept = await published_versions(store)
+        if resumed and resumed["version"] in kept:
             # a resumed run goes on with the checkpoint's published version: the results its
             # previous life finished for the interrupted step name it (and its digest)
             self.base_version = resumed["version"] - self.trainer.version
             self.weights_digest = {resumed["version"]: resumed["digest"]}
             # async: the requests published ahead name up to max_staleness older versions
-            kept = await published_versions(store)
             self.weights_digest |= {int(v): d for v, d in resumed.get("recent", {}).items() if int(v) in kept}
-            if self.orchestrator.mode != "sync":
-                # a previous life that ran past its last checkpoint published newer versions, and
-                # requests it had in flight were generated with them (their results come back):
-                # versions of this run's own store, trusted as its own
-                for v in (v for v in kept if v > resumed["version"]):
-                    with contextlib.suppress(StoreError):
-                        self.weights_digest[v] = Manifest.decode(
-                            await store.read_all(wire.weights_manifest_key(v))).digest()
+            if latest is not None and latest > resumed["version"]:  # its previous life trained past it
+                self._fresh_ids(self.resumed_step + 1, "versions were published past the one it starts from")
         else:
             # a resumed trainer already counts its steps: the next version is still a new one
             self.base_version = (0 if latest is None else latest + 1) - self.trainer.version
             pub = await self.publisher.publish(await self._weights_to_publish(), version=self.version)
             self.weights_digest = {self.version: pub.manifest_digest}  # what results' segments must name
+            if resumed:
+                self._fresh_ids(self.resumed_step, "the checkpoint's version is gone from the weight store")
+            else:  # what a resume before the first checkpoint starts from (`restore_start`)
+                meta = json.loads((self.run_dir / "run.json").read_text())
+                meta["published"] = {"version": self.version, "digest": pub.manifest_digest}
+                (self.run_dir / "run.json.tmp").write_text(json.dumps(meta) + "\n")
+                (self.run_dir / "run.json.tmp").replace(self.run_dir / "run.json")
+        if resumed and self.orchestrator.mode == "partial":
+            # a previous life that ran past its last checkpoint published newer versions, and
+            # requests it had in flight were generated with them (their results come back):
+            # versions of this run's own store, trusted as its own (partial trains off-policy)
+            self.weights_digest.setdefault(resumed["version"], resumed["digest"])
+            for v in (v for v in kept if v > resumed["version"]):
+                with contextlib.suppress(StoreError):
+                    self.weights_digest[v] = Manifest.decode(
+                        await store.read_all(wire.weights_manifest_key(v))).digest()
         self._carry_over()
         if isinstance(self.seeding, ProcessSeeding):
             await self.seeding.start(timeout_s=90.0)
@@ -308,6 +324,24 @@ class Run:
             self.log.info("carried over from the checkpoint", groups=sum(map(len, carried.values())),
                           steps=sorted(carried))
 
+    def _fresh_ids(self, step: int, why: str) -> None:
+        """Sync / async: the requests of `step` and later get this life's own ids. What its previous
+        life published for them names versions this life's weights are not (it trained past the
+        checkpoint this life starts from, or that checkpoint's version is gone): not on-policy,
+        or older than max_staleness in this life's numbering, which skips the dead life's
+        versions. Those requests are generated again; the ones the previous life left queued are
+        served, and their results answer no request of this life (bounded: the steps it had
+        published). Nothing is published ahead before `step` (async): requests
+        published under this version would be more than k versions old one step later.
+        A partial run trains off-policy and takes them as they are (`setup`)."""
+        if self.orchestrator.mode != "partial":
+            self.fresh_from = step
+            self.log.warning("requests from this step on are generated again under this life's ids", reason=why,
+                             step=step, tag=self.life)
+
+    def _tag(self, step: int) -> str:
+        return self.life if self.fresh_from is not None and step >= self.fresh_from else self.resumed_tag
+
     async def _weights_to_publish(self) -> dict[str, torch.Tensor]:
         """The full weights in the publish dtype, gathered tensor by tensor (every rank takes part)."""
         return await asyncio.to_thread(self.ops.call, "state_dict")
@@ -319,8 +353,9 @@ class Run:
                    for c in map(read_counters, sorted((self.run_dir / "workers").rglob("*.counters"))))
 
     def _requests(self, step: int, prompt_ids: list[list[int]], version: int) -> list[wire.RolloutRequest]:
+        run = "-".join(filter(None, (self.run_id, self._tag(step))))
         return [wire.RolloutRequest(
-            request_id=wire.request_id(step, p, g, run=self.run_id), step=step, policy_version=version,
+            request_id=wire.request_id(step, p, g, run=run), step=step, policy_version=version,
             prompt_ids=ids, max_new_tokens=self.max_response_tokens, seed=request_seed(self.cfg.seed, step, p, g),
             sampling=wire.SamplingParams(temperature=self.cfg.temperature),
             eos_id=self.stops[0] if self.stops else -1, stop_ids=self.stops, group=p)
@@ -377,7 +412,8 @@ class Run:
         self._step_counts = {"reward_errors": 0, "reward_timeouts": 0, "request_errors": 0, "filtered": 0}
         # the steps a dead trainer published past its checkpoint go out again under the same request ids
         o = await self.orchestrator.step(step, self.version, self._make_requests, cfg.prompts,
-                                         republish=step <= self.republish_through)
+                                         republish=step <= self.republish_through,
+                                         publish_ahead=self.fresh_from is None or step >= self.fresh_from)
         rep, pub = o.report
         counts = {k: v for k, v in self._step_counts.items() if k != "filtered"}
         filtered = self._step_counts["filtered"]
@@ -525,10 +561,31 @@ class Run:
                 "published": {"version": self.version, "digest": self.weights_digest.get(self.version, ""),
                               "recent": {str(v): d for v, d in self.weights_digest.items() if oldest <= v < self.version}},
                 "carried": {str(s): gs for s, gs in carried.items()},
+                "request_tag": self._tag(step + 1),  # of the requests after it (`_fresh_ids`)
                 "draws": {str(s): list(self._drawn_from[s][2:]) for s in range(first, step + 1)} if carried else {},
                 "filtered_total": filtered_total, "dollars": self.dollars, "data_state": data_state,
                 "seed_window": {"t_seed": w.t_seed, "memory": {str(k): v for k, v in w.memory.items()},
                                 "workers": w._workers}}
+
+    def _republish_past(self, step: int) -> None:
+        """A previous life that ran past `step` (its checkpoint's next, checkpoint_every > 1, or the
+        run's start) published later steps too, under the same ids as this life will: up to the
+        step after its last row in metrics.jsonl (the one it died in), plus the k steps async
+        publishes ahead."""
+        reached = step
+        with contextlib.suppress(OSError):
+            for line in (self.run_dir / "metrics.jsonl").read_text().splitlines():
+                with contextlib.suppress(ValueError, TypeError, KeyError):
+                    reached = max(reached, int(json.loads(line)["step"]) + 1)
+        self.republish_through = reached + self.orchestrator.max_staleness
+
+    def restore_start(self) -> None:
+        """A resume before the run's first checkpoint: from the start, with the version its first
+        life published the model under (run.json), so what that life finished for step 0 (and
+        async: the k after) verifies and is taken; the steps it published are published again."""
+        self.resumed_weights = json.loads((self.run_dir / "run.json").read_text()).get("published")
+        self.resumed_step = 0
+        self._republish_past(0)
 
     def restore(self, state: dict) -> None:
         """The run's own state from a checkpoint (the trainer's is restored by trainer.checkpoint)."""
@@ -536,15 +593,8 @@ class Run:
             self.data.load_state(state["data_state"])
         self.resumed_weights = state.get("published")
         self.resumed_step = state["step"] + 1
-        # A previous life that ran past its checkpoint (checkpoint_every > 1) published later steps
-        # too, under the same ids as this life will: up to the step after its last row in
-        # metrics.jsonl (the one it died in), plus the k steps async publishes ahead.
-        reached = self.resumed_step
-        with contextlib.suppress(OSError):
-            for line in (self.run_dir / "metrics.jsonl").read_text().splitlines():
-                with contextlib.suppress(ValueError, TypeError, KeyError):
-                    reached = max(reached, int(json.loads(line)["step"]) + 1)
-        self.republish_through = reached + self.orchestrator.max_staleness
+        self.resumed_tag = state.get("request_tag", "")
+        self._republish_past(self.resumed_step)
         self._resumed_draws = ({int(s): n for s, n in (state.get("draws") or {}).items()},
                                {int(s): gs for s, gs in (state.get("carried") or {}).items()})
         w = state.get("seed_window") or {}
@@ -618,8 +668,12 @@ async def train(cfg: RunConfig, nats_url: str, redis_url: str, run_dir: Path, se
                 run.restore(state)
                 first_step, last_saved, eval_first, resumed = state["step"] + 1, state["step"], state.get("eval_first"), True
                 run.log.warning("resumed", checkpoint=str(last), step=first_step, version=trainer.version)
+            elif cfg.resume:  # killed before its first checkpoint: from the start
+                run.restore_start()
+                resumed = True
+                run.log.warning("resumed from the start: no checkpoint yet", step=0)
             await run.setup()
-            if not resumed:
+            if last is None:
                 eval_first = await run.evaluate()
             report.start(eval_first)
 
