@@ -276,9 +276,11 @@ class Orchestrator:
     # ------------------------------------------------------------------ one step
 
     async def step(self, step: int, version: int, source: RequestSource, prompts: int,
-                   republish: bool = False) -> StepOutcome:
+                   republish: bool = False, publish_ahead: bool = True) -> StepOutcome:
         """Run step `step` of the policy at `version` (the version being trained), with
-        `source.requests(step, version, groups)` making a step's requests (`groups` prompts)."""
+        `source.requests(step, version, groups)` making a step's requests (`groups` prompts).
+        `publish_ahead=False` (async): this step only, none ahead (a resumed run whose next
+        version follows a gap in the numbering: what it published now would be too old then)."""
         t_start = time.monotonic()
         self._last_result = t_start
         seeding = self.policy != "disaggregated" or self.engines.weight > 0
@@ -300,7 +302,7 @@ class Orchestrator:
         # 1. publish: this step (sync), what keeps prompts + overprovision groups in flight
         # (partial), or the steps up to step + k (async: the later ones under today's version)
         if self.mode == "async":
-            for s in range(step, step + self.max_staleness + 1):
+            for s in range(step, step + (self.max_staleness if publish_ahead else 0) + 1):
                 if s not in self._published:
                     await self._publish(s, source.requests(s, version, prompts), live, republish)  # resumed: all of them
         elif self.mode == "partial":

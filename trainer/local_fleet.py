@@ -46,7 +46,8 @@ class LocalFleet:
         attempt = sum(1 for _ in workers.glob("life-*")) if workers.exists() else 0
         self.workdir = workers / f"life-{attempt}"
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.prefix = f"l{attempt}w"
+        self.life = f"l{attempt}"  # also the tag of request ids this life cannot take from a previous one
+        self.prefix = f"{self.life}w"
         self.workers = self._processes(pool, "torch")
         self.reserved_counters = Counters(self.workdir / "reserved.counters")
 

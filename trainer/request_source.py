@@ -11,7 +11,9 @@ What it owns and why:
   next one, counted (`filtered_total`, and per step `step_filtered`) and logged;
 - request ids and seeds: every request of a run is named by (run, step, prompt, sample) and
   seeded from (run seed, step, prompt, sample), so a step drawn again (a resumed run) is the
-  same step, token for token;
+  same step, token for token. A resumed life that cannot take what its previous life published
+  for a step (`fresh_ids`) names that step's requests and the later ones with its own tag:
+  `<run>-<life>-s<step>-...` (the tag then travels with the checkpoint, `request_tag`);
 - the data position before each draw: an async run draws steps ahead and a partial run carries
   groups of earlier steps, so a checkpoint keeps the position before the first draw whose groups
   are not all trained, with each draw's size since (`position`), and a resumed life draws them
@@ -34,9 +36,15 @@ def request_seed(run_seed: int, step: int, prompt: int, sample: int) -> int:
 
 class RequestSource:
     def __init__(self, data, tokenizer, budget: PromptBudget, stops: list[int], *, run_id: str, seed: int,
-                 samples: int, temperature: float) -> None:
+                 samples: int, temperature: float, life: str = "") -> None:
+        """`life`: this life's tag (`LocalFleet.life`), for the ids of requests it cannot take from
+        a previous life."""
         self.data, self.tokenizer, self.budget, self.stops = data, tokenizer, budget, stops
         self.run_id, self.seed, self.samples, self.temperature = run_id, seed, samples, temperature
+        self.life = life
+        # request ids: `<run>[-<tag>]-s<step>-...`; steps from `fresh_from` on carry this life's tag,
+        # earlier ones the tag of the checkpoint's life (`fresh_ids`)
+        self.resumed_tag, self.fresh_from = "", None
         self.log = get_logger(component="requests", run_id=run_id)
         self.filtered_total = 0  # prompts dropped over the budget, this run (every life)
         self.step_filtered = 0  # since the caller last set it to 0 (a step's row)
@@ -58,8 +66,9 @@ class RequestSource:
         self.step_filtered += filtered
         for p, smp in enumerate(samples):
             self._samples[(step, p)] = smp
+        run = "-".join(filter(None, (self.run_id, self.tag(step))))
         return [wire.RolloutRequest(
-            request_id=wire.request_id(step, p, g, run=self.run_id), step=step, policy_version=version,
+            request_id=wire.request_id(step, p, g, run=run), step=step, policy_version=version,
             prompt_ids=ids, max_new_tokens=self.budget.max_response_tokens, seed=request_seed(self.seed, step, p, g),
             sampling=wire.SamplingParams(temperature=self.temperature),
             eos_id=self.stops[0] if self.stops else -1, stop_ids=self.stops, group=p)
@@ -78,6 +87,21 @@ class RequestSource:
         chosen = self.budget.fill(self.data.next_batch, lambda smp: encode_prompt(self.tokenizer, smp),
                                   n, dropped)
         return [smp for smp, _ in chosen], [ids for _, ids in chosen], filtered
+
+    def fresh_ids(self, step: int) -> None:
+        """The requests of `step` and later get this life's own ids: what its previous life
+        published for them is not for this life (see `trainer.resume.fresh_from`), so they are
+        generated again; the ones the previous life left queued are served, and their results
+        answer no request of this life."""
+        self.fresh_from = step
+
+    def tag(self, step: int) -> str:
+        return self.life if self.fresh_from is not None and step >= self.fresh_from else self.resumed_tag
+
+    def publish_ahead(self, step: int) -> bool:
+        """Async: nothing is published ahead before `fresh_from` (requests published under this
+        version would be more than k versions old one step later)."""
+        return self.fresh_from is None or step >= self.fresh_from
 
     # ------------------------------------------------------------------ the trainer port's questions
 
@@ -103,6 +127,7 @@ class RequestSource:
         data_state, filtered_total, _, _ = self._drawn_from.get(
             first, (self.data.state(), self.filtered_total, 0, version))
         return {"data_state": data_state, "filtered_total": filtered_total,
+                "request_tag": self.tag(step + 1),  # of the requests after it (`fresh_ids`)
                 "draws": {str(s): list(self._drawn_from[s][2:]) for s in range(first, step + 1)} if carried else {}}
 
     def restore(self, state: dict) -> None:
@@ -110,6 +135,7 @@ class RequestSource:
         if state.get("data_state") is not None:
             self.data.load_state(state["data_state"])
         self.filtered_total = state.get("filtered_total", 0)
+        self.resumed_tag = state.get("request_tag", "")
         self._resumed = ({int(s): n for s, n in (state.get("draws") or {}).items()},
                          {int(s): gs for s, gs in (state.get("carried") or {}).items()})
 

@@ -30,7 +30,9 @@ published again under the same request ids: JetStream drops the duplicates whose
 still queued or in flight (those come back to a worker after ack_wait and resume from their
 Redis checkpoints), results already in the results stream are taken from there, and a request
 whose original was already acked comes back as a fresh message that a worker finds finished in
-Redis and republishes without generating. Under torchrun (`--nproc N`) rank 0 is this run;
+Redis and republishes without generating. A run killed before its first checkpoint resumes from
+its start; steps a dead life trained past the restart are generated again under the resumed
+life's own ids in sync / async (`RequestSource.fresh_ids`). Under torchrun (`--nproc N`) rank 0 is this run;
 other ranks follow (`trainer.distributed`).
 """
 
@@ -75,7 +77,8 @@ from trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, load_tokeniz
     weights_sha256
 from trainer.evaluation import Evaluation
 from trainer.report import RunReport
-from trainer.resume import Resumed, checkpoint_meta, restore, run_identity
+from trainer.resume import Resumed, checkpoint_meta, fresh_from, remember_start, restore, restore_start, \
+    run_identity
 from trainer.scoring import Scorer
 from trainer.step_metrics import StepMetrics, save_rollouts
 from trainer.trainer_port import TrainerPort
@@ -142,8 +145,6 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
     data, reward_spec, task_tokens = prepared or make_data(ds, rs.seed)
     budget = PromptBudget.for_model(ds.max_prompt_tokens, ds.max_response_tokens,
                                     check_model_dir(model_dir).max_context, task_tokens)
-    source = RequestSource(data, tokenizer, budget, stops, run_id=run_id, seed=rs.seed, samples=ro.samples,
-                           temperature=ro.temperature)
     scorer = Scorer(reward_spec, tokenizer, stops, workers=ds.reward_workers, timeout_s=ds.reward_timeout_s)
     stack.callback(scorer.close)
     evaluation = Evaluation(data.eval_samples(), tokenizer, budget, stops, pad_id(tokenizer, stops), ops, scorer)
@@ -152,6 +153,8 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
     fleet = LocalFleet(nats_url, redis_url, run_dir, pool=POOL, reserved_pool=RESERVED_POOL,
                        model_dir=model_dir, slots=ro.slots, checkpoint_tokens=ro.checkpoint_tokens,
                        env=s.weights.store_env())  # they pull from the store the trainer publishes to
+    source = RequestSource(data, tokenizer, budget, stops, run_id=run_id, seed=rs.seed, samples=ro.samples,
+                           temperature=ro.temperature, life=fleet.life)
     stack.callback(fleet.stop)
     seeding = fleet.seeding_engines(c, ro, s.worker, serves=rs.policy != "disaggregated")
 
@@ -166,7 +169,8 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
     # policy versions, the trainer's port, the step
     ledger = await VersionLedger.open(c.js, s.weights.store_options(), s.weights.publisher_options(), lambda: trainer.version,
                                       off_policy=ro.mode != "sync", keep_versions=s.weights.keep_versions,
-                                      staleness=0 if ro.mode == "sync" else ro.max_staleness, run_id=run_id)
+                                      staleness=0 if ro.mode == "sync" else ro.max_staleness,
+                                      adopt_newer=ro.mode == "partial", run_id=run_id)
     port = TrainerPort(trainer, ops, source, scorer, ledger, partial=ro.mode == "partial")
     window = SeedWindow(initial_s=ro.t_seed, floor_s=ro.t_seed_floor)
     tally = StepMetrics(run_id, rs.policy, ro.mode, rs, trainer.ranks.world, pool=POOL,
@@ -190,7 +194,7 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
                       config={k: v for k, v in msgspec.to_builtins(s).items() if k != "services"})
     stack.callback(loggers.close)
 
-    # a resumed run: the parts' state from its last checkpoint
+    # a resumed run: the parts' state from its last checkpoint, or its start again
     resumed = Resumed()
     last = ckpt.latest(run_dir) if resume else None
     if last is not None:
@@ -198,18 +202,27 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
         resumed = restore(state, run_dir, max_staleness=orchestrator.max_staleness, source=source, window=window,
                           tally=tally)
         log.warning("resumed", checkpoint=str(last), step=resumed.first_step, version=trainer.version)
+    elif resume:  # killed before its first checkpoint: from the start
+        resumed = restore_start(run_dir, orchestrator.max_staleness)
+        log.warning("resumed from the start: no checkpoint yet", step=0)
 
     # the first version (the reserved engine pulls what the trainer publishes), what a resumed
     # partial run had in flight, then the rollout processes
     seeding.weights = StoreWeights(WeightCache(run_dir / "weight-cache" / "reserved", ledger.store), wait_s=30.0)
-    await ledger.start(port.weights, resumed.published)
+    how = await ledger.start(port.weights, resumed.published)
+    if how == "new":
+        remember_start(run_dir, ledger.current())
+    if fresh := fresh_from(how, resumed, ro.mode):
+        source.fresh_ids(fresh[0])
+        log.warning("requests from this step on are generated again under this life's ids", reason=fresh[1],
+                    step=fresh[0], tag=fleet.life)
     for drawn, carried in source.redraw(ledger.version):
         orchestrator.carry(drawn, carried)
     if isinstance(seeding, ProcessSeeding):
         await seeding.start(timeout_s=90.0)
     if rs.policy != "colocated" and rs.workers:
         await fleet.start_workers(rs.workers, orchestrator.manager)
-    if not resumed.resumed:
+    if not resumed.from_checkpoint:
         resumed.eval_first = await evaluation.accuracy()
     report.start(resumed.eval_first)
     return Run(settings=s, run_id=run_id, run_dir=run_dir, trainer=trainer, ops=ops, report=report, loggers=loggers,
@@ -227,7 +240,8 @@ async def step(run: Run, step: int) -> dict:
     run.source.step_filtered = run.scorer.step_errors = run.scorer.step_timeouts = 0
     # the steps a dead trainer published past its checkpoint go out again under the same request ids
     o = await run.orchestrator.step(step, run.ledger.version, run.source, ro.prompts,
-                                    republish=step <= run.resumed.republish_through)
+                                    republish=step <= run.resumed.republish_through,
+                                    publish_ahead=run.source.publish_ahead(step))
     if rs.save_rollouts:
         save_rollouts(run.run_dir / "rollouts.jsonl", run.run_id, o.trained)
     step_s = time.monotonic() - t_step  # held-out evaluation is bookkeeping, not the step

@@ -64,54 +64,77 @@ class VersionLedger:
     `trained`: the trainer's own step count (a checkpoint restores it); the version is that
     count plus a base, the offset that keeps numbers unique in the store across lives.
     `off_policy`: results may hold tokens of older versions (rollout modes partial / async).
+    `adopt_newer`: a resumed run takes the versions a dead life published past its checkpoint as
+    its own (partial: it trains the tokens they generated off-policy).
     `staleness`: how many versions back a request may still be generated with (async's k):
     GC keeps that many more than `keep_versions`."""
 
     def __init__(self, store, pointer: VersionPointer, publisher: WeightPublisher, trained: Callable[[], int], *,
-                 off_policy: bool, keep_versions: int, staleness: int = 0, run_id: str = "") -> None:
+                 off_policy: bool, keep_versions: int, staleness: int = 0, adopt_newer: bool = False,
+                 run_id: str = "") -> None:
         self.store, self.pointer, self.publisher = store, pointer, publisher
         self._trained = trained
         self.off_policy, self.keep_versions, self.staleness = off_policy, keep_versions, staleness
+        self.adopt_newer = adopt_newer
         self.base = 0
         self.digests: dict[int, str] = {}  # version -> manifest digest: what results' segments must name
         self.log = get_logger(component="ledger", run_id=run_id)
 
     @classmethod
     async def open(cls, js: JetStreamContext, store_options: dict, publisher_options: dict, trained: Callable[[], int],
-                   *, off_policy: bool, keep_versions: int, staleness: int = 0, run_id: str = "") -> VersionLedger:
+                   *, off_policy: bool, keep_versions: int, staleness: int = 0, adopt_newer: bool = False,
+                   run_id: str = "") -> VersionLedger:
         """`store_options`: `open_store`'s (`WeightsSettings.store_options`); `publisher_options`: the publisher's."""
         store = await open_store(js=js, **store_options)
         pointer = await VersionPointer.open(js)
         return cls(store, pointer, WeightPublisher(store, pointer, **publisher_options), trained,
-                   off_policy=off_policy, keep_versions=keep_versions, staleness=staleness, run_id=run_id)
+                   off_policy=off_policy, keep_versions=keep_versions, staleness=staleness, adopt_newer=adopt_newer,
+                   run_id=run_id)
 
     @property
     def version(self) -> int:
         """The version being trained (and published at the end of the step)."""
         return self.base + self._trained()
 
-    async def start(self, weights: StateDict, resumed: dict | None = None) -> None:
-        """The run's first version. A resumed run whose checkpoint's version is still in the store
-        goes on with it (the results its previous life finished for the interrupted step name it
-        and its digest); otherwise the current weights are published under the next free number."""
+    async def start(self, weights: StateDict, resumed: dict | None = None) -> str:
+        """The run's first version. A resumed run whose version (`resumed`: {"version", "digest",
+        "recent"}) is still in the store goes on with it (the results its previous life finished
+        for the interrupted step name it and its digest); otherwise the current weights are
+        published under the next free number. Returns how it started:
+
+        - "new": nothing to resume, the weights published;
+        - "kept": the resumed version goes on;
+        - "past": it goes on, but a dead life published newer versions (it trained past it);
+        - "gone": the resumed version was collected from the store: the weights published anew.
+        """
         latest = await self.pointer.get()
-        if resumed and resumed["version"] in (kept := await published_versions(self.store)):
+        kept = await published_versions(self.store)
+        if resumed and resumed["version"] in kept:
             self.base = resumed["version"] - self._trained()
             self.digests = {resumed["version"]: resumed["digest"]}
             # async: the requests published ahead name up to max_staleness older versions
             self.digests |= {int(v): d for v, d in resumed.get("recent", {}).items() if int(v) in kept}
-            if self.off_policy:
-                # a previous life that ran past its last checkpoint published newer versions, and
-                # requests it had in flight were generated with them (their results come back):
-                # versions of this run's own store, trusted as its own
-                for v in (v for v in kept if v > resumed["version"]):
-                    with contextlib.suppress(StoreError):
-                        self.digests[v] = Manifest.decode(await self.store.read_all(wire.weights_manifest_key(v))).digest()
+            how = "past" if latest is not None and latest > resumed["version"] else "kept"
         else:
             # a resumed trainer already counts its steps: the next version is still a new one
             self.base = (0 if latest is None else latest + 1) - self._trained()
             pub = await self.publisher.publish(await weights(), version=self.version)
             self.digests = {self.version: pub.manifest_digest}
+            how = "gone" if resumed else "new"
+        if resumed and self.adopt_newer:
+            # a previous life that ran past its last checkpoint published newer versions, and
+            # requests it had in flight were generated with them (their results come back):
+            # versions of this run's own store, trusted as its own
+            self.digests.setdefault(resumed["version"], resumed["digest"])
+            for v in (v for v in kept if v > resumed["version"]):
+                with contextlib.suppress(StoreError):
+                    self.digests[v] = Manifest.decode(await self.store.read_all(wire.weights_manifest_key(v))).digest()
+        return how
+
+    def current(self) -> dict:
+        """The version being trained and its digest: what a resume before the first checkpoint
+        starts from (`trainer.resume.remember_start`)."""
+        return {"version": self.version, "digest": self.digests.get(self.version, "")}
 
     async def publish(self, weights: StateDict) -> PublishReport:
         """The end of a step: the trained weights under the version's number, then GC."""
