@@ -124,7 +124,8 @@ def restore_start(run_dir: Path, max_staleness: int) -> Resumed:
     """A resume before the run's first checkpoint: from the start, with the version its first
     life published the model under (run.json), so what that life finished for step 0 (and
     async: the k after) verifies and is taken; the steps it published are published again."""
-    return Resumed(resumed=True, first_step=0, published=json.loads((run_dir / "run.json").read_text()).get("published"),
+    published = json.loads((run_dir / "run.json").read_text()).get("published")
+    return Resumed(resumed=True, first_step=0, published=published,
                    republish_through=republish_through(run_dir, 0, max_staleness))
 
 

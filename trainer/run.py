@@ -153,9 +153,10 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
     fleet = LocalFleet(nats_url, redis_url, run_dir, pool=POOL, reserved_pool=RESERVED_POOL,
                        model_dir=model_dir, slots=ro.slots, checkpoint_tokens=ro.checkpoint_tokens,
                        env=s.weights.store_env())  # they pull from the store the trainer publishes to
+    stack.callback(fleet.stop)
+    # a step's requests from the data (ids tagged with this life's tag where a resume needs it)
     source = RequestSource(data, tokenizer, budget, stops, run_id=run_id, seed=rs.seed, samples=ro.samples,
                            temperature=ro.temperature, life=fleet.life)
-    stack.callback(fleet.stop)
     seeding = fleet.seeding_engines(c, ro, s.worker, serves=rs.policy != "disaggregated")
 
     async def close_engine() -> None:
@@ -167,8 +168,9 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
     chaos = Chaos(fleet, parse_chaos(rs.chaos), run_id)
 
     # policy versions, the trainer's port, the step
-    ledger = await VersionLedger.open(c.js, s.weights.store_options(), s.weights.publisher_options(), lambda: trainer.version,
-                                      off_policy=ro.mode != "sync", keep_versions=s.weights.keep_versions,
+    ledger = await VersionLedger.open(c.js, s.weights.store_options(), s.weights.publisher_options(),
+                                      lambda: trainer.version, off_policy=ro.mode != "sync",
+                                      keep_versions=s.weights.keep_versions,
                                       staleness=0 if ro.mode == "sync" else ro.max_staleness,
                                       adopt_newer=ro.mode == "partial", run_id=run_id)
     port = TrainerPort(trainer, ops, source, scorer, ledger, partial=ro.mode == "partial")

@@ -39,8 +39,8 @@ class Scorer:
         """Rewards of one group (every result answers `sample`), in `results` order."""
         ok = [i for i, r in enumerate(results) if r.finish_reason != "error"]
         rewards = [0.0] * len(results)
-        scored = await self.pool.ascore([self._item(sample, results[i].token_ids, results[i].finish_reason) for i in ok],
-                                        [results[i].request_id for i in ok])
+        items = [self._item(sample, results[i].token_ids, results[i].finish_reason) for i in ok]
+        scored = await self.pool.ascore(items, [results[i].request_id for i in ok])
         for i, v in zip(ok, scored.values, strict=True):
             rewards[i] = v
         self.step_errors += scored.errors
