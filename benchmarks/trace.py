@@ -314,7 +314,7 @@ class Emulation:
                 if a.worker_id in self.preempted and b.worker_id != a.worker_id:
                     self.taken_over[r.request_id] = (a.worker_id, b.worker_id)
 
-    def _requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
+    def requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
         R = self.a.token_scale
         if getattr(self.a, "preempt_busy", False):  # (tests) what `_holding_work` looks at
             self.issued.update({wire.request_id(step, p, g, run=self.run_id): (seed_of(step, p, g), MAX_NEW_TOKENS // R)
@@ -327,7 +327,7 @@ class Emulation:
     async def step(self, step: int) -> dict:
         """One step of the product's orchestration (rlboost/orchestrator.py), on emulated engines."""
         # the emulated trainer's version: the step (workers' emulated weights are virtual)
-        o = await self.orchestrator.step(step, step if self.mode != "sync" else 0, self._requests, self.a.prompts)
+        o = await self.orchestrator.step(step, step if self.mode != "sync" else 0, self, self.a.prompts)
         R, S = self.a.token_scale, self.S
         tokens = R * sum(len(r.token_ids) for _, results in o.trained for r in results)  # modelled tokens
         self.staleness += o.staleness

@@ -4,9 +4,9 @@ then command-line overrides (`--trainer.lr 1e-5` or `trainer.lr=1e-5`).
 Sections: [run] (what a run is: steps, seed, checkpoints, loggers), [trainer] (device,
 precision, optimizer, schedule, memory), [algorithm] (the GRPO loss, its off-policy correction),
 [rollout] (prompts, samples, the seeding window), [services], [worker], [metrics], [weights] (how
-policy versions are stored: snapshots and sparse deltas). Environment names are the dotted path
-upper-cased with `__` between levels, plus two short aliases users expect: RLBOOST_NATS_URL and
-RLBOOST_REDIS_URL (= services.nats_url / redis_url). Example:
+policy versions are stored: snapshots and sparse deltas), [endpoint] (`rlboost serve-openai`).
+Environment names are the dotted path upper-cased with `__` between levels, plus two short
+aliases users expect: RLBOOST_NATS_URL and RLBOOST_REDIS_URL (= services.nats_url / redis_url). Example:
 RLBOOST_WORKER__SLOTS=64 sets `worker.slots`. Every value is validated when the tree is built,
 with an error that names the key; relations between keys (a lease shorter than the ack wait) are
 checked here too, not in one command's argument parser. `dump_toml` writes the effective
@@ -354,6 +354,37 @@ class RolloutSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                f"{self.t_seed_floor} must be in [0, rollout.t_seed ({self.t_seed})]")
 
 
+class EndpointSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`rlboost serve-openai`: an OpenAI-compatible chat-completions endpoint whose every call is
+    a checkpointed rollout request (rlboost/endpoint.py, docs/guides/agent-harnesses.md)."""
+
+    host: str = "127.0.0.1"  # loopback unless told otherwise; any other address needs a token
+    port: int = 8000  # 0 = a free port (printed at start)
+    token_env: str = "RLBOOST_ENDPOINT_TOKEN"  # environment variable holding the bearer token ("" in it = no auth, loopback only)
+    model_name: str = "rlboost"  # the model id GET /v1/models lists and responses name
+    model_dir: str = ""  # the tokenizer and chat template come from here; "" = run.model_dir, else <data_dir>/model
+    pool: str = "spot"  # the worker pool whose queue each call is published on
+    step: int = 99999  # the step number of the endpoint's requests: one a training run does not reach
+    run_dir: str = ""  # where each session's calls are recorded (sessions/<id>.jsonl); "" = runs/endpoint-<time>
+    max_tokens: int = 4096  # the largest max_tokens a call may ask for
+    default_max_tokens: int = 512  # a call that names none
+    max_n: int = 16  # choices per call (n)
+    max_body_bytes: int = 8 << 20  # a larger HTTP body is refused (413)
+    max_inflight: int = 256  # calls waiting at once; more are refused (429)
+    request_timeout_s: float = 600.0  # a call whose results are not in by then is answered 504
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port <= 65535, "endpoint.port", "must be in [0, 65535]")
+        _check(self.step >= 0, "endpoint.step", "must be >= 0")
+        _check(self.default_max_tokens >= 1, "endpoint.default_max_tokens", "must be >= 1")
+        _check(self.default_max_tokens <= self.max_tokens, "endpoint.max_tokens",
+               f"{self.max_tokens} must be >= endpoint.default_max_tokens ({self.default_max_tokens})")
+        _check(self.max_n >= 1, "endpoint.max_n", "must be >= 1")
+        _check(self.max_body_bytes >= 1024, "endpoint.max_body_bytes", "must be >= 1024")
+        _check(self.max_inflight >= 1, "endpoint.max_inflight", "must be >= 1")
+        _check(self.request_timeout_s > 0, "endpoint.request_timeout_s", "must be > 0")
+
+
 class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Episodes: which environment a run's requests play in (`rlboost run --env`), and the
     bounds every episode keeps (docs/concepts/environments.md)."""
@@ -390,6 +421,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     data: DataSettings = msgspec.field(default_factory=DataSettings)
     weights: WeightsSettings = msgspec.field(default_factory=WeightsSettings)
     env: EnvSettings = msgspec.field(default_factory=EnvSettings)
+    endpoint: EndpointSettings = msgspec.field(default_factory=EndpointSettings)
     log_json: bool = False
     log_level: str = "info"
 

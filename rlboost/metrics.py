@@ -74,6 +74,15 @@ WEIGHT_PULL_BYTES = Counter("rlboost_weight_pull_bytes_total", "Bytes of weight 
 WEIGHT_PULL_SECONDS = Histogram("rlboost_weight_pull_seconds", "Time to make a policy version available locally",
                                 buckets=(.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=REGISTRY)
 
+# ---------------------------------------------------------------- the OpenAI endpoint (rlboost/endpoint.py)
+ENDPOINT_CALLS = Counter("rlboost_endpoint_calls_total", "Chat-completions calls answered, by HTTP status",
+                         ["status"], registry=REGISTRY)
+ENDPOINT_CALL_SECONDS = Histogram("rlboost_endpoint_call_seconds",
+                                  "Chat-completions calls answered 200: arrival to answer (generation included)",
+                                  buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300), registry=REGISTRY)
+ENDPOINT_INFLIGHT = Gauge("rlboost_endpoint_inflight_calls", "Chat-completions calls waiting for their results",
+                          registry=REGISTRY)
+
 # ---------------------------------------------------------------- queue and cost (manager/trainer)
 QUEUE_PENDING = Gauge("rlboost_queue_pending_requests", "Requests waiting in a pool's consumer",
                       ["pool", "lane"], registry=REGISTRY)

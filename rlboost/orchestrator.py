@@ -8,6 +8,8 @@ are the parts plugged in (prime-rl's style: components wired in the constructor,
   (`reserved_pool`) and handing off to the preemptible pool's resume lane. A run plugs a torch
   or vLLM engine in (in this process or as worker processes, `workers/seeding.py`); the bench
   plugs emulated H100 engines in.
+- `RequestSource`: a step's requests (a run: its data's prompts, `trainer/request_source.py`;
+  the bench: modelled prompts).
 - `TrainerClock`: consumes complete groups (real GRPO, or the bench's emulated trainer that
   takes the time a calibrated model says) and ends the step (optimizer step, weights).
 
@@ -113,6 +115,15 @@ class SeedingEngines(Protocol):
     def worker_ids(self) -> set[str]:
         """Worker ids of the engines that may register on the preemptible pool (a fallback):
         not counted as preemptible workers."""
+
+
+class RequestSource(Protocol):
+    """Where a step's work comes from (a run: its data's prompts, `trainer/request_source.py`;
+    the trace bench: modelled prompts). The orchestrator asks once per step it publishes (async:
+    the steps ahead too; partial: the groups that keep `prompts + overprovision` in flight)."""
+
+    def requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
+        """The requests of `groups` groups of step `step`, to be generated under `version`."""
 
 
 class TrainerClock(Protocol):
@@ -264,10 +275,12 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ one step
 
-    async def step(self, step: int, version: int, requests: Callable[[int, int, int], list[wire.RolloutRequest]],
-                   prompts: int, republish: bool = False) -> StepOutcome:
+    async def step(self, step: int, version: int, source: RequestSource, prompts: int,
+                   republish: bool = False, publish_ahead: bool = True) -> StepOutcome:
         """Run step `step` of the policy at `version` (the version being trained), with
-        `requests(step, version, groups)` making a step's requests (`groups` prompts)."""
+        `source.requests(step, version, groups)` making a step's requests (`groups` prompts).
+        `publish_ahead=False` (async): this step only, none ahead (a resumed run whose next
+        version follows a gap in the numbering: what it published now would be too old then)."""
         t_start = time.monotonic()
         self._last_result = t_start
         seeding = self.policy != "disaggregated" or self.engines.weight > 0
@@ -289,9 +302,9 @@ class Orchestrator:
         # 1. publish: this step (sync), what keeps prompts + overprovision groups in flight
         # (partial), or the steps up to step + k (async: the later ones under today's version)
         if self.mode == "async":
-            for s in range(step, step + self.max_staleness + 1):
+            for s in range(step, step + (self.max_staleness if publish_ahead else 0) + 1):
                 if s not in self._published:
-                    await self._publish(s, requests(s, version, prompts), live, republish)  # resumed: all of them
+                    await self._publish(s, source.requests(s, version, prompts), live, republish)  # resumed: all of them
         elif self.mode == "partial":
             for s, carried in self._carry:  # a resumed run: what its previous life had in flight
                 await self._publish(s, carried, live, republish=True)
@@ -299,9 +312,9 @@ class Orchestrator:
             # every step trains `prompts` groups, so this is `prompts` after the first step whatever
             # the timing: a resumed life draws what its previous life drew, under the same ids
             groups = prompts + math.ceil(prompts * self.overprovision) - len(self._untrained)
-            await self._publish(step, requests(step, version, max(groups, 0)), live, republish)
+            await self._publish(step, source.requests(step, version, max(groups, 0)), live, republish)
         else:
-            await self._publish(step, requests(step, version, prompts), live, republish)
+            await self._publish(step, source.requests(step, version, prompts), live, republish)
         stop_waiting = asyncio.Event()
         waiting = asyncio.create_task(self.manager.sample_waiting(stop_waiting, self.waiting_period_s,
                                                                   exclude=self.engines.worker_ids())) if live else None

@@ -133,7 +133,8 @@ def event_msg_id(request_id: str, kind: str, epoch: int, offset: int) -> str:
 
 def request_id(step: int, prompt: int, sample: int, run: str = "") -> str:
     """`[<run>-]s<step>-p<prompt>-g<sample>`: sorts by step, prompt, sample. The run prefix keeps
-    a new run on the same servers from mistaking an old run's checkpoints or results for its own."""
+    a new run on the same servers from mistaking an old run's checkpoints or results for its own
+    (a resumed run's life that cannot take its previous life's requests adds its tag: `<run>-l<life>`)."""
     rid = f"s{step:05d}-p{prompt:05d}-g{sample:03d}"
     return f"{check_name('run id', run)}-{rid}" if run else rid
 

@@ -108,3 +108,28 @@ def tree_sha256(root: Path) -> dict[str, str]:
 
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+class PassThroughStore:
+    """A real weight store behind a wrapper that tests override one call of (`read`, to damage
+    or cut a transfer): every other call goes straight to the store."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.location = inner.location
+
+    async def put(self, key, data):
+        await self.inner.put(key, data)
+
+    async def has(self, key):
+        return await self.inner.has(key)
+
+    async def delete(self, key):
+        await self.inner.delete(key)
+
+    async def list(self, prefix=""):
+        return await self.inner.list(prefix)
+
+    async def read(self, key):
+        async for chunk in self.inner.read(key):
+            yield chunk

@@ -87,13 +87,13 @@ def test_init_model_never_writes_into_a_folder_it_did_not_make(tmp_path, capsys)
 
 
 def test_run_init_model_builds_only_into_a_folder_of_its_own(tmp_path):
-    from rlboost.config import Settings
+    from rlboost.config import RunSettings, Settings
     from rlboost.modeldir import ModelDirError
-    from trainer.run import RunConfig, resolve_model
+    from trainer.run import resolve_model
 
     user = tmp_path / "user-model"
     user.mkdir()
     (user / "weights.safetensors").write_bytes(b"mine")
     with pytest.raises(ModelDirError, match="did not make"):
-        resolve_model(RunConfig(model_dir=str(user), init_model=True), Settings())
+        resolve_model(RunSettings(model_dir=str(user), init_model=True), Settings())
     assert [p.name for p in user.iterdir()] == ["weights.safetensors"]

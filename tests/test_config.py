@@ -92,10 +92,10 @@ def test_the_data_section_sets_the_run_s_data_and_reward_and_flags_override(tmp_
     f.write_text('[data]\ntrain = "t.jsonl"\neval = "e.jsonl"\nreward = "r.py:score"\nmax_response_tokens = 64\n'
                  'messages_key = "conversation"\n')
     s = load_settings(f, environ={})
-    cfg = parse([], s=s)
-    assert (cfg.data, cfg.eval_data, cfg.reward, cfg.max_response_tokens) == ("t.jsonl", "e.jsonl", "r.py:score", 64)
-    assert cfg.fields["messages"] == "conversation"
-    assert parse(["--reward", "math", "--max-response-tokens", "32"], s=s).reward == "math"
+    ds = parse([], s=s).settings.data
+    assert (ds.train, ds.eval, ds.reward, ds.max_response_tokens) == ("t.jsonl", "e.jsonl", "r.py:score", 64)
+    assert ds.messages_key == "conversation"
+    assert parse(["--reward", "math", "--max-response-tokens", "32"], s=s).settings.data.reward == "math"
     with pytest.raises(ConfigError, match="trian"):
         f.write_text('[data]\ntrian = "typo.jsonl"\n')
         load_settings(f, environ={})

@@ -86,7 +86,7 @@ async def test_a_worker_that_makes_no_progress_stops_extending_its_requests(nats
 
 
 def test_the_trainer_refuses_a_result_generated_with_other_weights():
-    from rlboost.manager import WrongWeights, check_weights
+    from rlboost.weights.ledger import WrongWeights, check_weights
 
     def result(*segs: wire.Segment) -> wire.RolloutResult:
         return wire.RolloutResult(request_id="r-s1-p0", step=1, group=0, prompt_ids=[1], token_ids=[2, 3],

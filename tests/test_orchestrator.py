@@ -66,12 +66,16 @@ class Clock:
         return self.version
 
 
-def requests_of(run: str):
-    def make(step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
-        return [wire.RolloutRequest(request_id=wire.request_id(step, p, g, run=run), step=step, policy_version=version,
-                                    prompt_ids=[7] * 4, max_new_tokens=MAX_NEW_TOKENS // R, seed=1000 * step + 10 * p + g,
-                                    group=p) for p in range(groups) for g in range(4)]
-    return make
+class Requests:
+    """A request source (`orch.RequestSource`): 4 samples of a 4-token prompt per group."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+
+    def requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
+        return [wire.RolloutRequest(request_id=wire.request_id(step, p, g, run=self.run), step=step,
+                                    policy_version=version, prompt_ids=[7] * 4, max_new_tokens=MAX_NEW_TOKENS // R,
+                                    seed=1000 * step + 10 * p + g, group=p) for p in range(groups) for g in range(4)]
 
 
 async def drive(services, mode: str, steps: int, preemptible: int = 0, policy: str = "hybrid", t_seed: float = 0.2,
@@ -103,7 +107,7 @@ async def drive(services, mode: str, steps: int, preemptible: int = 0, policy: s
         outs = []
         try:
             for step in range(steps):
-                outs.append(await asyncio.wait_for(o.step(step, clock.version, requests_of(run), prompts), 60))
+                outs.append(await asyncio.wait_for(o.step(step, clock.version, Requests(run), prompts), 60))
         finally:
             await o.close()
             await seeding.close()
@@ -137,7 +141,7 @@ def test_the_pool_dies_at_the_hand_off_and_the_reserved_side_takes_it_back(servi
 
 
 def reference(r: wire.RolloutResult) -> tuple[list[int], list[float]]:
-    """What undisturbed emulated engines make for `requests_of`'s request, each token under the
+    """What undisturbed emulated engines make for `Requests`'s request, each token under the
     policy version its result's segments name (the checkpoints keep float32 logprobs)."""
     step, p, g = map(int, re.search(r"s(\d+)-p(\d+)-g(\d+)$", r.request_id).groups())
     seed = 1000 * step + 10 * p + g
@@ -208,7 +212,7 @@ async def drive_with_a_kill(services, tmp_path, mode: str, steps: int, how: str 
         outs = []
         try:
             for step in range(steps):
-                outs.append(await asyncio.wait_for(o.step(step, clock.version, requests_of(run), 6), 60))
+                outs.append(await asyncio.wait_for(o.step(step, clock.version, Requests(run), 6), 60))
         finally:
             killer.stop.set()
             replacing.cancel()

@@ -96,6 +96,5 @@ def test_a_512_context_model_passes_the_checks_with_no_budget_flags(nothing_slow
     """The issue's case: the response budget used to default to 512 whatever the model, which left
     a 512-token model a prompt budget of 0 ("1024 prompts in a row are over the budget of 0")."""
     cfg = run.parse(["--model-dir", str(model512), "--data", "chat.jsonl", "--reward", "reward.py:score"])
-    run.preflight(cfg, cfg.settings)
-    data, reward, task_tokens = cfg.prepared
+    data, reward, task_tokens = run.preflight(cfg)
     assert reward == "reward.py:score" and task_tokens == 0 and len(data.iterator.samples) == 8

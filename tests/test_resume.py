@@ -49,15 +49,22 @@ async def _kill_at_first_result(nats_url: str, step: int, run_id: str, proc: sub
         await nc.close()
 
 
-def _start_then_kill(tmp_path, run_dir, args: list[str], env: dict, nats_url: str, kill_in: int) -> str:
-    """Start `rlboost run`, wait for its step-1 checkpoint, SIGKILL it at the first result of
-    step `kill_in`; returns the run id. Its workers die with it (PDEATHSIG): whatever they
-    published is in the streams once this returns."""
+def _rows(run_dir) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _start_then_kill(tmp_path, run_dir, args: list[str], env: dict, nats_url: str, kill_in: int,
+                     ready=None) -> str:
+    """Start `rlboost run`, wait for its step-1 checkpoint (or for `ready(run_dir)`), SIGKILL it at
+    the first result of step `kill_in`; returns the run id. Its workers die with it (PDEATHSIG):
+    whatever they published is in the streams once this returns."""
+    ready = ready or (lambda d: (d / "checkpoints" / "step-000001").exists())  # steps 0 and 1 are done
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "run", *args], stdout=log, stderr=log, env=env)
     try:
         deadline = time.monotonic() + 300
-        while not (run_dir / "checkpoints" / "step-000001").exists():  # steps 0 and 1 are done
+        while not ready(run_dir):
             assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.1)
@@ -260,3 +267,60 @@ def test_resume_of_an_async_run_keeps_its_mode_and_staleness(tmp_path):
     for switch in (["--mode", "sync"], ["--max-staleness", "1"]):
         with pytest.raises(ConfigError, match="mode = 'async' with max_staleness = 2"):
             parse(["--resume", str(tmp_path), *switch], False, Settings())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,every,gone", [("sync", 10, False), ("sync", 2, False), ("async", 10, False),
+                                             ("async", 2, False), ("partial", 10, False), ("sync", 10, True)])
+def test_sigkill_before_a_checkpoint_or_between_two_then_resume(services, tmp_path, model_dir, mode, every, gone):
+    """Killed in step 2 before its first checkpoint (the default checkpoint_every), or in step 3
+    with a checkpoint after step 1 and step 2 trained past it. The resumed life restarts from the
+    run's start (or the checkpoint) under the version that step's requests name, takes what the
+    dead life finished for it from the results stream, and trains every request of every step once
+    (sync: on-policy; async: at most k versions old). Later steps, which the dead life published
+    with weights the resumed life never has, are generated again under its own ids (sync, async);
+    partial takes them off-policy. (Before: `PublishFailed` at step 0, "Nats-Msg-Id ... already
+    taken"; between two checkpoints, `WrongWeights` in sync.) `gone`: the version it restarts from
+    was garbage-collected (one version kept, no deltas): it publishes its weights anew and
+    generates every step under its own ids."""
+    nats_url, redis_url = services
+    run_dir = tmp_path / "run"
+    steps, kill_in = (4, 2) if every == 10 else (5, 3)
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    args = ["--model-dir", str(model_dir), "--run-dir", str(run_dir), "--steps", str(steps), "--prompts", "4",
+            "--samples", "4", "--workers", "2", "--slots", "8", "--eval-every", "100", "--save-rollouts",
+            "--mode", mode, "--max-staleness", "1", "--t-seed", "0.5", "--t-seed-floor", "0.5",
+            f"rollout.checkpoint_tokens={K}", "rollout.overprovision=0.5"]
+    if every != 10:
+        args.append(f"run.checkpoint_every={every}")
+    if gone:
+        args += ["weights.deltas=false", "weights.keep_versions=1"]
+    run_id = _start_then_kill(tmp_path, run_dir, args, env, nats_url, kill_in,
+                              ready=lambda d: len(_rows(d)) >= kill_in)
+    done_before = [r["step"] for r in _rows(run_dir)]
+    saved = [int(d.name.split("-")[1]) for d in (run_dir / "checkpoints").glob("step-*")]
+    assert saved == ([] if every == 10 else [1]) and done_before[:kill_in] == list(range(kill_in))
+    restart = 0 if every == 10 else 2  # the step the resumed life restarts from
+    finished = asyncio.run(_results(nats_url, restart, run_id))  # all of it: the dead life trained it
+    assert len(finished) == (4 + 2 if mode == "partial" else 4) * 4  # partial: with its overprovision
+    lines_before = len((run_dir / "rollouts.jsonl").read_text().splitlines())
+
+    rows = _resume(run_dir, env, run_id, steps=steps)
+    mine = rows[len(done_before):]
+    assert [r["step"] for r in mine] == list(range(restart, steps)) and {r["run_id"] for r in rows} == {run_id}
+    if mode != "partial":
+        assert all(r["staleness_max"] is None or r["staleness_max"] <= (1 if mode == "async" else 0) for r in mine)
+    lines = (run_dir / "rollouts.jsonl").read_text().splitlines()[lines_before:]
+    rollouts = {r["id"]: r for r in map(json.loads, lines)}
+    if mode == "partial":  # groups of the last steps may still be in flight, carried by the last checkpoint
+        assert len(rollouts) == len(lines) == (steps - restart) * 4 * 4
+    else:  # every request of every step from the restart on, trained once by the resumed life; those the
+        # dead life published with weights of its own (trained past the restart) under the resumed life's ids
+        assert sorted(rollouts) == sorted(wire.request_id(s, p, g, run="l1" if s > restart or gone else "")
+                                          for s in range(restart, steps) for p in range(4) for g in range(4))
+    # what the dead life finished for the step the resumed one restarts was taken, never generated again
+    for rid, r in ({} if gone else finished).items():
+        if mode == "partial" and rid.removeprefix(run_id + "-") not in rollouts:
+            continue  # a group still in flight at the end (carried by the last checkpoint)
+        again = rollouts[rid.removeprefix(run_id + "-")]
+        assert again["tokens"] == r.token_ids and again["workers"] == [s.worker_id for s in r.segments]

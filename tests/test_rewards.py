@@ -97,10 +97,11 @@ def test_the_math_task_scores_the_shipped_gsm8k_style_problems():
     """tests/data/math_small.jsonl: hand-written, GSM8K fields (question, answer ending in ####)."""
     from pathlib import Path
 
-    from trainer.run import RunConfig, make_data
+    from rlboost.config import DataSettings
+    from trainer.run import make_data
 
     path = Path(__file__).parent / "data" / "math_small.jsonl"
-    data, reward, max_new = make_data(RunConfig(task="math", data=str(path), eval_fraction=0.25))
+    data, reward, max_new = make_data(DataSettings(task="math", train=str(path), eval_fraction=0.25), seed=0)
     assert reward == "math" and max_new == 0 and len(data.eval_samples()) == 2
     samples = data.next_batch(6) + data.eval_samples()
     assert sorted(s.index for s in samples) == list(range(8)) and all(s.prompt for s in samples)

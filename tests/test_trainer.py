@@ -13,7 +13,7 @@ from rlboost.config import AlgorithmSettings, TrainerSettings
 from trainer.grpo import group_advantages, grpo_loss, token_logprobs
 from trainer.grpo_trainer import GRPOTrainer
 from trainer.model import decode_response, init_model_dir
-from trainer.run import weights_sha256
+from trainer.model import weights_sha256
 from trainer.tasks import Addition, Problem
 
 

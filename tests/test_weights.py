@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 import torch
 
+from helpers import PassThroughStore
 from rlboost import wire
 from rlboost.weights import BlobStore, FileBlobStore, JetStreamBlobStore, S3BlobStore
 from rlboost.weights import WeightCache, load_tensors, read_safetensors
@@ -95,24 +96,12 @@ def publisher(store: BlobStore, pointer: VersionPointer | None = None, **kw) -> 
     return WeightPublisher(store, pointer, **kw)
 
 
-class FaultyStore(BlobStore):
+class FaultyStore(PassThroughStore, BlobStore):
     """A real store whose first `times` reads of shards are damaged in transit."""
 
     def __init__(self, inner: BlobStore, fault: str, times: int = 1) -> None:
-        self.inner, self.fault, self.left = inner, fault, times
-        self.location = inner.location
-
-    async def put(self, key, data):
-        await self.inner.put(key, data)
-
-    async def has(self, key):
-        return await self.inner.has(key)
-
-    async def delete(self, key):
-        await self.inner.delete(key)
-
-    async def list(self, prefix=""):
-        return await self.inner.list(prefix)
+        super().__init__(inner)
+        self.fault, self.left = fault, times
 
     async def read(self, key):
         damage = key.startswith("shards/") and self.left > 0

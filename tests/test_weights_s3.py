@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import PassThroughStore
 from rlboost import wire
 from rlboost.config import ConfigError, load_settings
 from rlboost.services import free_port
@@ -132,24 +133,12 @@ async def test_refused_credentials_fail_fast_and_say_so(s3_env, tmp_path):
         srv.kill()
 
 
-class KillOnFirstShardChunk(BlobStore):
+class KillOnFirstShardChunk(PassThroughStore, BlobStore):
     """The real S3 store; the moment the first shard's first bytes arrive, the server is killed."""
 
     def __init__(self, inner: S3BlobStore, server) -> None:
-        self.inner, self.server, self.killed = inner, server, False
-        self.location = inner.location
-
-    async def put(self, key, data):
-        await self.inner.put(key, data)
-
-    async def has(self, key):
-        return await self.inner.has(key)
-
-    async def delete(self, key):
-        await self.inner.delete(key)
-
-    async def list(self, prefix=""):
-        return await self.inner.list(prefix)
+        super().__init__(inner)
+        self.server, self.killed = server, False
 
     async def read(self, key):
         async for chunk in self.inner.read(key):

@@ -47,6 +47,7 @@ from rlboost.envs.chat import ChatFormat, chat_format
 from rlboost.envs.episode import EpisodeRunner, Generation, Snapshot
 from rlboost.logs import get_logger
 from trainer.data import DataError, DataExhausted, DataIterator, read_rows
+from trainer.request_source import RequestSource, request_seed
 
 log = get_logger(component="episodes")
 
@@ -131,27 +132,27 @@ class EpisodeData:
 # ---------------------------------------------------------------- requests
 
 
-class EpisodeSource:
+class EpisodeSource(RequestSource):
     """A step's episode requests (the orchestrator's `RequestSource` port): `groups` rows,
     `samples` episodes each, ids and seeds as for single-turn requests (`request_seed`), so a
-    step drawn again is the same step. A row whose opening does not fit the episode budget (or
-    whose environment cannot open it) is dropped, counted, logged and replaced."""
+    step drawn again is the same step; the data position, resume and redraw are the single-turn
+    source's (`trainer.request_source`). A row whose opening does not fit the episode budget (or
+    whose environment cannot open it) is dropped, counted, logged and replaced. `sample(key)` is
+    the data row group `key`'s episodes started from."""
 
     def __init__(self, data: EpisodeData, runner: EpisodeRunner, *, run_id: str, seed: int, samples: int,
-                 temperature: float) -> None:
-        self.data, self.runner = data, runner
-        self.run_id, self.seed, self.samples, self.temperature = run_id, seed, samples, temperature
+                 temperature: float, life: str = "") -> None:
+        super().__init__(data, None, None, list(runner.fmt.stop_ids), run_id=run_id, seed=seed, samples=samples,
+                         temperature=temperature, life=life)
+        self.runner = runner
         self.log = get_logger(component="episode-requests", run_id=run_id)
-        self.filtered_total = 0
-        self.step_filtered = 0
-        self._rows: dict[tuple[int, int], dict] = {}
 
     def requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
-        return run_sync(self._requests(step, version, groups))
+        self._drawn_from.setdefault(step, (self.data.state(), self.filtered_total, groups, version))
+        run = "-".join(filter(None, (self.run_id, self.tag(step))))
+        return run_sync(self._requests(step, version, groups, run))
 
-    async def _requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
-        from trainer.run import request_seed
-
+    async def _requests(self, step: int, version: int, groups: int, run: str) -> list[wire.RolloutRequest]:
         env_ref = self.runner.settings.ref
         out: list[wire.RolloutRequest] = []
         p = 0
@@ -165,7 +166,7 @@ class EpisodeSource:
                 raise
             for row in batch:
                 made = await asyncio.gather(*[episodes.request(
-                    self.runner, env_ref, row, request_id=wire.request_id(step, p, g, run=self.run_id), step=step,
+                    self.runner, env_ref, row, request_id=wire.request_id(step, p, g, run=run), step=step,
                     policy_version=version, seed=request_seed(self.seed, step, p, g), group=p,
                     sampling=wire.SamplingParams(temperature=self.temperature)) for g in range(self.samples)],
                     return_exceptions=True)
@@ -180,17 +181,10 @@ class EpisodeSource:
                         raise DataError(f"{dropped_in_a_row} rows in a row could not open an episode: {bad}")
                     continue
                 dropped_in_a_row = 0
-                self._rows[(step, p)] = row
+                self._samples[(step, p)] = row
                 out += made
                 p += 1
         return out
-
-    def sample(self, key: tuple[int, int]) -> dict:
-        """The data row group `key`'s episodes started from."""
-        return self._rows[key]
-
-    def trained(self, key: tuple[int, int]) -> None:
-        self._rows.pop(key, None)
 
 
 # ---------------------------------------------------------------- results -> rewards and samples
@@ -480,24 +474,8 @@ def ensure_demo_model(env_settings: EnvSettings, model_dir: Path, target: float,
         torch.set_num_threads(threads)
 
 
-@dataclass
-class EpisodeParts:
-    """What `rlboost run --env` plugs into the run: its data, the request source, the scorer
-    and the held-out evaluation, around one runner of the run's environment."""
 
-    runner: EpisodeRunner
-    data: EpisodeData
-    source: EpisodeSource
-    scorer: EpisodeScorer
-    evaluation: EpisodeEvaluation
-
-
-def episode_parts(s, tokenizer, max_context: int, ops, pad: int, run_id: str,
-                  data: EpisodeData | None = None) -> EpisodeParts:
-    """The parts of a run whose settings `s` name an environment (`[env] ref`)."""
-    runner = make_runner(s.env, tokenizer, max_context, max_turn_tokens(s.data), run_id=run_id)
-    data = data or make_data(s.env, s.data, s.run.seed)
-    source = EpisodeSource(data, runner, run_id=run_id, seed=s.run.seed, samples=s.rollout.samples,
-                           temperature=s.rollout.temperature)
-    return EpisodeParts(runner=runner, data=data, source=source, scorer=EpisodeScorer(runner),
-                        evaluation=EpisodeEvaluation(data.eval_samples(), runner, ops, pad))
+def episode_runner(s, tokenizer, max_context: int, run_id: str) -> EpisodeRunner:
+    """The runner of a run whose settings `s` name an environment (`[env] ref`): `[env]`'s
+    bounds, a model turn at most `data.max_response_tokens` (`max_turn_tokens`)."""
+    return make_runner(s.env, tokenizer, max_context, max_turn_tokens(s.data), run_id=run_id)

@@ -10,6 +10,7 @@ tokenizer.json, tokenizer_config.json) by `rlboost init-model` into a folder of 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -139,3 +140,13 @@ def accuracy(model: torch.nn.Module, tokenizer, task: Task, problems=None) -> fl
     problems = task.eval_set if problems is None else problems
     texts = greedy_responses(model, tokenizer, [p.prompt for p in problems], task.max_response_chars + 1)
     return sum(task.reward(p, t) for p, t in zip(problems, texts, strict=True)) / len(problems)
+
+
+def weights_sha256(state: dict) -> str:
+    """One digest of a state dict's names and bytes (run results: a reproduced run's weights are
+    identical, or not)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
