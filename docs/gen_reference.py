@@ -286,6 +286,20 @@ def settings_sections() -> list[tuple[str, type]]:
     return out
 
 
+def settings_map_keys() -> list[str]:
+    """The keys whose value is a table of the user's (`env.options`): `env.options.game` sets one entry."""
+    import typing
+
+    import msgspec
+
+    return [f"{section}.{f.name}" if section else f.name for section, cls in settings_sections()
+            for f in msgspec.structs.fields(cls) if typing.get_origin(f.type) is dict or f.type is dict]
+
+
+def _known_key(name: str, keys) -> bool:
+    return name in keys or any(name.startswith(k + ".") for k in settings_map_keys())
+
+
 def settings_keys() -> list[str]:
     """Every settable key, dotted (`trainer.lr`, `services.auth.tls_ca`, `log_json`)."""
     import msgspec
@@ -410,11 +424,11 @@ def unknown_flags(text: str) -> list[str]:
                 break
             name = tok.split("=", 1)[0]
             if name.startswith("--") and "." in name and command in ("rlboost run", "rlboost demo"):
-                ok = name[2:].replace("-", "_") in keys  # --trainer.lr 1e-5
+                ok = _known_key(name[2:].replace("-", "_"), keys)  # --trainer.lr 1e-5
             elif name.startswith("-"):
                 ok = name in options
             elif "=" in tok and re.fullmatch(r"[a-z_]+(\.[a-z_]+)+", name) and command in ("rlboost run", "rlboost demo"):
-                ok = name in keys  # run.checkpoint_every=1
+                ok = _known_key(name, keys)  # run.checkpoint_every=1
             else:
                 continue
             if not ok:

@@ -321,3 +321,27 @@ def test_rlboost_run_env_calculator_trains_two_steps_through_real_workers(servic
         assert r["episodes"] == 4 and r["eval_acc"] is not None and r["tokens"] > 0
         assert sum(r["episode_ends"].values()) == 4 and "unfinished" not in r["episode_ends"]
     assert out["eval_first"] is not None
+
+
+def test_a_saved_character_tokenizer_loads_with_its_spaces_and_newlines(calc_model_dir):
+    """The demo's character model beside a Qwen2 config.json: AutoTokenizer would rebuild it as
+    Qwen2's byte-level tokenizer, which drops the calculator's spaces and newlines."""
+    from rlboost.envs import calculator
+    from rlboost.modeldir import load_tokenizer
+    from trainer.model import build_tokenizer
+
+    text = "Max has 38 beads.\n<tool_call>calc 53*8</tool_call><eos><tool_response>424</tool_response>\n"
+    loaded, built = load_tokenizer(calc_model_dir), build_tokenizer(calculator.ALPHABET)
+    assert loaded(text, add_special_tokens=True)["input_ids"] == built(text, add_special_tokens=True)["input_ids"]
+    assert loaded.decode(loaded(text)["input_ids"]) == text
+
+
+def test_worker_processes_get_the_runs_env_settings():
+    from rlboost.config import EnvSettings, load_settings
+    from trainer.episodes import worker_env
+
+    env = EnvSettings(ref="calculator", options={"instructions": False}, describe_tools=False, max_turns=3,
+                      tool_timeout_s=2.5)
+    got = load_settings(None, environ=worker_env(env)).env
+    assert got == EnvSettings(ref="calculator", describe_tools=False, max_turns=3, tool_timeout_s=2.5)
+    assert worker_env(EnvSettings()) == {}
