@@ -435,6 +435,8 @@ def resolve_model(rs: RunSettings, s: Settings, env: EnvSettings | None = None) 
         return str(check_model_dir(rs.model_dir).path)
     if env is not None and env.ref:
         model_dir = Path(rs.model_dir).expanduser() if rs.model_dir else demo_model_dir(s.services.data_dir, env.ref)
+        if model_dir.exists() and any(model_dir.iterdir()) and not (model_dir / META_FILE).exists():
+            raise ModelDirError(f"{model_dir} holds files that rlboost did not make: not building the demo model there")
         print(f"the demo model for --env {env.ref} in {model_dir} (build + warm start on first use)...", flush=True)
         configure_logging(json=s.log_json, level="info")  # its progress lines
         try:
