@@ -16,6 +16,18 @@ import structlog
 _configured = False
 
 
+class _Stderr:
+    """Whatever `sys.stderr` is when a line is written, not when logging was configured: a
+    stream swapped in for a while (a test's capture, a redirect) and closed since must not
+    take every later log line down with it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(json: bool = False, level: str = "info") -> None:
     global _configured
     processors: list[structlog.types.Processor] = [
@@ -30,7 +42,7 @@ def configure_logging(json: bool = False, level: str = "info") -> None:
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
         cache_logger_on_first_use=False,  # `rlboost run` quiets the logs after bootstrapping
     )
     _configured = True

@@ -55,3 +55,12 @@ class SeedWindow:
         self.memory[live_workers] = self.t_seed if old is None else (1 - self.ema) * old + self.ema * self.t_seed
         self._workers = live_workers
         return self.t_seed
+
+    def state(self) -> dict:
+        """What a checkpoint keeps (JSON: the memory's fleet sizes as strings)."""
+        return {"t_seed": self.t_seed, "memory": {str(k): v for k, v in self.memory.items()}, "workers": self._workers}
+
+    def load_state(self, state: dict) -> None:
+        self.t_seed = state["t_seed"]
+        self.memory = {int(k): v for k, v in state["memory"].items()}
+        self._workers = state["workers"]

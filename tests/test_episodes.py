@@ -105,7 +105,7 @@ def _check(got: dict[str, wire.RolloutResult], reqs, rows, reference, log: str, 
 
 
 async def test_a_worker_serves_calculator_episodes_as_an_undisturbed_run_would(clients, tmp_path):
-    js, step, pool = clients.js, 301, "ep"
+    js, step, pool = clients.js, 501, "ep"
     rows = calculator.rows("train", 6, seed=1)
     log = str(tmp_path / "calls.log")
     reqs = await episode_env.requests(step, rows, log, max_turns=6, max_turn_tokens=64)
@@ -139,7 +139,7 @@ async def test_a_notice_during_a_tool_call_fences_its_result_and_no_tool_runs_tw
     """SIGTERM-like drain while a (slow) tool runs: the worker lets the call finish, fences its
     result, hands the episode back; the next worker continues it without calling that tool
     again, and nothing is regenerated."""
-    js, step, pool = clients.js, 302, "epdrain"
+    js, step, pool = clients.js, 502, "epdrain"
     rows = calculator.rows("train", 2, seed=2)
     log = str(tmp_path / "calls.log")
     reqs = await episode_env.requests(step, rows, log, delay_s=0.4, max_turns=6, max_turn_tokens=64)
@@ -166,7 +166,7 @@ async def test_a_notice_during_a_tool_call_fences_its_result_and_no_tool_runs_tw
 
 
 async def test_an_environment_the_worker_does_not_run_is_refused_with_a_reason(clients, tmp_path):
-    js, step, pool = clients.js, 303, "epbad"
+    js, step, pool = clients.js, 503, "epbad"
     rows = calculator.rows("train", 1, seed=3)
     (req,) = await episode_env.requests(step, rows, str(tmp_path / "calls.log"))
     req = wire.RolloutRequest(**{**{f: getattr(req, f) for f in req.__struct_fields__},
@@ -197,7 +197,7 @@ async def test_sigkill_mid_episode_a_second_worker_process_resumes_it_exactly(cl
     each transcript token-identical to an undisturbed run, each tool call run once per key, but
     the one running at the kill, which runs again with the same key (the environment can
     de-duplicate on it); the resumed turn continues at the checkpoint."""
-    js, step, pool = clients.js, 304 if during == "generation" else 306, f"epkill{during[0]}"
+    js, step, pool = clients.js, 504 if during == "generation" else 506, f"epkill{during[0]}"
     rows = calculator.rows("train", 4, seed=4)
     rows_file = tmp_path / "rows.json"
     rows_file.write_text(json.dumps(rows))

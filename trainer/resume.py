@@ -100,8 +100,7 @@ def checkpoint_meta(step: int, eval_first: float | None, *, run_id: str, orchest
     return {"run_id": run_id, "eval_first": eval_first, "handoffs_total": tally.handoffs_total,
             "published": ledger.checkpoint(oldest),
             "carried": {str(s): gs for s, gs in carried.items()}, **position, "dollars": tally.dollars,
-            "seed_window": {"t_seed": window.t_seed, "memory": {str(k): v for k, v in window.memory.items()},
-                            "workers": window._workers}}
+            "seed_window": window.state()}
 
 
 def restore(state: dict, run_dir: Path, *, max_staleness: int, source: RequestSource, window: SeedWindow,
@@ -109,11 +108,8 @@ def restore(state: dict, run_dir: Path, *, max_staleness: int, source: RequestSo
     """The parts' state back from a checkpoint (the trainer's is restored by trainer.checkpoint)."""
     source.restore(state)
     first = state["step"] + 1
-    w = state.get("seed_window") or {}
-    if w:
-        window.t_seed = w["t_seed"]
-        window.memory = {int(k): v for k, v in w["memory"].items()}
-        window._workers = w["workers"]
+    if state.get("seed_window"):
+        window.load_state(state["seed_window"])
     tally.restore(state)
     return Resumed(resumed=True, first_step=first, last_saved=state["step"], eval_first=state.get("eval_first"),
                    published=state.get("published"),
