@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from trainer import model as M
-from trainer.bootstrap import sft_batch
+from trainer.bootstrap import sft_batch, warm_start
 from trainer.tasks import Addition
 
 torch.set_num_threads(1)
@@ -50,6 +50,38 @@ def test_sft_labels_cover_the_response_and_eos_only():
         target = labels[row][labels[row] != -100].tolist()
         assert target == M.encode(tok, p.solution) + [tok.eos_token_id]
         assert (labels[row, :n_prompt] == -100).all()
+
+
+@pytest.mark.parametrize("script, kept", [
+    ([0.0, 0.05, 0.30, 0.80], 2),  # far past the target: the check before, nearer
+    ([0.0, 0.36, 0.01, 0.20, 0.30, 0.42], 4),  # a swing up is no stop; then the nearer of the two
+    ([0.0, 0.50, 0.40], 2),  # both past it: the nearer, the last
+])
+def test_warm_start_stops_near_the_target(tmp_path, monkeypatch, script, kept):
+    """The held-out accuracy jumps and swings around the learning transition (0.33, 0.00, 0.44
+    ten steps apart): a check every 40 steps stopped at 0.69 for a 0.35 target, leaving RL
+    nothing to show (the demo's 0.69 -> 0.75), and a model caught at the top of a swing barely
+    learns. So checks come often, two in a row must agree, and the nearer of those two is saved.
+    Scripted accuracies on a tiny model; what is saved is compared with the weights each check saw."""
+    build = M.build_model
+    monkeypatch.setattr(M, "build_model", lambda *a, **k: build(*a, **{**k, "hidden": 16, "layers": 1, "heads": 2,
+                                                                     "mlp": 32}))
+    seen: list[dict] = []
+
+    def scripted(model, tokenizer, task, problems=None):
+        seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return script[len(seen) - 1]
+
+    monkeypatch.setattr(M, "accuracy", scripted)
+    out = warm_start(Addition(), tmp_path / "m", target_acc=0.35, max_seconds=600, batch=4)
+    assert len(seen) == len(script) and out["reached"] is True
+    every = out["steps_trained"] // len(script)
+    assert every <= 10  # checks often enough: ten steps can move the accuracy by 0.3
+    assert out["eval_acc"] == script[kept] and out["steps"] == every * (kept + 1)
+    assert M.read_meta(tmp_path / "m")["eval_acc"] == script[kept]
+    saved = M.load_model(tmp_path / "m").state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in seen[kept].items())
+    assert not all(torch.equal(saved[k], v) for k, v in seen[kept - 1].items())
 
 
 @pytest.mark.slow
