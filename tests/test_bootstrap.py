@@ -129,3 +129,35 @@ def test_run_init_model_builds_only_into_a_folder_of_its_own(tmp_path):
     with pytest.raises(ModelDirError, match="did not make"):
         resolve_model(RunConfig(model_dir=str(user), init_model=True), Settings())
     assert [p.name for p in user.iterdir()] == ["weights.safetensors"]
+
+
+def test_the_demo_runs_a_number_of_rl_steps_not_minutes():
+    """A 3-minute cap gave a busy box 21 steps (a quiet one 40): the demo's RL phase is a
+    number of steps, whatever the box's speed, and the warm start's cap leaves a busy box time."""
+    from rlboost.config import Settings
+    from trainer.run import parse
+
+    cfg = parse([], demo=True, s=Settings())
+    assert cfg.max_minutes == 0 and cfg.steps == 25
+    assert cfg.bootstrap_seconds >= 600
+    assert parse(["--steps", "7", "--max-minutes", "2"], demo=True, s=Settings()).max_minutes == 2
+    assert parse([], demo=False, s=Settings()).steps == Settings().run.steps
+
+
+def test_the_demo_warm_start_runs_on_one_thread(tmp_path, monkeypatch):
+    """Two OpenMP threads on shared cores ran each warm-start step 5-7x slower than one."""
+    import trainer.bootstrap as B
+    from rlboost.config import Settings
+    from trainer.run import RunConfig, resolve_model
+
+    seen = []
+
+    def fake(task, out, target, seconds, seed=0):
+        seen.append((torch.get_num_threads(), target, seconds))
+        return {"eval_acc": 0.4, "seconds": 1.0}
+
+    monkeypatch.setattr(B, "warm_start", fake)
+    before = torch.get_num_threads()
+    cfg = RunConfig(model_dir=str(tmp_path / "m"), init_model=True, bootstrap_target=0.3, bootstrap_seconds=5)
+    assert resolve_model(cfg, Settings()) == str(tmp_path / "m")
+    assert seen == [(1, 0.3, 5)] and torch.get_num_threads() == before
