@@ -138,7 +138,7 @@ def test_the_demo_runs_a_number_of_rl_steps_not_minutes():
     from trainer.run import parse
 
     cfg = parse([], demo=True, s=Settings())
-    assert cfg.max_minutes == 0 and cfg.steps == 25
+    assert cfg.max_minutes == 0 and cfg.steps == 20
     assert cfg.bootstrap_seconds >= 600
     assert parse(["--steps", "7", "--max-minutes", "2"], demo=True, s=Settings()).max_minutes == 2
     assert parse([], demo=False, s=Settings()).steps == Settings().run.steps
