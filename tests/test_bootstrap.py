@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from trainer import model as M
-from trainer.bootstrap import sft_batch
+from trainer.bootstrap import sft_batch, warm_start
 from trainer.tasks import Addition
 
 torch.set_num_threads(1)
@@ -50,6 +50,38 @@ def test_sft_labels_cover_the_response_and_eos_only():
         target = labels[row][labels[row] != -100].tolist()
         assert target == M.encode(tok, p.solution) + [tok.eos_token_id]
         assert (labels[row, :n_prompt] == -100).all()
+
+
+@pytest.mark.parametrize("script, kept", [
+    ([0.0, 0.05, 0.30, 0.80], 2),  # far past the target: the check before, nearer
+    ([0.0, 0.36, 0.01, 0.20, 0.30, 0.42], 4),  # a swing up is no stop; then the nearer of the two
+    ([0.0, 0.50, 0.40], 2),  # both past it: the nearer, the last
+])
+def test_warm_start_stops_near_the_target(tmp_path, monkeypatch, script, kept):
+    """The held-out accuracy jumps and swings around the learning transition (0.33, 0.00, 0.44
+    ten steps apart): a check every 40 steps stopped at 0.69 for a 0.35 target, leaving RL
+    nothing to show (the demo's 0.69 -> 0.75), and a model caught at the top of a swing barely
+    learns. So checks come often, two in a row must agree, and the nearer of those two is saved.
+    Scripted accuracies on a tiny model; what is saved is compared with the weights each check saw."""
+    build = M.build_model
+    monkeypatch.setattr(M, "build_model", lambda *a, **k: build(*a, **{**k, "hidden": 16, "layers": 1, "heads": 2,
+                                                                     "mlp": 32}))
+    seen: list[dict] = []
+
+    def scripted(model, tokenizer, task, problems=None):
+        seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return script[len(seen) - 1]
+
+    monkeypatch.setattr(M, "accuracy", scripted)
+    out = warm_start(Addition(), tmp_path / "m", target_acc=0.35, max_seconds=600, batch=4)
+    assert len(seen) == len(script) and out["reached"] is True
+    every = out["steps_trained"] // len(script)
+    assert every <= 10  # checks often enough: ten steps can move the accuracy by 0.3
+    assert out["eval_acc"] == script[kept] and out["steps"] == every * (kept + 1)
+    assert M.read_meta(tmp_path / "m")["eval_acc"] == script[kept]
+    saved = M.load_model(tmp_path / "m").state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in seen[kept].items())
+    assert not all(torch.equal(saved[k], v) for k, v in seen[kept - 1].items())
 
 
 @pytest.mark.slow
@@ -97,3 +129,35 @@ def test_run_init_model_builds_only_into_a_folder_of_its_own(tmp_path):
     with pytest.raises(ModelDirError, match="did not make"):
         resolve_model(RunSettings(model_dir=str(user), init_model=True), Settings())
     assert [p.name for p in user.iterdir()] == ["weights.safetensors"]
+
+
+def test_the_demo_runs_a_number_of_rl_steps_not_minutes():
+    """A 3-minute cap gave a busy box 21 steps (a quiet one 40): the demo's RL phase is a
+    number of steps, whatever the box's speed, and the warm start's cap leaves a busy box time."""
+    from rlboost.config import Settings
+    from trainer.run import parse
+
+    run = parse([], demo=True, s=Settings()).settings.run
+    assert run.max_minutes == 0 and run.steps == 20
+    assert run.bootstrap_seconds >= 600
+    assert parse(["--steps", "7", "--max-minutes", "2"], demo=True, s=Settings()).settings.run.max_minutes == 2
+    assert parse([], demo=False, s=Settings()).settings.run.steps == Settings().run.steps
+
+
+def test_the_demo_warm_start_runs_on_one_thread(tmp_path, monkeypatch):
+    """Two OpenMP threads on shared cores ran each warm-start step 5-7x slower than one."""
+    import trainer.bootstrap as B
+    from rlboost.config import RunSettings, Settings
+    from trainer.run import resolve_model
+
+    seen = []
+
+    def fake(task, out, target, seconds, seed=0):
+        seen.append((torch.get_num_threads(), target, seconds))
+        return {"eval_acc": 0.4, "seconds": 1.0}
+
+    monkeypatch.setattr(B, "warm_start", fake)
+    before = torch.get_num_threads()
+    rs = RunSettings(model_dir=str(tmp_path / "m"), init_model=True, bootstrap_target=0.3, bootstrap_seconds=5)
+    assert resolve_model(rs, Settings()) == str(tmp_path / "m")
+    assert seen == [(1, 0.3, 5)] and torch.get_num_threads() == before

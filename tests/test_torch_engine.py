@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import warnings
 
 import pytest
 import torch
@@ -68,6 +69,16 @@ async def test_pieces_in_mixed_batches_equal_one_go(engine):
     for s, ref in zip(seqs, reference, strict=True):
         assert state[s.request_id].token_ids == ref.token_ids
         assert logprobs[s.request_id] == pytest.approx(ref.logprobs, rel=0, abs=1e-9)
+
+
+async def test_generation_warns_nothing(engine):
+    """No FutureWarning/DeprecationWarning from the model's forward (transformers 5 deprecated
+    `past_key_values` for `cache`); "always" so a warning already shown by an earlier test counts."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = await engine.generate(_requests(3, random.Random(5)), MAX_NEW)
+    assert all(g.token_ids for g in out)
+    assert [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))] == []
 
 
 async def test_resumed_in_a_fresh_engine_continues_exactly(model_dir, engine):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +57,14 @@ def _mix(x: np.ndarray) -> np.ndarray:
         x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
         x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
         return x ^ (x >> np.uint64(31))
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The forward argument that takes the KV cache object: `cache` in current transformers
+    (5.x, where `past_key_values` is deprecated, a FutureWarning on every call, and goes in 5.40),
+    `past_key_values` in older releases and in remote-code models that keep the old signature."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def request_key(seed: int) -> int:
@@ -126,6 +135,7 @@ class TorchEngine(Engine):
         except ModelDirError as e:
             raise EngineError(str(e)) from None
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self._cache_kwarg = cache_kwarg(self.model)
         self.max_model_len = max_model_len or info.max_context  # 0: no limit known
         self.on_tokens = on_tokens  # called with the number of tokens each decode step made
         self._lock = asyncio.Lock()  # generate and load_weights never overlap
@@ -227,5 +237,5 @@ class TorchEngine(Engine):
 
     def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
         result = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1)
+                            use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
         return result.logits[:, -1].cpu()  # sampling (keyed noise) runs on the CPU
