@@ -26,10 +26,15 @@ def _run(services, tmp_path, model_dir, *args: str) -> tuple[dict, list[dict]]:
     nats_url, redis_url = services
     run_dir = tmp_path / "run"
     env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--model-dir", str(model_dir), "--run-dir",
-                        str(run_dir), "--prompts", "4", "--samples", "4", "--eval-every", "100", *args],
-                       capture_output=True, text=True, env=env, timeout=400)
-    assert p.returncode == 0, p.stderr[-3000:]
+    log = tmp_path / "run.log"  # stderr in a file: a run past the timeout still shows where it stood
+    with open(log, "w") as err:
+        try:
+            p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--model-dir", str(model_dir), "--run-dir",
+                                str(run_dir), "--prompts", "4", "--samples", "4", "--eval-every", "100", *args],
+                               stdout=subprocess.PIPE, stderr=err, text=True, env=env, timeout=270)
+        except subprocess.TimeoutExpired:
+            pytest.fail("rlboost run took over 270 s:\n" + log.read_text()[-4000:])
+    assert p.returncode == 0, log.read_text()[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert (run_dir / "curves.png").stat().st_size > 0

@@ -25,6 +25,7 @@ from rlboost.weights import (
     ShardCorrupt,
     StoreUnavailable,
     VersionPointer,
+    VersionGone,
     VersionUnavailable,
     WeightPublisher,
     gc_store,
@@ -396,3 +397,15 @@ async def test_objects_readable_by_stock_nats_client(js, jstore):
     assert await jstore.list("shards/") == ["shards/x.bin"]
     await jstore.delete("shards/x.bin")
     assert not await jstore.has("shards/x.bin") and await jstore.list() == []
+
+
+async def test_a_version_older_than_the_newest_published_is_gone_not_waited_for(store, tmp_path):
+    """Versions are published in order: a missing one below the newest was garbage-collected
+    (or its publish died) and no wait brings it; a missing one above may still be uploading."""
+    await publisher(store).publish(model(2), 2)
+    cache = WeightCache(tmp_path / "cache", store)
+    with pytest.raises(VersionGone, match="version 2 is"):
+        await cache.ensure(1, wait_s=60.0)  # before: 60 s of polling, then VersionUnavailable
+    with pytest.raises(VersionUnavailable) as not_yet:
+        await cache.ensure(3, wait_s=0.3)
+    assert not isinstance(not_yet.value, VersionGone)

@@ -10,7 +10,10 @@ import msgspec
 import pytest
 from helpers import step_results
 
-from rlboost.weights.source import WeightSource
+import torch
+
+from rlboost.weights import FileBlobStore, WeightCache, WeightPublisher
+from rlboost.weights.source import StoreWeights, WeightSource
 from rlboost import bus, wire
 from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
@@ -266,6 +269,30 @@ async def test_a_request_is_never_generated_with_another_policy_version(clients)
     assert await step_results(js, step, 1, timeout=0.5) == {}
     w.request_drain("test over")
     await task
+
+
+async def test_a_request_naming_a_garbage_collected_version_is_dead_lettered_at_once(clients, tmp_path):
+    """A request left in the queue by a killed run names a version the store dropped since (a
+    newer one is there): no wait brings it. Before, each delivery waited 5 s for the weights,
+    20 deliveries per request, while the live run's requests queued behind them."""
+    js, step, pool = clients.js, 116, "gone"
+    store = FileBlobStore(tmp_path / "store", create=True)
+    await WeightPublisher(store, None).publish({"w": torch.ones(4)}, 7)
+    weights = StoreWeights(WeightCache(tmp_path / "cache", store), wait_s=60.0)
+    w = RolloutWorker(WorkerSettings(pool=pool, slots=4, ack_wait_s=3.0, lease_ttl_s=2.0), EmulatedEngine(speed=0),
+                      clients, worker_id="gone-w", counters=Counters(), weights=weights)
+    task = asyncio.create_task(w.run())
+    dlq_before = (await js.stream_info(wire.STREAM_DLQ)).state.messages
+    await js.publish(wire.request_subject(pool), wire.encode(_req(step, 0, version=3)))  # the dead run's
+    await js.publish(wire.request_subject(pool), wire.encode(_req(step, 1, version=7)))  # the live run's
+    got = await step_results(js, step, 1, timeout=20)
+    w.request_drain("test over")
+    await task
+    assert [r.segments[0].policy_version for r in got.values()] == [7]
+    assert w.counters.get("dead_lettered") == 1
+    assert (await js.stream_info(wire.STREAM_DLQ)).state.messages == dlq_before + 1
+    info = await js.consumer_info(wire.STREAM_REQUESTS, wire.consumer_name(pool))
+    assert info.delivered.consumer_seq == 2 and info.num_pending == 0 and info.num_ack_pending == 0
 
 
 @pytest.mark.slow

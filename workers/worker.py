@@ -56,10 +56,10 @@ from rlboost import bus, metrics, wire
 from rlboost.checkpoint import AlreadyFinished, CheckpointError, CorruptCheckpoint, LeaseHeld, LeaseLost
 from rlboost.checkpoint import pack as checkpoint_pack
 from rlboost.clients import Clients
-from rlboost.config import WorkerSettings
-from rlboost.config import EnvSettings
+from rlboost.config import EnvSettings, WorkerSettings
 from rlboost.episodes import EpisodeStateError
 from rlboost.logs import get_logger
+from rlboost.weights.errors import VersionGone
 from rlboost.weights.source import WeightSource
 from workers.counters import Counters
 from workers.engines.base import Engine, RequestError, Sequence
@@ -342,7 +342,13 @@ class RolloutWorker:
             if req.policy_version < self._floor:  # continued from its checkpoint under the floor's version
                 req = msgspec.structs.replace(req, policy_version=self._floor)
             log = self.log.bind(request_id=req.request_id, step=req.step, policy_version=req.policy_version)
-            if not await self._ensure_version(req.policy_version):
+            try:
+                ready = await self._ensure_version(req.policy_version)
+            except VersionGone as e:  # left by a dead life or another run: it would wait forever
+                await bus.dead_letter(self.c.js, msg, f"stale request: {e}", wire.STREAM_REQUESTS)
+                self.counters.add("dead_lettered")
+                return
+            if not ready:
                 if any(n > 0 for v, n in self._version_users.items() if v != req.policy_version):
                     self._switch_wanted = time.monotonic()  # and fetch nothing until it can switch
                 await msg.nak(delay=0.5)  # never generate with another version: hand it back
@@ -472,6 +478,8 @@ class RolloutWorker:
             else:
                 try:
                     path = await self.weights.path(version)
+                except VersionGone:
+                    raise  # the request is a leftover: `_admit` dead-letters it
                 except Exception as e:
                     self.log.warning("weight pull failed", version=version, error=str(e))
                     return False

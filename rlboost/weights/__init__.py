@@ -21,6 +21,7 @@ from rlboost.weights.errors import (
     ShardCorrupt,
     StoreError,
     StoreUnavailable,
+    VersionGone,
     VersionUnavailable,
 )
 from rlboost.weights.manifest import MANIFEST_SCHEMA, Manifest, ShardEntry, TensorEntry, TensorPart, check_shard_id
@@ -41,7 +42,7 @@ from rlboost.weights.source import EmulatedWeights, StoreWeights, WeightSource
 
 __all__ = [
     "BlobStore", "FileBlobStore", "JetStreamBlobStore", "S3BlobStore", "DeltaCorrupt", "ObjectMissing", "ShardCorrupt",
-    "StoreError", "StoreUnavailable", "VersionUnavailable", "MANIFEST_SCHEMA", "Manifest", "ShardEntry",
+    "StoreError", "StoreUnavailable", "VersionUnavailable", "VersionGone", "MANIFEST_SCHEMA", "Manifest", "ShardEntry",
     "TensorEntry", "TensorPart", "check_shard_id", "VersionPointer", "parse_version", "DEFAULT_MAX_SHARD_BYTES",
     "DEFAULT_TARGET_SHARD_BYTES", "PublishReport", "WeightPublisher", "gc_store", "open_store", "plan_shards",
     "published_versions", "EmulatedWeights", "StoreWeights", "WeightSource", "CacheStats", "WeightCache",

@@ -47,9 +47,11 @@ from rlboost.weights.errors import (
     ShardCorrupt,
     StoreError,
     StoreUnavailable,
+    VersionGone,
     VersionUnavailable,
 )
 from rlboost.weights.manifest import Manifest, ShardEntry, check_shard_id
+from rlboost.weights.publisher import published_versions
 from rlboost.weights.rebuild import BaseFiles, rebuild
 from rlboost.weights.safetensors_io import RECONSTRUCTED_GLOB, load_tensors
 
@@ -410,6 +412,10 @@ class WeightCache:
                                             lambda: self.store.read_all(wire.weights_manifest_key(version)))
                 break
             except ObjectMissing:
+                if wait_s > 0 and (newer := await self._newest_published()) > version:
+                    # versions are published in order: a newer one means this one will not come
+                    raise VersionGone(f"weights version {version} is not in {self.store.location} and "
+                                      f"version {newer} is: garbage-collected") from None
                 if time.monotonic() >= deadline:
                     raise VersionUnavailable(
                         f"weights version {version} is not in {self.store.location} "
@@ -419,6 +425,13 @@ class WeightCache:
         if m.version != version:
             raise StoreError(f"manifest {wire.weights_manifest_key(version)} claims version {m.version}")
         return m
+
+    async def _newest_published(self) -> int:
+        """The newest version with a manifest in the store (0: none, or the store did not answer)."""
+        try:
+            return max(await published_versions(self.store), default=0)
+        except StoreError:
+            return 0
 
     # -- shards
 

@@ -28,6 +28,12 @@ class VersionUnavailable(StoreError):
     """The store has no manifest for the requested version (not yet published, or GC'd)."""
 
 
+class VersionGone(VersionUnavailable):
+    """The store has no manifest for the version but holds a newer one: it was garbage-collected
+    (or its publish died), so waiting will not bring it. A request naming it is left over from
+    an earlier life of the run or another run: dead-lettered, never waited for."""
+
+
 class ShardCorrupt(StoreError):
     """A shard or delta blob kept failing verification (truncated / wrong hash) after every retry."""
 
