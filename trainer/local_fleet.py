@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rlboost import wire
 from rlboost.clients import Clients
-from rlboost.config import RolloutSettings, WorkerSettings
+from rlboost.config import ConfigError, RolloutSettings, WorkerSettings
 from rlboost.logs import get_logger
 from rlboost.manager import RolloutManager
 from workers.counters import Counters, read_counters
@@ -127,3 +127,14 @@ class Chaos:
                 if worker_id is None:
                     return
                 self.log.warning("chaos", step=r.step, action=kind, worker_id=worker_id)
+
+
+def parse_chaos(spec: str) -> dict[int, list[str]]:
+    """`--chaos 3:term,5:kill`: the steps in which a worker is SIGTERMed / SIGKILLed mid-step."""
+    out: dict[int, list[str]] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        step, _, kind = part.partition(":")
+        if kind not in ("term", "kill") or not step.strip().isdigit():
+            raise ConfigError(f"chaos {part!r}: use STEP:term or STEP:kill (STEP a step number)")
+        out.setdefault(int(step), []).append(kind)
+    return out
