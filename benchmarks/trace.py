@@ -92,7 +92,7 @@ from rlboost.clients import Clients, open_clients
 from rlboost.config import Settings, WorkerSettings
 from benchmarks.costs import Prices, cost_efficiency, cost_per_hour, run_cost
 from rlboost.logs import configure_logging
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from rlboost.offload import SeedWindow
 from rlboost.orchestrator import Orchestrator
 from rlboost.replay import migrations, read_subject
@@ -145,7 +145,7 @@ class Emulation:
         self.a, self.c, self.label, self.policy, self.ivs, self.S = a, c, label, policy, ivs, a.speed
         self.pool = wire.check_name("pool", f"trace-{label}-{wire.new_run_id()}")
         self.reserved_pool = f"{self.pool}-reserved"  # the seeding engine's own queue: its share
-        self.manager = RolloutManager(c, self.pool)
+        self.manager = PoolClient(c, self.pool)
         self.hb_s = 0.25  # heartbeats carry in-flight counts: the seeding rule's idle measure
         # The preemptible instances: emulated workers sharing `--hosts` fleet-host processes
         # (benchmarks/fleet_host.py), or one worker process each (`--hosts 0`, as before)

@@ -10,7 +10,7 @@ are the parts plugged in (prime-rl's style: components wired in the constructor,
   plugs emulated H100 engines in.
 - `RequestSource`: a step's requests (a run: its data's prompts, `trainer/request_source.py`;
   the bench: modelled prompts).
-- `TrainerClock`: consumes complete groups (real GRPO, or the bench's emulated trainer that
+- `TrainerPort`: consumes complete groups (real GRPO, or the bench's emulated trainer that
   takes the time a calibrated model says) and ends the step (optimizer step, weights).
 
 A step (policy `hybrid`, mode `sync`):
@@ -79,7 +79,7 @@ from rlboost import wire
 from rlboost.clients import Clients
 from rlboost.errors import RlboostError
 from rlboost.logs import get_logger
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from rlboost.offload import SeedWindow
 
 POLICIES = ("hybrid", "colocated", "disaggregated")
@@ -126,7 +126,7 @@ class RequestSource(Protocol):
         """The requests of `groups` groups of step `step`, to be generated under `version`."""
 
 
-class TrainerClock(Protocol):
+class TrainerPort(Protocol):
     """The trainer as the orchestrator sees it."""
 
     async def score(self, key: GroupKey, results: list[wire.RolloutResult]) -> object:
@@ -159,7 +159,7 @@ class StepOutcome:
     trained: list[tuple[GroupKey, list[wire.RolloutResult]]] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)  # per trained result
     carried_groups: int = 0  # groups in flight when the step ended (partial / async)
-    report: object = None  # what TrainerClock.finish_step returned
+    report: object = None  # what TrainerPort.finish_step returned
 
 
 def dispatch_share(n: int, live: int, policy: str, reserved_weight: float) -> int:
@@ -178,7 +178,7 @@ def staleness(result: wire.RolloutResult, trained_version: int) -> int:
 
 
 class Orchestrator:
-    def __init__(self, clients: Clients, pool: str, engines: SeedingEngines, trainer: TrainerClock, *,
+    def __init__(self, clients: Clients, pool: str, engines: SeedingEngines, trainer: TrainerPort, *,
                  policy: str = "hybrid", window: SeedWindow | None = None, mode: str = "sync",
                  max_staleness: int = 1, overprovision: float = 0.25, samples: int = 8,
                  on_result: Callable[[wire.RolloutResult, int, int], None] | None = None,
@@ -189,7 +189,7 @@ class Orchestrator:
             raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
         self.c, self.engines, self.trainer = clients, engines, trainer
         self.pool = wire.check_name("pool", pool)
-        self.manager = RolloutManager(clients, pool)
+        self.manager = PoolClient(clients, pool)
         self.policy, self.mode, self.samples = policy, mode, samples
         self.window = window or SeedWindow()
         self.max_staleness = 0 if mode == "sync" else max_staleness

@@ -25,7 +25,7 @@ from rlboost.envs import calculator
 from rlboost.envs.chat import chat_format
 from rlboost.envs.episode import EpisodeRunner
 from rlboost.config import EnvSettings
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from workers.counters import Counters
 from workers.engines.base import Sequence
 from workers.engines.scripted import ScriptedEngine
@@ -113,7 +113,7 @@ async def test_a_worker_serves_calculator_episodes_as_an_undisturbed_run_would(c
     reference = await _reference(reqs, rows, str(tmp_path / "reference.log"))
     w = _worker(clients, pool, rows)
     task = asyncio.create_task(w.run())
-    manager = RolloutManager(clients, pool)
+    manager = PoolClient(clients, pool)
     await manager.publish_step(reqs)
     got = await step_results(js, step, len(reqs))
     w.request_drain("test over")
@@ -146,7 +146,7 @@ async def test_a_notice_during_a_tool_call_fences_its_result_and_no_tool_runs_tw
     reference = await _reference(reqs, rows, str(tmp_path / "reference.log"))
     first = _worker(clients, pool, rows, name="first")
     task = asyncio.create_task(first.run())
-    await RolloutManager(clients, pool).publish_step(reqs)
+    await PoolClient(clients, pool).publish_step(reqs)
     deadline = time.monotonic() + 20
     while not episode_env.calls(log) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
@@ -173,7 +173,7 @@ async def test_an_environment_the_worker_does_not_run_is_refused_with_a_reason(c
                                  "episode": wire.EpisodeSpec(env="os:system", row=req.episode.row)})
     w = _worker(clients, pool, rows)
     task = asyncio.create_task(w.run())
-    await RolloutManager(clients, pool).publish_step([req])
+    await PoolClient(clients, pool).publish_step([req])
     got = await step_results(js, step, 1)
     w.request_drain("test over")
     await task
@@ -209,7 +209,7 @@ async def test_sigkill_mid_episode_a_second_worker_process_resumes_it_exactly(cl
                    tmp_path)
     second, running = None, frozenset()
     try:
-        await RolloutManager(clients, pool).publish_step(reqs)
+        await PoolClient(clients, pool).publish_step(reqs)
         deadline, target = time.monotonic() + 60, None
         while target is None and time.monotonic() < deadline and first.poll() is None:
             for req in reqs:

@@ -7,7 +7,7 @@ anything slow starts, the model it runs on, and the launch (this process, or tor
 Settings: the whole tree (`rlboost.config`); the flags below are shorthands for its keys and
 any `--section.key value` / `section.key=value` overrides one. The effective settings are
 written to `<run_dir>/settings.toml`. Checkpoints every `run.checkpoint_every` steps and at the
-end (`trainer.checkpoint`); `--resume RUN_DIR` continues that run: same run id, the step after
+end (`trainer.training_checkpoint`); `--resume RUN_DIR` continues that run: same run id, the step after
 its last checkpoint, the data position restored (`trainer.resume`, docs/guides/resume.md).
 Under torchrun (`--nproc N`) rank 0 runs the training; other ranks follow (`trainer.distributed`).
 """

@@ -25,7 +25,7 @@ from rlboost import wire
 from rlboost.clients import Clients
 from rlboost.config import ConfigError, RolloutSettings, WorkerSettings
 from rlboost.logs import get_logger
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from workers.counters import Counters, read_counters
 from workers.engines import EngineError
 from workers.fleet import WorkerFleet
@@ -80,7 +80,7 @@ class LocalFleet:
         return InProcessSeeding(c, self.pool, self.reserved_pool, engine, settings, self.reserved_counters,
                                 weights=None, weight=weight, sleep=ro.vllm_sleep)
 
-    async def start_workers(self, n: int, manager: RolloutManager, timeout_s: float = 90.0) -> None:
+    async def start_workers(self, n: int, manager: PoolClient, timeout_s: float = 90.0) -> None:
         """Start `n` preemptible workers and wait (at most `timeout_s`: torch import + model load
         take a while) until they heartbeat on the pool."""
         for _ in range(n):

@@ -10,7 +10,7 @@ code `rlboost bench trace` measures. This module only wires parts, each owning o
 
 - `trainer.request_source`: data rows -> prompts -> a step's requests (the orchestrator's port);
 - `trainer.scoring` / `trainer.evaluation`: the user's reward; held-out accuracy;
-- `trainer.trainer_port`: the GRPO trainer as the orchestrator's `TrainerClock`;
+- `trainer.trainer_port`: the GRPO trainer as the orchestrator's `TrainerPort`;
 - `rlboost.weights.ledger`: policy versions (numbers, publish + gc, digests, result checks);
 - `trainer.local_fleet`: this box's worker processes and seeding engine, and `--chaos`;
 - `trainer.step_metrics`: a step's metrics row; `trainer.resume`: a checkpoint's run state.
@@ -47,7 +47,7 @@ from rlboost.orchestrator import Orchestrator
 from rlboost.weights import WeightCache
 from rlboost.weights.ledger import VersionLedger
 from rlboost.weights.source import StoreWeights
-from trainer import checkpoint as ckpt
+from trainer import training_checkpoint as ckpt
 from trainer import distributed
 from trainer.data import DataError, DataExhausted, FieldMap, FileData, GeneratedData, PromptBudget
 from trainer.episodes import EpisodeEvaluation, EpisodeScorer, EpisodeSource, episode_runner, worker_env
@@ -65,7 +65,7 @@ from trainer.rewards import RewardError
 from trainer.scoring import Scorer
 from trainer.step_metrics import StepMetrics, save_rollouts
 from trainer.tasks import TASKS, get_task
-from trainer.trainer_port import TrainerPort
+from trainer.trainer_port import GRPOPort
 from workers.seeding import ProcessSeeding
 
 POOL = "spot"
@@ -102,7 +102,7 @@ class Run:
     evaluation: Evaluation  # held-out accuracy
     fleet: LocalFleet  # this life's worker processes
     ledger: VersionLedger  # policy versions: numbers, digests, result checks
-    port: TrainerPort  # the trainer as the orchestrator sees it
+    port: GRPOPort  # the trainer as the orchestrator sees it
     orchestrator: Orchestrator  # the step
     metrics: StepMetrics  # the step's row, the run's totals
     chaos: Chaos  # --chaos
@@ -168,7 +168,7 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
                                       keep_versions=s.weights.keep_versions,
                                       staleness=0 if ro.mode == "sync" else ro.max_staleness,
                                       adopt_newer=ro.mode == "partial", run_id=run_id)
-    port = TrainerPort(trainer, ops, source, scorer, ledger, partial=ro.mode == "partial")
+    port = GRPOPort(trainer, ops, source, scorer, ledger, partial=ro.mode == "partial")
     window = SeedWindow(initial_s=ro.t_seed, floor_s=ro.t_seed_floor)
     tally = StepMetrics(run_id, rs.policy, ro.mode, rs, trainer.ranks.world, pool=POOL,
                         reserved_pool=RESERVED_POOL)

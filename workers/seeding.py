@@ -157,11 +157,11 @@ class ProcessSeeding(_Fallback):
 
     async def start(self, timeout_s: float = 60.0) -> None:
         """Start the processes (`extra_args` per engine) and wait until each heartbeats."""
-        from rlboost.manager import RolloutManager
+        from rlboost.pool_client import PoolClient
 
         for extra in self.starts:
             self.fleet.start(prefix="reserved", extra_args=extra)
-        reserved = RolloutManager(self.c, self.reserved_pool)
+        reserved = PoolClient(self.c, self.reserved_pool)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and len(await reserved.live_workers()) < len(self.fleet.workers):
             await asyncio.sleep(0.1)

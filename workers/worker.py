@@ -788,7 +788,7 @@ class RolloutWorker:
                 segments: list[wire.Segment], error: str = "",
                 episode: wire.EpisodeState | None = None) -> wire.RolloutResult:
         """The result names the lease it was finished under (worker id, epoch): the trainer
-        takes it only if Redis agrees (rlboost/manager.py). `error`: the engine could not serve it.
+        takes it only if Redis agrees (rlboost/pool_client.py). `error`: the engine could not serve it.
         `episode`: an episode's final state, as its checkpoint holds it."""
         return wire.RolloutResult(
             request_id=req.request_id, step=req.step, group=req.group, prompt_ids=list(req.prompt_ids),
