@@ -198,7 +198,7 @@ class Emulation:
         self.seeding = ProcessSeeding(
             self.c, self.pool, self.reserved_fleet,
             [("--gpus", str(g), "--slots", str(g * SLOTS_PER_GPU)) for g in [INSTANCE_GPUS] * whole + [odd] * (odd > 0)],
-            self.engine, self._fallback_settings, self.counters, weight=RESERVED_GPUS / INSTANCE_GPUS)
+            self.engine, self._fallback_settings, self.counters, capacity=RESERVED_GPUS / INSTANCE_GPUS)
         self.orchestrator = Orchestrator(self.c, self.pool, self.seeding, EmulatedTrainer(self.train_s_per_token / self.S, self.a.token_scale),
                                          policy=self.policy, window=self.window, mode=self.mode,
                                          max_staleness=getattr(self.a, "max_staleness", 1), samples=self.a.samples,

@@ -33,7 +33,7 @@ A step (policy `hybrid`, mode `sync`):
 
 `colocated`: the seeding engines generate the whole step, then the trainer trains on it.
 `disaggregated`: training streams from the start (T_seed = 0) while rollout engines generate:
-the seeding engines' share (their `weight`; 0 for a run whose reserved side only trains) and
+the seeding engines' share (their `capacity`; 0 for a run whose reserved side only trains) and
 the preemptible pool. With no live preemptible worker every policy runs colocated, and if the
 pool dies mid-step the seeding engines take its work back (`take_back`): a step never stalls.
 
@@ -96,7 +96,7 @@ class SeedingEngines(Protocol):
     """The reserved cluster's rollout engines."""
 
     reserved_pool: str  # their own queue
-    weight: float  # rollout capacity, in preemptible workers: the share of a step they take
+    capacity: float  # rollout capacity, in preemptible workers: the share of a step they take
 
     async def begin_step(self, step: int, handoff: bool) -> None:
         """Serve the reserved queue (start an engine, or nothing if it serves on). `handoff`:
@@ -223,7 +223,7 @@ class Orchestrator:
 
     async def _publish(self, step: int, requests: list[wire.RolloutRequest], live: int, republish: bool) -> None:
         """Dispatch by capacity (step 1 of the docstring) and start collecting the step's results."""
-        share = dispatch_share(len(requests), live, self.policy, self.engines.weight)
+        share = dispatch_share(len(requests), live, self.policy, self.engines.capacity)
         mine = set(np.linspace(0, len(requests) - 1, share).round().astype(int).tolist()) if share else set()
         reserved = [q for i, q in enumerate(requests) if i in mine]
         self._on_reserved |= {q.request_id for q in reserved}
@@ -283,7 +283,7 @@ class Orchestrator:
         version follows a gap in the numbering: what it published now would be too old then)."""
         t_start = time.monotonic()
         self._last_result = t_start
-        seeding = self.policy != "disaggregated" or self.engines.weight > 0
+        seeding = self.policy != "disaggregated" or self.engines.capacity > 0
         live = 0 if self.policy == "colocated" else await self.live()
         if self.policy == "disaggregated":
             t_seed = 0.0  # training streams from the start

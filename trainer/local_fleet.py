@@ -63,7 +63,7 @@ class LocalFleet:
                         serves: bool) -> InProcessSeeding | ProcessSeeding:
         """The reserved side's seeding engine. `serves`: it takes a share of every step (else,
         disaggregated, the reserved side only trains and its engine serves only with no live worker)."""
-        weight = 1.0 if serves else 0.0
+        capacity = 1.0 if serves else 0.0
 
         def settings(pool: str, handoff_pool: str) -> WorkerSettings:
             return WorkerSettings(pool=pool, handoff_pool=handoff_pool, slots=self.slots,
@@ -76,9 +76,9 @@ class LocalFleet:
         if ro.seeding == "process":
             fleet = self._processes(self.reserved_pool, ro.seeding_engine, "--handoff-pool", self.pool)
             return ProcessSeeding(c, self.pool, fleet, [()], engine, settings, self.reserved_counters,
-                                  weights=None, weight=weight)
+                                  weights=None, capacity=capacity)
         return InProcessSeeding(c, self.pool, self.reserved_pool, engine, settings, self.reserved_counters,
-                                weights=None, weight=weight, sleep=ro.vllm_sleep)
+                                weights=None, capacity=capacity, sleep=ro.vllm_sleep)
 
     async def start_workers(self, n: int, manager: PoolClient, timeout_s: float = 90.0) -> None:
         """Start `n` preemptible workers and wait (at most `timeout_s`: torch import + model load
