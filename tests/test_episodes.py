@@ -165,6 +165,40 @@ async def test_a_notice_during_a_tool_call_fences_its_result_and_no_tool_runs_tw
     assert any(s.worker_id == second.worker_id for r in got.values() for s in r.segments)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("parked", [32, 0])
+async def test_an_episode_waiting_on_its_tools_holds_no_generation_slot(clients, tmp_path, parked):
+    """Two slots, four episodes, each tool call 6 s: with parking every episode reaches its first
+    tool call before any call returns (the slots of those in their tools serve the others); with
+    `parked_episodes = 0` (each episode holds its slot) the third waits for a call to return."""
+    js, step, pool = clients.js, 507 + (parked > 0), f"park{parked}"
+    rows = calculator.rows("train", 4, seed=5)
+    log = str(tmp_path / "calls.log")
+    reqs = await episode_env.requests(step, rows, log, delay_s=6.0, max_turns=6, max_turn_tokens=64)
+    engine = ScriptedEngine(episode_env.tokenizer(), episode_env.solver(rows))
+    settings = WorkerSettings(pool=pool, slots=2, checkpoint_tokens=4, ack_wait_s=30.0, lease_ttl_s=20.0,
+                              heartbeat_s=0.2, parked_episodes=parked)
+    w = RolloutWorker(settings, engine, clients, worker_id=f"{pool}-w", counters=Counters(),
+                      env=EnvSettings(ref=episode_env.ENV_REF))
+    task = asyncio.create_task(w.run())
+    await PoolClient(clients, pool).publish_step(reqs)
+
+    def started() -> set[str]:  # the episodes that have called a tool
+        return {key.split("/")[0] for key in episode_env.calls(log)}
+
+    deadline = time.monotonic() + 60
+    while len(started()) < 4 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    returned = w.counters.get("episode_turns")  # tool phases over, before the fourth episode's first call
+    w.request_drain("test over")
+    await task
+    assert len(started()) == 4
+    if parked:
+        assert returned == 0
+    else:
+        assert returned >= 1
+
+
 async def test_an_environment_the_worker_does_not_run_is_refused_with_a_reason(clients, tmp_path):
     js, step, pool = clients.js, 503, "epbad"
     rows = calculator.rows("train", 1, seed=3)
