@@ -77,7 +77,7 @@ class InProcessSeeding(_Fallback):
                  sleep: bool = False) -> None:
         super().__init__(clients, pool, reserved_pool, engine, settings, counters, weights, capacity)
         self.tag = tag
-        self.seed: tuple[RolloutWorker, asyncio.Task] | None = None
+        self.seeder: tuple[RolloutWorker, asyncio.Task] | None = None
         self.sleep = sleep  # vLLM sleep mode: GPU memory back to the trainer between windows
         self.asleep = False
         self._step, self._n = 0, 0
@@ -104,17 +104,17 @@ class InProcessSeeding(_Fallback):
         that a drained worker's last fetch hands back (nak'ed as it returns), must find
         someone serving the queue, or the step would wait for them forever. Idle, it costs a
         pull every 0.25 s. (Not with vLLM sleep: the engine sleeps between windows.)"""
-        if self.seed is None and not self.sleep:
-            self.seed = self._worker(self.reserved_pool, handoff_pool, f"{self.tag}-seed-s{step}-{self._n}")
+        if self.seeder is None and not self.sleep:
+            self.seeder = self._worker(self.reserved_pool, handoff_pool, f"{self.tag}-seed-s{step}-{self._n}")
             self._n += 1
 
     async def _stop_seed(self, reason: str) -> int:
-        if self.seed is None:
+        if self.seeder is None:
             return 0
         before = self.counters.get("handed_off")
-        self.seed[0].request_drain(reason)
-        await self.seed[1]
-        self.seed = None
+        self.seeder[0].request_drain(reason)
+        await self.seeder[1]
+        self.seeder = None
         return self.counters.get("handed_off") - before
 
     async def begin_step(self, step: int, handoff: bool) -> None:
@@ -122,10 +122,10 @@ class InProcessSeeding(_Fallback):
         self._step = step
         # with nobody to hand off to, what it gives back stays on its own queue's resume lane
         target = self.pool if handoff else self.reserved_pool
-        if self.seed is not None and self.seed[0].handoff_pool != target:
+        if self.seeder is not None and self.seeder[0].handoff_pool != target:
             await self._stop_seed("hand-off target changed")
-        if self.seed is None:
-            self.seed = self._worker(self.reserved_pool, target, f"{self.tag}-seed-s{step}-{self._n}")
+        if self.seeder is None:
+            self.seeder = self._worker(self.reserved_pool, target, f"{self.tag}-seed-s{step}-{self._n}")
             self._n += 1
 
     async def hand_off(self) -> int:
