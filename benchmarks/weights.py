@@ -32,6 +32,7 @@ import time
 import uuid
 from pathlib import Path
 
+from benchmarks.fleet_join import Bandwidth, measure_verify, report
 from rlboost import bus, wire
 from rlboost.logs import print_result
 from rlboost.config import Settings
@@ -202,7 +203,20 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--late-trials", type=int, default=5,
                    help="late joiners timed one after another, each from an empty cache (the median is reported)")
     p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("--model-fleet: the fleet-join model only (benchmarks/fleet_join.py), no GRPO run")
+    g.add_argument("--model-fleet", action="store_true")
+    g.add_argument("--link-gbps", type=float, default=Bandwidth.link_gbps)
+    g.add_argument("--origin-gbps", type=float, default=Bandwidth.origin_gbps)
+    g.add_argument("--verify-threads", type=int, default=Bandwidth.verify_threads)
+    g.add_argument("--piece-mb", type=float, default=Bandwidth.piece_mb)
+    g.add_argument("--delta-ratio", type=float, default=Bandwidth.delta_ratio,
+                   help="a follower's bytes over a whole version's (bench weights' median delta)")
     a = p.parse_args(argv)
+    if a.model_fleet:  # the verify rate is this box's, measured now; the rest are the flags
+        print_result(report(Bandwidth(link_gbps=a.link_gbps, origin_gbps=a.origin_gbps, verify_mb_s=measure_verify(),
+                                      verify_threads=a.verify_threads, piece_mb=a.piece_mb,
+                                      delta_ratio=a.delta_ratio)))
+        return 0
     if not (s.services.nats_url and s.services.redis_url):
         s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-bench-")
     work = Path(tempfile.mkdtemp(prefix="rlboost-bench-weights-"))
