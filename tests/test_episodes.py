@@ -276,3 +276,75 @@ async def test_the_stored_snapshot_holds_no_tokens_and_comes_back_whole_from_the
         episodes.unpack(state, list(req.prompt_ids)[1:], [0] + stream, [0.0] + lps + [0.0] * (len(stream) - len(lps)))
     with pytest.raises(episodes.EpisodeStateError, match="not a snapshot"):
         episodes.unpack(wire.EpisodeState(at=0, env_state='{"x": 1}'), list(req.prompt_ids), [], [])
+
+
+async def test_replay_shows_an_episode_turn_by_turn_with_its_tool_calls_hand_offs_and_reward(clients, nats_url,
+                                                                                           tmp_path, capsys):
+    """`rlboost replay REQUEST_ID` of an episode handed off during a tool call: its turns in
+    stream order (model, env, model, ...) covering every token, who generated each model turn
+    (worker, version), each tool call with its key, runner and latency, in the order the episode
+    made them, the hand-off and the claim at the turn where they happened, and the reward."""
+    import argparse
+
+    from rlboost import replay
+    from rlboost.config import EnvSettings as Env
+
+    js, step, pool = clients.js, 507, "eprep"
+    rows = calculator.rows("train", 2, seed=7)
+    log = str(tmp_path / "calls.log")
+    reqs = await episode_env.requests(step, rows, log, delay_s=0.3, max_turns=6, max_turn_tokens=64)
+    first = _worker(clients, pool, rows, name="first")
+    task = asyncio.create_task(first.run())
+    await RolloutManager(clients, pool).publish_step(reqs)
+    deadline = time.monotonic() + 20
+    while not episode_env.calls(log) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    first.request_drain("spot notice")  # a tool call is under way
+    await asyncio.wait_for(task, 10)
+    second = _worker(clients, pool, rows, name="second")
+    task = asyncio.create_task(second.run())
+    got = await step_results(js, step, len(reqs))
+    second.request_drain("test over")
+    await task
+    handed = [rid for rid in got if any(e.kind == "release" for e in (await replay.life_of(js, step, rid)).events)]
+    assert handed, "no episode was handed off"
+    rid, r = handed[0], got[handed[0]]
+    env = Env(ref=episode_env.ENV_REF, options={"log": str(tmp_path / "score.log")})
+
+    async def show(json_out: bool) -> str:
+        capsys.readouterr()
+        a = argparse.Namespace(request=rid, step=step, json=json_out)
+        assert await replay.run(nats_url, a, env=env) == 0
+        return capsys.readouterr().out
+
+    out = json.loads(await show(True))
+    turns = out["turns"]
+    kinds = [t["kind"] for t in turns]
+    assert kinds == ["model", "env"] * (len(kinds) // 2) + ["model"] * (len(kinds) % 2) and kinds[-1] == "model"
+    assert [t["turn"] for t in turns if t["kind"] == "model"] == list(range(len(kinds) // 2 + 1))
+    assert turns[0]["start"] == 0 and turns[-1]["end"] == len(r.token_ids)
+    assert all(a["end"] == b["start"] for a, b in zip(turns, turns[1:]))
+    for t in turns:  # every token is accounted for by who made it
+        assert sum(p["tokens"] for p in t["parts" if t["kind"] == "model" else "appended_by"]) == t["tokens"] > 0
+    calls = [c for t in turns if t["kind"] == "env" for c in t["calls"]]
+    assert [c["key"] for c in calls] == [c.key for c in r.episode.calls] == \
+        [wire.tool_call_key(rid, i, 0) for i in range(len(calls))]
+    assert len(calls) == len(rows[int(rid.split("-p")[1][:5])]["steps"]) >= 2
+    assert all(c["tool"] == "calc" and c["latency_s"] >= 0.3 and c["worker"] in (first.worker_id, second.worker_id)
+               and c["result_chars"] for c in calls)
+    workers = [p["worker"] for t in turns if t["kind"] == "model" for p in t["parts"]]
+    assert workers[0] == first.worker_id and workers[-1] == second.worker_id
+    assert all(p["policy_version"] == 0 for t in turns if t["kind"] == "model" for p in t["parts"])
+    events = [(i, e["kind"], e["worker"]) for i, t in enumerate(turns) for e in t.get("events", [])]
+    release = [i for i, k, w in events if k == "release" and w == first.worker_id]
+    claim = [i for i, k, w in events if k == "claim" and w == second.worker_id]
+    assert release and claim and claim[0] >= release[0] and turns[release[0]]["start"] > 0
+    assert out["reward"] == {"env": episode_env.ENV_REF, "reward": 1.0, "turn_rewards": None}
+    assert out["handoffs"] >= 1 and out["finished"]
+    text = (await show(False)).splitlines()
+    turn_lines = [line.split()[:3] for line in text if line.strip().startswith("turn ")]
+    assert turn_lines == [["turn", str(t["turn"]), t["kind"]] for t in turns]
+    tool_lines = [line for line in text if line.strip().startswith("tool calc")]
+    assert [line.split(" key ")[1].split()[0] for line in tool_lines] == [c["key"] for c in calls]
+    assert any("handed off by " + first.worker_id in line for line in text)
+    assert text[-1].strip().startswith("reward: 1.0")
