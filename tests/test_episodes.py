@@ -348,3 +348,21 @@ async def test_replay_shows_an_episode_turn_by_turn_with_its_tool_calls_hand_off
     assert [line.split(" key ")[1].split()[0] for line in tool_lines] == [c["key"] for c in calls]
     assert any("handed off by " + first.worker_id in line for line in text)
     assert text[-1].strip().startswith("reward: 1.0")
+
+
+@pytest.mark.slow
+async def test_bench_chaos_episodes_keeps_every_invariant_under_sigkill_and_sigterm(nats_url, redis_url, js, tmp_path):
+    """`rlboost bench chaos --episodes` in small: worker processes SIGKILLed while they generate
+    a turn or run a tool call, and SIGTERMed; every episode completes once, token-identical to
+    an undisturbed run, each tool call run once per key but where a SIGKILL interrupted it, 0
+    tokens regenerated after a SIGTERM, at most K per held episode after a SIGKILL."""
+    import argparse
+
+    from benchmarks import chaos_episodes
+
+    a = argparse.Namespace(episodes=12, workers=3, k=8, every=0.5, chaos_until=0.9, timeout=150.0, seed=3,
+                           tool_s=0.4, token_s=0.02, actions=3)
+    out = await chaos_episodes.run(a, nats_url, redis_url, tmp_path)
+    assert out["ok"], out
+    assert out["completed"] == 12 and out["tool_call_keys"] == out["tool_calls_expected"] > 12
+    assert out["kills_during_generation"] + out["kills_during_tool_call"] >= 1, out["actions"]
