@@ -14,7 +14,9 @@ key, who ran it, latency, result size: the `ToolRecord`s of the final episode st
 environment tokens it appended, the lease events (claims, hand-offs, fencing) at the turn where
 they happened, and the reward. The reward is the trainer's to compute and is not on the
 streams: replay computes it the trainer's way (`EpisodeRunner.finish`) when it can load the
-environment (`--env`, else the settings' `[env] ref` with `[env.options]`).
+environment (`--env`, else the settings' `[env] ref` with `[env.options]`). An episode without
+a result yet is shown from the checkpoint store (`running_episode`): its turns so far, a model
+turn under way, the tool calls pending.
 """
 
 from __future__ import annotations
@@ -185,18 +187,26 @@ def episode_turns(life: Life) -> list[dict] | None:
     r = life.result
     if r is None or r.episode is None:
         return None
+    return turns_of(r.episode, r.segments, len(r.token_ids), life.events)
+
+
+def turns_of(state: wire.EpisodeState, segments: list[wire.Segment], n: int,
+             events: list[wire.LeaseEvent]) -> list[dict] | None:
+    """`episode_turns` from an episode state, the segments of its token stream and its length
+    (`n` tokens after the prompt): a result's, or a running episode's checkpoint (then tokens
+    past the state's `at` are a model turn under way, `"under_way": true`, and the calls of its
+    last turn without a result yet are `pending`)."""
     try:
-        snap, lengths = episodes.layout(r.episode)
+        snap, lengths = episodes.layout(state)
     except episodes.EpisodeStateError:
         return None
-    n = len(r.token_ids)
-    segs = sorted(r.segments, key=lambda s: s.offset)
+    segs = sorted(segments, key=lambda s: s.offset)
     spans = [(s, s.offset, segs[i + 1].offset if i + 1 < len(segs) else n) for i, s in enumerate(segs)]
     results = {m.tool_call_id: m for m in snap.messages if m.role == "tool" and m.tool_call_id}
     args = {c.key: c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments)
             for m in snap.messages if m.role == "assistant" for c in m.tool_calls}
     calls: dict[int, list[wire.ToolRecord]] = defaultdict(list)
-    for c in r.episode.calls:
+    for c in state.calls:
         calls[c.at].append(c)
 
     def call_row(c: wire.ToolRecord) -> dict:
@@ -215,7 +225,7 @@ def episode_turns(life: Life) -> list[dict] | None:
         return out
 
     turns: list[dict] = []
-    pos = -len(r.prompt_ids)
+    pos = -(lengths[0] if snap.segments and snap.segments[0].kind == "prompt" else 0)
     for seg, k in zip(snap.segments, lengths, strict=True):
         a, b = pos, pos + k
         pos = b
@@ -233,7 +243,17 @@ def episode_turns(life: Life) -> list[dict] | None:
         turn = turns[i - 1]["turn"] if i else 0
         turns.insert(i, {"kind": "env", "turn": turn, "start": at, "end": at, "tokens": 0,
                          "calls": [call_row(c) for c in left], "appended_by": []})
-    for e in life.events:
+    if state.pending:  # the last model turn's calls without a result in the checkpoint
+        env = next((t for t in turns if t["kind"] == "env" and t["start"] == state.at), None)
+        if env is None:
+            env = {"kind": "env", "turn": max(0, snap.turn - 1), "start": state.at, "end": state.at, "tokens": 0,
+                   "calls": [], "appended_by": []}
+            turns.append(env)
+        env["pending"] = [{"key": c.key, "tool": c.name, "arguments": _short(c.arguments)} for c in state.pending]
+    if n > pos >= 0 and not state.done:  # tokens past the state: a model turn under way
+        turns.append({"kind": "model", "turn": snap.turn, "start": pos, "end": n, "tokens": n - pos, "worker": "",
+                      "policy_version": -1, "weights": "", "parts": who("model", pos, n), "under_way": True})
+    for e in events:
         if e.kind not in _SHOWN or not turns:
             continue
         at = next((t for t in turns if t["start"] <= e.offset < t["end"]), None)
@@ -264,24 +284,29 @@ async def episode_reward(result: wire.RolloutResult, env: EnvSettings | None) ->
     return {"env": env.ref, "reward": done.reward, "turn_rewards": done.turn_rewards}
 
 
-def print_episode(life: Life, turns: list[dict], reward: dict | None) -> None:
+def print_episode(life: Life, turns: list[dict], reward: dict | None, running: tuple[int, str] | None = None) -> None:
+    """The turns of a finished episode (`life.result`), or of a running one (`running`: its
+    checkpoint's length and the state's summary)."""
     r = life.result
-    assert r is not None and r.episode is not None
     events = [e for e in life.events if e.kind not in _SHOWN]
-    t0 = min([e.ts for e in life.events] + [r.ts])
+    t0 = min([e.ts for e in life.events] + ([r.ts] if r else []) + [c.ts for c in life.chunks], default=time.time())
     model = [t for t in turns if t["kind"] == "model"]
     ncalls = sum(len(t.get("calls", [])) for t in turns)
-    print(f"episode {life.request_id}: {len(model)} model turns, {ncalls} tool calls, "
-          f"{len(r.token_ids)} tokens after a {len(r.prompt_ids)}-token prompt")
+    n = len(r.token_ids) if r else running[0] if running else 0
+    print(f"episode {life.request_id}: {len(model)} model turns, {ncalls} tool calls, {n} tokens"
+          + (f" after a {len(r.prompt_ids)}-token prompt" if r else " so far (running, from the checkpoint store)"))
     for e in events:
         if e.kind == "publish":
             print(f"  +{e.ts - t0:8.3f}s  published by {e.worker_id}")
     for t in turns:
         span = f"tokens {t['start']}..{t['end'] - 1} ({t['tokens']})" if t["tokens"] else "no tokens"
-        if t["kind"] == "model":
+        if t["kind"] == "model" and t.get("under_way"):
+            print(f"  turn {t['turn']} model  {span}: under way")
+        elif t["kind"] == "model":
             print(f"  turn {t['turn']} model  {span}: {t['worker']} policy v{t['policy_version']} "
                   f"weights {t['weights'] or '-'}")
-            if len(t["parts"]) > 1 or (t["parts"] and t["parts"][0]["worker"] != t["worker"]):
+        if t["kind"] == "model":
+            if len(t["parts"]) > 1 or t.get("under_way") or (t["parts"] and t["parts"][0]["worker"] != t["worker"]):
                 for p in t["parts"]:
                     print(f"           {p['tokens']} tokens by {p['worker']} (epoch {p['epoch']}, "
                           f"v{p['policy_version']}, weights {p['weights'] or '-'})")
@@ -292,6 +317,8 @@ def print_episode(life: Life, turns: list[dict], reward: dict | None) -> None:
                 res = f"{c['result_chars']} chars: {c['result']!r}" if c["result"] is not None else "no result message"
                 print(f"           tool {c['tool']}({c['arguments']}) key {c['key']} ran by {c['worker']} "
                       f"in {c['latency_s'] * 1000:.1f} ms{' ERROR' if c['error'] else ''} -> {res}")
+            for c in t.get("pending", []):
+                print(f"           tool {c['tool']}({c['arguments']}) key {c['key']}: pending (no result fenced in yet)")
         for e in t.get("events", []):
             what = {"claim": f"claimed by {e['worker']} (epoch {e['epoch']}) at token {e['offset']}",
                     "release": f"handed off by {e['worker']} at token {e['offset']} ({e['detail']})",
@@ -302,6 +329,9 @@ def print_episode(life: Life, turns: list[dict], reward: dict | None) -> None:
             print(f"  +{e.ts - t0:8.3f}s  finished by {e.worker_id} with {e.offset} tokens")
         elif e.kind == "deadletter":
             print(f"  +{e.ts - t0:8.3f}s  dead-lettered: {e.detail}")
+    if r is None or r.episode is None:
+        print(f"  no result yet: {running[1] if running else '-'}, hand-offs: {life.handoffs()}")
+        return
     print(f"  result: {r.finish_reason}, episode ended: {r.episode.reason or '-'}, hand-offs: {life.handoffs()}")
     if reward is None:
         print("  reward: not on the streams (the trainer computes it); give --env to compute it here")
@@ -325,8 +355,31 @@ async def check_streams(js: JetStreamContext, nats_url: str) -> None:
                       "(is this the servers' URL? RLBOOST_NATS_URL, or the data dir of `rlboost up`)")
 
 
+async def running_episode(redis_url: str, life: Life, services: ServicesSettings | None
+                          ) -> tuple[list[dict] | None, tuple[int, str] | None]:
+    """The turns of an episode with no result yet, from the checkpoint store (its fenced state,
+    tokens and segments); (None, None) when it is no episode, or the store cannot be read."""
+    from rlboost.checkpoint import CheckpointStore
+
+    store = CheckpointStore(redis_url)
+    try:
+        state = await store.episode(life.request_id)
+        if state is None:
+            return None, None
+        tokens, _ = await store.read(life.request_id)
+        segments = await store.segments(life.request_id)
+    except Exception:  # an unreachable store, a read the identity may not make: the streams' timeline
+        return None, None
+    finally:
+        await store.close()
+    turns = turns_of(state, segments, len(tokens), life.events)
+    what = (f"turn {state.turn}, {len(state.pending)} tool call(s) pending" if state.pending
+            else "ended, not finished" if state.done else f"turn {state.turn}")
+    return turns, (len(tokens), what)
+
+
 async def run(nats_url: str, a: argparse.Namespace, services: ServicesSettings | None = None,
-              env: EnvSettings | None = None) -> int:
+              env: EnvSettings | None = None, redis_url: str = "") -> int:
     nc = await bus.connect(nats_url, name="rlboost-replay", services=services)
     try:
         js = nc.jetstream()
@@ -341,15 +394,18 @@ async def run(nats_url: str, a: argparse.Namespace, services: ServicesSettings |
             if not (life.events or life.chunks or life.result):
                 print(f"nothing on the streams for {a.request} in step {step}")
                 return 1
-            turns = episode_turns(life)
+            turns, running = episode_turns(life), None
+            if turns is None and life.result is None and redis_url:
+                turns, running = await running_episode(redis_url, life, services)
             if turns is None:
                 print(json.dumps(life.summary())) if a.json else print_timeline(life)
                 return 0
             reward = await episode_reward(life.result, env) if life.result else None
             if a.json:
-                print(json.dumps({**life.summary(), "turns": turns, "reward": reward}))
+                print(json.dumps({**life.summary(), "turns": turns, "reward": reward,
+                                  "running": running[1] if running else None}))
             else:
-                print_episode(life, turns, reward)
+                print_episode(life, turns, reward, running)
             return 0
         lives = await step_lives(js, a.step)
         rows = [life.summary() for _, life in sorted(lives.items())]
@@ -377,6 +433,6 @@ def main(argv: list[str], s: Settings) -> int:
     a = p.parse_args(argv)
     if not a.request and a.step is None:
         p.error("give a request id or --step")
-    nats_url, _ = resolve_urls(s.services)
+    nats_url, redis_url = resolve_urls(s.services)
     env = s.env if not a.env else EnvSettings(ref=a.env, options=s.env.options if a.env == s.env.ref else {})
-    return asyncio.run(run(nats_url, a, s.services, env))
+    return asyncio.run(run(nats_url, a, s.services, env, redis_url))

@@ -279,7 +279,7 @@ async def test_the_stored_snapshot_holds_no_tokens_and_comes_back_whole_from_the
 
 
 async def test_replay_shows_an_episode_turn_by_turn_with_its_tool_calls_hand_offs_and_reward(clients, nats_url,
-                                                                                           tmp_path, capsys):
+                                                                                           redis_url, tmp_path, capsys):
     """`rlboost replay REQUEST_ID` of an episode handed off during a tool call: its turns in
     stream order (model, env, model, ...) covering every token, who generated each model turn
     (worker, version), each tool call with its key, runner and latency, in the order the episode
@@ -301,6 +301,23 @@ async def test_replay_shows_an_episode_turn_by_turn_with_its_tool_calls_hand_off
         await asyncio.sleep(0.01)
     first.request_drain("spot notice")  # a tool call is under way
     await asyncio.wait_for(task, 10)
+    env = Env(ref=episode_env.ENV_REF, options={"log": str(tmp_path / "score.log")})
+    # no result yet: replay shows the turns so far from the checkpoint store
+    waiting = [r for r in reqs if not await clients.store.is_finished(r.request_id)]
+    assert waiting, "the drain handed nothing back"
+    capsys.readouterr()
+    a = argparse.Namespace(request=waiting[0].request_id, step=step, json=True)
+    assert await replay.run(nats_url, a, env=env, redis_url=redis_url) == 0
+    running = json.loads(capsys.readouterr().out)
+    assert running["running"] and not running["finished"] and running["reward"] is None
+    kinds = [t["kind"] for t in running["turns"]]
+    assert kinds[0] == "model" and all(x != y for x, y in zip(kinds, kinds[1:]))
+    assert {p["worker"] for t in running["turns"] if t["kind"] == "model" for p in t["parts"]} == {first.worker_id}
+    assert any(e["kind"] == "release" for t in running["turns"] for e in t.get("events", []))
+    a.json = False
+    assert await replay.run(nats_url, a, env=env, redis_url=redis_url) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert "(running, from the checkpoint store)" in text[0] and text[-1].strip().startswith("no result yet")
     second = _worker(clients, pool, rows, name="second")
     task = asyncio.create_task(second.run())
     got = await step_results(js, step, len(reqs))
@@ -309,7 +326,6 @@ async def test_replay_shows_an_episode_turn_by_turn_with_its_tool_calls_hand_off
     handed = [rid for rid in got if any(e.kind == "release" for e in (await replay.life_of(js, step, rid)).events)]
     assert handed, "no episode was handed off"
     rid, r = handed[0], got[handed[0]]
-    env = Env(ref=episode_env.ENV_REF, options={"log": str(tmp_path / "score.log")})
 
     async def show(json_out: bool) -> str:
         capsys.readouterr()
