@@ -299,7 +299,7 @@ async def run(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Pat
     ref = await reference(reqs, rows, str(workdir / "reference-calls.log"))
     fleet = Fleet(nats_url, redis_url, workdir, rows_file, a.token_s, a.k)
     actions: list[dict] = []
-    running_at_kill: set[str] = set()  # for the record: pending calls started, of the episodes a killed worker held
+    running_at_kill = 0  # for the record: pending calls started, of the episodes a killed worker held, per kill
     held_at_kill = 0
     async with open_clients(nats_url, redis_url, "rlboost-chaos-episodes", pools=(POOL,)) as c:
         try:
@@ -350,7 +350,7 @@ async def run(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Pat
                         state = await c.store.episode(q.request_id)
                         if state is not None and not state.done:
                             held_at_kill += 1
-                            running_at_kill |= {p.key for p in state.pending if p.key in started}
+                            running_at_kill += sum(1 for p in state.pending if p.key in started)
                 actions.append({"kind": kind, "phase": phase, "worker": wid, "request": rid,
                                 "t": round(time.time() - t0, 3)})
                 fleet.start()
@@ -364,7 +364,7 @@ async def run(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Pat
 
 
 def analyse(reqs, rows, ref, results, log_runs: list[tuple[str, int]], fleet: Fleet, actions,
-            running_at_kill: set[str], held_at_kill: int, k: int, elapsed: float) -> dict:
+            running_at_kill: int, held_at_kill: int, k: int, elapsed: float) -> dict:
     by_rid: dict[str, list[wire.RolloutResult]] = defaultdict(list)
     for r in results:
         by_rid[r.request_id].append(r)
@@ -409,7 +409,7 @@ def analyse(reqs, rows, ref, results, log_runs: list[tuple[str, int]], fleet: Fl
         "terms": kinds["term"], "workers_started": len(fleet.procs),
         "tool_calls_expected": expected, "tool_call_keys": len(keys), "tool_calls_run": sum(ran.values()),
         "tool_calls_rerun": sum(n - 1 for n in ran.values()), "tool_calls_rerun_after_kill": after_kill,
-        "tool_calls_rerun_unexplained": unexplained, "tool_calls_running_at_kill": len(running_at_kill),
+        "tool_calls_rerun_unexplained": unexplained, "tool_calls_running_at_kill": running_at_kill,
         "tool_keys_never_run": len(keys - set(ran)),
         "episodes_held_at_kill": held_at_kill, "checkpoint_tokens": k,
         "regenerated_tokens_term": regenerated["terminated"], "regenerated_tokens_kill": regenerated["killed"],
