@@ -376,9 +376,10 @@ async def test_bench_chaos_episodes_keeps_every_invariant_under_sigkill_and_sigt
 
     from benchmarks import chaos_episodes
 
-    a = argparse.Namespace(episodes=12, workers=3, k=8, every=0.5, chaos_until=0.9, timeout=150.0, seed=3,
-                           tool_s=0.4, token_s=0.02, actions=3)
+    # seed 4: the first action is a SIGKILL during generation, the second one during a tool call
+    a = argparse.Namespace(episodes=8, workers=2, k=8, every=0.5, chaos_until=0.9, timeout=150.0, seed=4,
+                           tool_s=0.4, token_s=0.02, actions=2)
     out = await chaos_episodes.run(a, nats_url, redis_url, tmp_path)
     assert out["ok"], out
-    assert out["completed"] == 12 and out["tool_call_keys"] == out["tool_calls_expected"] > 12
-    assert out["kills_during_generation"] + out["kills_during_tool_call"] >= 1, out["actions"]
+    assert out["completed"] == 8 and out["tool_call_keys"] == out["tool_calls_expected"] > 8
+    assert out["kills_during_generation"] == 1, out["actions"]
