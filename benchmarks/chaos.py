@@ -94,7 +94,10 @@ async def chaos(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: P
             if now < next_action or len(seen) >= len(requests) * a.chaos_until:
                 continue
             next_action = now + rng.uniform(0.5, 1.5) * a.every
-            candidates = [w for w in fleet.live() if w.fate == "running"]
+            # only workers that serve (in the registry): a process still importing on a busy box
+            # would die of a SIGTERM before its handler exists, and measure no hand-off
+            serving = set(await bus.worker_keys(c.js))
+            candidates = [w for w in fleet.live() if w.fate == "running" and w.worker_id in serving]
             if len(candidates) < 2:
                 continue  # keep someone working
             if not plan:

@@ -36,7 +36,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -53,17 +52,17 @@ from rlboost.checkpoint import parse_segment
 from rlboost.clients import open_clients
 from rlboost.config import EnvSettings, Settings, WorkerSettings
 from rlboost.envs import calculator
-from rlboost.envs.calculator import ALPHABET, CALC, CalculatorEnv
+from rlboost.envs.calculator import CALC, CalculatorEnv
 from rlboost.envs.chat import chat_format
 from rlboost.envs.episode import EpisodeRunner
 from rlboost.envs.protocol import Context, ToolCall, ToolResult
 from rlboost.logs import print_result
 from rlboost.replay import read_subject
 from rlboost.services import running_services
+from benchmarks.agent import solver, tokenizer  # the scripted policy that solves the calculator's problems
 
 POOL = "chaosep"
 ENV_REF = "benchmarks.chaos_episodes:counting_calculator"
-_RESULT = re.compile(r"<tool_response>(.*?)</tool_response>")
 
 
 # ---------------------------------------------------------------- the environment and the policy
@@ -103,29 +102,6 @@ def runs(log: str) -> list[tuple[str, int]]:
 
 def calls(log: str) -> list[str]:
     return [key for key, _ in runs(log)]
-
-
-def solver(rows: list[dict[str, Any]]):
-    """The scripted engine's policy: `calc` each worked step of the row's problem with the
-    results the tool gave (read back from the context), then the answer."""
-    steps = {r["question"]: r["steps"] for r in rows}
-
-    def policy(context: str, seed: int) -> str:
-        question = next((q for q in steps if q in context), None)
-        if question is None:
-            return "Answer: 0"
-        results = _RESULT.findall(context)
-        k = len(results)
-        if k < len(steps[question]):
-            return f"<tool_call>calc {steps[question][k].format(*results)}</tool_call>"
-        return f"Answer: {results[-1]}"
-    return policy
-
-
-def tokenizer():
-    from trainer.model import build_tokenizer
-
-    return build_tokenizer(ALPHABET)
 
 
 async def make_requests(step: int, rows: list[dict], log: str, delay_s: float, max_new: int = 600

@@ -50,7 +50,7 @@ from rlboost.checkpoint import LeaseLost
 from rlboost.logs import print_result
 from rlboost.clients import open_clients
 from rlboost.config import ServicesSettings, Settings
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from rlboost.replay import read_chunks, read_subject
 from rlboost.services import EmbeddedServices, provision_cluster
 from workers.engines.emulated import LengthModel, reference_tokens
@@ -116,7 +116,7 @@ async def run_load(srv: Servers, workdir: Path, name: str, requests: list[wire.R
     ctx: dict = {"fleet": fleet, "srv": srv, "ack_wait": ack_wait}
     t_fault = t_recovered = None
     async with open_clients(srv.nats_url, srv.redis_url, f"rlboost-faults-{name}", pools=(POOL,)) as c:
-        await RolloutManager(c, POOL).publish_step(requests)
+        await PoolClient(c, POOL).publish_step(requests)
         for _ in range(workers):
             fleet.start()
         t0 = time.monotonic()
@@ -303,7 +303,7 @@ async def scenario_redis_cluster(srv, workdir, a, rng) -> dict:
         # The trainer's check of every result against the checkpoint on its master.
         out["verified_by_manager"] = 0
         with contextlib.suppress(TimeoutError):
-            async for _ in RolloutManager(c, POOL).results(9, reqs, timeout_s=20.0):
+            async for _ in PoolClient(c, POOL).results(9, reqs, timeout_s=20.0):
                 out["verified_by_manager"] += 1
         # Fencing on the cluster, on requests spread over every master: after a new claim,
         # the old epoch's appends are refused; the new owner's, pipelined across slots, land.
@@ -350,7 +350,7 @@ async def scenario_publish_restart(srv, workdir, a, rng) -> dict:
     reqs = make_requests(5, n, rng, 16, 16)
     outcome, t0 = "returned", time.monotonic()
     async with open_clients(srv.nats_url, srv.redis_url, "rlboost-faults-publish", pools=(POOL,)) as c:
-        manager = RolloutManager(c, POOL)
+        manager = PoolClient(c, POOL)
         publish = asyncio.create_task(asyncio.wait_for(manager.publish_step(reqs), a.timeout))
         while not publish.done():  # kill it mid-publish: once a share of the step is stored
             await asyncio.sleep(0.01)

@@ -20,7 +20,7 @@ from pathlib import Path
 from rlboost.logs import print_result
 from rlboost.config import Settings
 from rlboost.logs import configure_logging
-from trainer import run
+from trainer import command
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -74,8 +74,8 @@ def main(argv: list[str], s: Settings) -> int:
     curves, finals = {}, {}
     for mode in [m for m in a.modes.split(",") if m]:
         name = f"async k={a.max_staleness}" if mode == "async" else mode
-        cfg = run.parse([*common, "--mode", mode, "--run-dir", str(out_dir / mode)], s=s)
-        finals[name] = run.execute(cfg, s)
+        cfg = command.parse([*common, "--mode", mode, "--run-dir", str(out_dir / mode)], s=s)
+        finals[name] = command.execute(cfg, s)
         curves[name] = _metrics(out_dir / mode)
         evals = [(r["step"], r["eval_acc"]) for r in curves[name] if r["eval_acc"] is not None]
         print(f"{name}: held-out accuracy {evals}, {sum(r['step_s'] for r in curves[name]):.1f} s of steps", flush=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rlboost.logs import print_result
 from rlboost.config import Settings
-from trainer import run
+from trainer import command
 
 
 def _rollouts(run_dir: Path) -> dict[str, dict]:
@@ -61,8 +61,8 @@ def main(argv: list[str], s: Settings) -> int:
               "--precision", a.precision]
     finals = {}
     for name, extra in (("undisturbed", []), ("preempted", ["--chaos", a.chaos])):
-        cfg = run.parse([*common, "--run-dir", str(out_dir / name), *extra], s=s)
-        finals[name] = run.execute(cfg, s)
+        cfg = command.parse([*common, "--run-dir", str(out_dir / name), *extra], s=s)
+        finals[name] = command.execute(cfg, s)
         print(f"{name}: rewards {[m['reward'] for m in _metrics(out_dir / name)]}", flush=True)
     cmp = compare(out_dir / "undisturbed", out_dir / "preempted")
     result = {**cmp, "weights_identical": finals["undisturbed"]["final_weights_sha256"]

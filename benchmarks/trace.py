@@ -92,7 +92,7 @@ from rlboost.clients import Clients, open_clients
 from rlboost.config import Settings, WorkerSettings
 from benchmarks.costs import Prices, cost_efficiency, cost_per_hour, run_cost
 from rlboost.logs import configure_logging
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from rlboost.offload import SeedWindow
 from rlboost.orchestrator import Orchestrator
 from rlboost.replay import migrations, read_subject
@@ -145,7 +145,7 @@ class Emulation:
         self.a, self.c, self.label, self.policy, self.ivs, self.S = a, c, label, policy, ivs, a.speed
         self.pool = wire.check_name("pool", f"trace-{label}-{wire.new_run_id()}")
         self.reserved_pool = f"{self.pool}-reserved"  # the seeding engine's own queue: its share
-        self.manager = RolloutManager(c, self.pool)
+        self.manager = PoolClient(c, self.pool)
         self.hb_s = 0.25  # heartbeats carry in-flight counts: the seeding rule's idle measure
         # The preemptible instances: emulated workers sharing `--hosts` fleet-host processes
         # (benchmarks/fleet_host.py), or one worker process each (`--hosts 0`, as before)
@@ -198,7 +198,7 @@ class Emulation:
         self.seeding = ProcessSeeding(
             self.c, self.pool, self.reserved_fleet,
             [("--gpus", str(g), "--slots", str(g * SLOTS_PER_GPU)) for g in [INSTANCE_GPUS] * whole + [odd] * (odd > 0)],
-            self.engine, self._fallback_settings, self.counters, weight=RESERVED_GPUS / INSTANCE_GPUS)
+            self.engine, self._fallback_settings, self.counters, capacity=RESERVED_GPUS / INSTANCE_GPUS)
         self.orchestrator = Orchestrator(self.c, self.pool, self.seeding, EmulatedTrainer(self.train_s_per_token / self.S, self.a.token_scale),
                                          policy=self.policy, window=self.window, mode=self.mode,
                                          max_staleness=getattr(self.a, "max_staleness", 1), samples=self.a.samples,

@@ -189,8 +189,8 @@ def parser_markdown(title: str, p: argparse.ArgumentParser, keys: dict[str, str]
 
 def cli_markdown() -> str:
     parsers = command_parsers()
-    # `rlboost run` / `demo` flags are shorthands for settings keys (trainer/run.py FLAGS)
-    keys = getattr(importlib.import_module("trainer.run"), "FLAGS", {})
+    # `rlboost run` / `demo` flags are shorthands for settings keys (trainer/command.py FLAGS)
+    keys = getattr(importlib.import_module("trainer.command"), "FLAGS", {})
     return "\n".join(parser_markdown(title, p, keys if title in ("rlboost run", "rlboost demo") else None)
                      for title, p in parsers.items())
 

@@ -73,7 +73,7 @@ def worker_permissions(pools: list[str] | tuple[str, ...] = ("*",)) -> dict[str,
     consumer on the requests stream is a pool consumer). The worker may use its pools'
     consumers (info, pull, ack) but never create, update or delete one (that would let it set
     `max_deliver` to 1), nor delete a stream message by sequence: the trainer provisions the
-    consumers and moves poison messages (rlboost/manager.py)."""
+    consumers and moves poison messages (rlboost/pool_client.py)."""
     rq = wire.STREAM_REQUESTS
     allow = [
         "rb.tok.>", "rb.res.>", "rb.evt.>", "rb.dlq.>",  # token chunks, results, lease events, DLQ

@@ -144,7 +144,7 @@ COMMANDS = {
     "worker": ("workers.main", "run a rollout worker: rlboost worker --pool NAME --engine ENGINE"),
     "replay": ("rlboost.replay", "print the life of a request or a step from the streams"),
     "init-model": ("trainer.bootstrap", "build and warm-start the small local model"),
-    "run": ("trainer.run", "run RL training with a rollout policy"),
+    "run": ("trainer.command", "run RL training with a rollout policy"),
     "serve-openai": ("rlboost.endpoint", "an OpenAI-compatible chat endpoint: each call a checkpointed request"),
 }
 

@@ -84,6 +84,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     resume_reserve: float = 0.5  # extra slots (x slots) kept for handed-off requests only
     handoff_pool: str = ""  # hand-offs go to this pool's resume lane ("" = our own): a reserved
     # seeding engine with its own queue hands its unfinished responses to the preemptible pool
+    parked_episodes: int = 32  # episodes in their environment phase (tools, the env's reply) that
+    # hold no generation slot: the engine takes other requests meanwhile (0: each holds its slot)
     fetch_batch: int = 16  # fresh requests per pull: small pulls interleave between workers, so a
     # step spreads over the pool instead of filling whichever worker asked first (0 = all free slots)
     checkpoint_tokens: int = 16  # K: checkpoint + publish every K tokens ...
@@ -117,6 +119,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                f"{self.lease_ttl_s} must be < worker.ack_wait_s ({self.ack_wait_s})")
         _check(self.slots > 0, "worker.slots", "must be > 0")
         _check(self.checkpoint_tokens > 0, "worker.checkpoint_tokens", "must be > 0")
+        _check(self.parked_episodes >= 0, "worker.parked_episodes", "must be >= 0")
 
 
 class DataSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -396,7 +399,10 @@ class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     on_tool_error: str = "message"  # a tool that raises or times out: message (the model reads the error) | end (the episode)
     max_turns: int = 8  # model turns per episode; a turn past it ends the episode (its tool calls are not run)
     max_episode_tokens: int = 4096  # prompt + model + environment tokens; no room for one more model token ends it
-    inline: bool = False  # run tool calls in the generation worker (true) or hand them to the env pool (false)
+    # Tool calls run in the generation worker, beside its engine: an episode in its tools holds no
+    # generation slot (`worker.parked_episodes`). false (an environment pool of its own processes)
+    # is not built yet and is refused.
+    inline: bool = True
     describe_tools: bool = True  # fallback chat format (a model without a chat template): list the tools' JSON specs in the opening; false keeps prompts short for a small model that learned its tools from warm-start data
 
     def __post_init__(self) -> None:
@@ -409,6 +415,9 @@ class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"env.max_turns: {self.max_turns} must be >= 1")
         if self.max_episode_tokens < 1:
             raise ValueError(f"env.max_episode_tokens: {self.max_episode_tokens} must be >= 1")
+        if not self.inline:
+            raise ValueError("env.inline: false (an environment pool) is not built yet; tools run in the "
+                             "generation worker, parked off its slots (worker.parked_episodes)")
 
 
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -7,11 +7,11 @@ like any other:
 1. the messages (and `tools=`) become prompt token ids through the model's own chat template
    (`rlboost.envs.chat.chat_format`: the template where the tokenizer has one, else the
    documented fallback);
-2. one `wire.RolloutRequest` per choice (`n`) is published through the `RolloutManager` on the
+2. one `wire.RolloutRequest` per choice (`n`) is published through the `PoolClient` on the
    pool's work queue, under the latest published policy version; a worker claims it, generates
    and checkpoints every K tokens in Redis, so a worker lost mid-turn costs at most K tokens
    (none with notice) and another worker finishes the turn: the call just takes longer;
-3. the result is taken only once `RolloutManager.verify_result` agrees with the checkpoint
+3. the result is taken only once `PoolClient.verify_result` agrees with the checkpoint
    (tokens, logprobs, lease, segments), decoded and parsed for tool calls in the template's
    syntax, and recorded: one JSON line per choice in `<run dir>/sessions/<session>.jsonl`,
    fsynced before the answer goes out (so every answered call is on disk);
@@ -64,7 +64,7 @@ from rlboost.envs.chat import ChatFormat, chat_format
 from rlboost.envs.protocol import Message, ToolCall, ToolSpec
 from rlboost.errors import RlboostError
 from rlboost.logs import get_logger
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 
 RECORD_VERSION = 1  # the schema of a session file's lines (`read_sessions`)
 SESSION_HEADERS = ("x-session-id", "x-episode-id")
@@ -435,7 +435,7 @@ class OpenAIEndpoint:
         self.run_dir = Path(run_dir)
         (self.run_dir / "sessions").mkdir(parents=True, exist_ok=True)
         self.run_id = wire.new_run_id()  # request ids of this life never collide with an earlier one's
-        self.manager = RolloutManager(clients, cfg.pool)
+        self.manager = PoolClient(clients, cfg.pool)
         self.step = cfg.step
         self.log = get_logger(component="endpoint", run_id=self.run_id, pool=cfg.pool)
         self._pending: dict[str, tuple[wire.RolloutRequest, asyncio.Future]] = {}
@@ -535,7 +535,7 @@ class OpenAIEndpoint:
                 fut.set_result(r)
 
     async def _verify(self, r: wire.RolloutResult, req: wire.RolloutRequest) -> str | None:
-        """`RolloutManager.verify_result`'s reason ('' = genuine), retried while Redis does not
+        """`PoolClient.verify_result`'s reason ('' = genuine), retried while Redis does not
         answer (a restart, a failover); None if it never did."""
         for attempt in range(6):
             try:

@@ -10,7 +10,7 @@ are the parts plugged in (prime-rl's style: components wired in the constructor,
   plugs emulated H100 engines in.
 - `RequestSource`: a step's requests (a run: its data's prompts, `trainer/request_source.py`;
   the bench: modelled prompts).
-- `TrainerClock`: consumes complete groups (real GRPO, or the bench's emulated trainer that
+- `TrainerPort`: consumes complete groups (real GRPO, or the bench's emulated trainer that
   takes the time a calibrated model says) and ends the step (optimizer step, weights).
 
 A step (policy `hybrid`, mode `sync`):
@@ -33,7 +33,7 @@ A step (policy `hybrid`, mode `sync`):
 
 `colocated`: the seeding engines generate the whole step, then the trainer trains on it.
 `disaggregated`: training streams from the start (T_seed = 0) while rollout engines generate:
-the seeding engines' share (their `weight`; 0 for a run whose reserved side only trains) and
+the seeding engines' share (their `capacity`; 0 for a run whose reserved side only trains) and
 the preemptible pool. With no live preemptible worker every policy runs colocated, and if the
 pool dies mid-step the seeding engines take its work back (`take_back`): a step never stalls.
 
@@ -79,7 +79,7 @@ from rlboost import wire
 from rlboost.clients import Clients
 from rlboost.errors import RlboostError
 from rlboost.logs import get_logger
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from rlboost.offload import SeedWindow
 
 POLICIES = ("hybrid", "colocated", "disaggregated")
@@ -96,7 +96,7 @@ class SeedingEngines(Protocol):
     """The reserved cluster's rollout engines."""
 
     reserved_pool: str  # their own queue
-    weight: float  # rollout capacity, in preemptible workers: the share of a step they take
+    capacity: float  # rollout capacity, in preemptible workers: the share of a step they take
 
     async def begin_step(self, step: int, handoff: bool) -> None:
         """Serve the reserved queue (start an engine, or nothing if it serves on). `handoff`:
@@ -126,7 +126,7 @@ class RequestSource(Protocol):
         """The requests of `groups` groups of step `step`, to be generated under `version`."""
 
 
-class TrainerClock(Protocol):
+class TrainerPort(Protocol):
     """The trainer as the orchestrator sees it."""
 
     async def score(self, key: GroupKey, results: list[wire.RolloutResult]) -> object:
@@ -159,7 +159,7 @@ class StepOutcome:
     trained: list[tuple[GroupKey, list[wire.RolloutResult]]] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)  # per trained result
     carried_groups: int = 0  # groups in flight when the step ended (partial / async)
-    report: object = None  # what TrainerClock.finish_step returned
+    report: object = None  # what TrainerPort.finish_step returned
 
 
 def dispatch_share(n: int, live: int, policy: str, reserved_weight: float) -> int:
@@ -178,7 +178,7 @@ def staleness(result: wire.RolloutResult, trained_version: int) -> int:
 
 
 class Orchestrator:
-    def __init__(self, clients: Clients, pool: str, engines: SeedingEngines, trainer: TrainerClock, *,
+    def __init__(self, clients: Clients, pool: str, engines: SeedingEngines, trainer: TrainerPort, *,
                  policy: str = "hybrid", window: SeedWindow | None = None, mode: str = "sync",
                  max_staleness: int = 1, overprovision: float = 0.25, samples: int = 8,
                  on_result: Callable[[wire.RolloutResult, int, int], None] | None = None,
@@ -189,7 +189,7 @@ class Orchestrator:
             raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
         self.c, self.engines, self.trainer = clients, engines, trainer
         self.pool = wire.check_name("pool", pool)
-        self.manager = RolloutManager(clients, pool)
+        self.manager = PoolClient(clients, pool)
         self.policy, self.mode, self.samples = policy, mode, samples
         self.window = window or SeedWindow()
         self.max_staleness = 0 if mode == "sync" else max_staleness
@@ -223,7 +223,7 @@ class Orchestrator:
 
     async def _publish(self, step: int, requests: list[wire.RolloutRequest], live: int, republish: bool) -> None:
         """Dispatch by capacity (step 1 of the docstring) and start collecting the step's results."""
-        share = dispatch_share(len(requests), live, self.policy, self.engines.weight)
+        share = dispatch_share(len(requests), live, self.policy, self.engines.capacity)
         mine = set(np.linspace(0, len(requests) - 1, share).round().astype(int).tolist()) if share else set()
         reserved = [q for i, q in enumerate(requests) if i in mine]
         self._on_reserved |= {q.request_id for q in reserved}
@@ -283,7 +283,7 @@ class Orchestrator:
         version follows a gap in the numbering: what it published now would be too old then)."""
         t_start = time.monotonic()
         self._last_result = t_start
-        seeding = self.policy != "disaggregated" or self.engines.weight > 0
+        seeding = self.policy != "disaggregated" or self.engines.capacity > 0
         live = 0 if self.policy == "colocated" else await self.live()
         if self.policy == "disaggregated":
             t_seed = 0.0  # training streams from the start

@@ -92,3 +92,16 @@ def s3_server(s3_env, tmp_path_factory):
     srv = MotoS3(tmp_path_factory.mktemp("moto") / "moto.log").start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def calc_model_dir(tmp_path_factory):
+    """A tiny untrained model on the calculator's alphabet (512-token context), marked warm-started."""
+    from rlboost.envs import calculator
+    from trainer.model import build_model, build_tokenizer, save
+
+    tok = build_tokenizer(calculator.ALPHABET)
+    model = build_model(len(tok), hidden=64, layers=2, heads=2, mlp=128, max_positions=512, seed=0,
+                        pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
+    # pretend it was warm-started: this test is about the dataflow
+    return save(model, tok, tmp_path_factory.mktemp("m") / "calc", meta={"trained": True, "env": "calculator"})

@@ -11,10 +11,10 @@ context: a wrong tool result gives a wrong answer), then answers.
 from __future__ import annotations
 
 import os
-import re
 import time
 from typing import Any
 
+from benchmarks import agent
 from rlboost import episodes, wire
 from rlboost.envs.calculator import ALPHABET, CALC, CalculatorEnv
 from rlboost.envs.chat import chat_format
@@ -54,22 +54,7 @@ def calls(log: str) -> list[str]:
         return []
 
 
-_RESULT = re.compile(r"<tool_response>(.*?)</tool_response>")
-
-
-def solver(rows: list[dict[str, Any]]):
-    steps = {r["question"]: r["steps"] for r in rows}
-
-    def policy(context: str, seed: int) -> str:
-        question = next((q for q in steps if q in context), None)
-        if question is None:
-            return "Answer: 0"
-        results = _RESULT.findall(context)
-        k = len(results)
-        if k < len(steps[question]):
-            return f"<tool_call>calc {steps[question][k].format(*results)}</tool_call>"
-        return f"Answer: {results[-1]}"
-    return policy
+solver = agent.solver  # the scripted policy that solves the rows (benchmarks/agent.py)
 
 
 def tokenizer():

@@ -365,7 +365,7 @@ async def test_a_default_worker_serves_over_mutual_tls(tls_default, tmp_path):
 
     from rlboost.clients import open_clients
     from rlboost.config import Settings
-    from rlboost.manager import RolloutManager
+    from rlboost.pool_client import PoolClient
 
     st, tls = tls_default
     tls = dict(tls)
@@ -393,7 +393,7 @@ async def test_a_default_worker_serves_over_mutual_tls(tls_default, tmp_path):
                                 "test-trainer-tls", settings=settings, pools=("anypool",)) as c:
             reqs = [wire.RolloutRequest(request_id=wire.request_id(7, i, 0), step=7, policy_version=0,
                                         prompt_ids=[3, 4], max_new_tokens=8, seed=i, group=i) for i in range(4)]
-            manager = RolloutManager(c, "anypool")
+            manager = PoolClient(c, "anypool")
             await manager.publish_step(reqs)
             got = [r async for r in manager.results(7, reqs, timeout_s=60)]
         assert sorted(r.request_id for r in got) == sorted(q.request_id for q in reqs)
@@ -431,7 +431,7 @@ async def test_a_worker_with_other_settings_waits_for_and_serves_its_pool(secure
     import sys
 
     from rlboost.clients import open_clients
-    from rlboost.manager import RolloutManager
+    from rlboost.pool_client import PoolClient
 
     _, st = secured
     for durable in (wire.consumer_name(POOL), wire.resume_consumer_name(POOL)):  # the pool is not provisioned yet
@@ -452,7 +452,7 @@ async def test_a_worker_with_other_settings_waits_for_and_serves_its_pool(secure
                                 "test-trainer-late", pools=(POOL,)) as c:  # the default ack_wait (10 s)
             reqs = [wire.RolloutRequest(request_id=wire.request_id(31, i, 0, run="late"), step=31, policy_version=0,
                                         prompt_ids=[3, 4], max_new_tokens=8, seed=i, group=i) for i in range(4)]
-            manager = RolloutManager(c, POOL)
+            manager = PoolClient(c, POOL)
             await manager.publish_step(reqs)
             got = [r async for r in manager.results(31, reqs, timeout_s=60)]
         assert sorted(r.request_id for r in got) == sorted(q.request_id for q in reqs)
@@ -482,7 +482,7 @@ async def test_a_forged_result_cannot_pre_empt_the_genuine_one(secured, trainer)
     import msgspec
 
     from rlboost.clients import open_clients
-    from rlboost.manager import RolloutManager
+    from rlboost.pool_client import PoolClient
     from rlboost.weights.ledger import check_weights
 
     _, st = secured
@@ -496,7 +496,7 @@ async def test_a_forged_result_cannot_pre_empt_the_genuine_one(secured, trainer)
     try:
         async with open_clients(nats_url(st, "trainer", TRAINER_PW), redis_url(st, "trainer", TRAINER_PW),
                                 "test-trainer-forge", pools=(POOL,)) as c:
-            manager = RolloutManager(c, POOL)
+            manager = PoolClient(c, POOL)
             await manager.publish_step(reqs)
             genuine = {}
             for i, q in enumerate(reqs):  # what a worker does: claim, append, finish, then publish
@@ -535,7 +535,7 @@ async def test_phantom_workers_are_not_counted(secured, worker):
     worker's id. Neither counts as a live worker (main: the first counted for a day, the second
     doubled a worker), each is counted and logged once; a genuine heartbeat counts."""
     from rlboost.clients import open_clients
-    from rlboost.manager import RolloutManager
+    from rlboost.pool_client import PoolClient
 
     _, st = secured
     _, js, _ = worker
@@ -553,7 +553,7 @@ async def test_phantom_workers_are_not_counted(secured, worker):
     await kv.put(real, heartbeat(real, time.time()))
     async with open_clients(nats_url(st, "trainer", TRAINER_PW), redis_url(st, "trainer", TRAINER_PW),
                             "test-trainer-registry") as c:
-        manager = RolloutManager(c, POOL)
+        manager = PoolClient(c, POOL)
         for _ in range(3):  # sampled every 0.25 s in a step: each entry is reported once
             live = [hb.worker_id for hb in await manager.live_workers()]
             assert live.count(real) == 1 and phantom not in live, live

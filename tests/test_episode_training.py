@@ -283,18 +283,6 @@ async def test_greedy_episodes_play_every_row_to_its_end_in_batches():
 # ---------------------------------------------------------------- rlboost run --env, end to end
 
 
-@pytest.fixture(scope="module")
-def calc_model_dir(tmp_path_factory):
-    from rlboost.envs import calculator
-    from trainer.model import build_model, build_tokenizer, save
-
-    tok = build_tokenizer(calculator.ALPHABET)
-    model = build_model(len(tok), hidden=64, layers=2, heads=2, mlp=128, max_positions=512, seed=0,
-                        pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
-    # pretend it was warm-started: this test is about the dataflow
-    return save(model, tok, tmp_path_factory.mktemp("m") / "calc", meta={"trained": True, "env": "calculator"})
-
-
 @pytest.mark.slow
 def test_rlboost_run_env_calculator_trains_two_steps_through_real_workers(services, tmp_path, calc_model_dir):
     """`rlboost run --env calculator --steps 2`: episode requests through real NATS / Redis, a

@@ -25,7 +25,7 @@ from rlboost.envs import calculator
 from rlboost.envs.chat import chat_format
 from rlboost.envs.episode import EpisodeRunner
 from rlboost.config import EnvSettings
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from workers.counters import Counters
 from workers.engines.base import Sequence
 from workers.engines.scripted import ScriptedEngine
@@ -113,7 +113,7 @@ async def test_a_worker_serves_calculator_episodes_as_an_undisturbed_run_would(c
     reference = await _reference(reqs, rows, str(tmp_path / "reference.log"))
     w = _worker(clients, pool, rows)
     task = asyncio.create_task(w.run())
-    manager = RolloutManager(clients, pool)
+    manager = PoolClient(clients, pool)
     await manager.publish_step(reqs)
     got = await step_results(js, step, len(reqs))
     w.request_drain("test over")
@@ -146,7 +146,7 @@ async def test_a_notice_during_a_tool_call_fences_its_result_and_no_tool_runs_tw
     reference = await _reference(reqs, rows, str(tmp_path / "reference.log"))
     first = _worker(clients, pool, rows, name="first")
     task = asyncio.create_task(first.run())
-    await RolloutManager(clients, pool).publish_step(reqs)
+    await PoolClient(clients, pool).publish_step(reqs)
     deadline = time.monotonic() + 20
     while not episode_env.calls(log) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
@@ -165,6 +165,40 @@ async def test_a_notice_during_a_tool_call_fences_its_result_and_no_tool_runs_tw
     assert any(s.worker_id == second.worker_id for r in got.values() for s in r.segments)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("parked", [32, 0])
+async def test_an_episode_waiting_on_its_tools_holds_no_generation_slot(clients, tmp_path, parked):
+    """Two slots, four episodes, each tool call 6 s: with parking every episode reaches its first
+    tool call before any call returns (the slots of those in their tools serve the others); with
+    `parked_episodes = 0` (each episode holds its slot) the third waits for a call to return."""
+    js, step, pool = clients.js, 507 + (parked > 0), f"park{parked}"
+    rows = calculator.rows("train", 4, seed=5)
+    log = str(tmp_path / "calls.log")
+    reqs = await episode_env.requests(step, rows, log, delay_s=6.0, max_turns=6, max_turn_tokens=64)
+    engine = ScriptedEngine(episode_env.tokenizer(), episode_env.solver(rows))
+    settings = WorkerSettings(pool=pool, slots=2, checkpoint_tokens=4, ack_wait_s=30.0, lease_ttl_s=20.0,
+                              heartbeat_s=0.2, parked_episodes=parked)
+    w = RolloutWorker(settings, engine, clients, worker_id=f"{pool}-w", counters=Counters(),
+                      env=EnvSettings(ref=episode_env.ENV_REF))
+    task = asyncio.create_task(w.run())
+    await PoolClient(clients, pool).publish_step(reqs)
+
+    def started() -> set[str]:  # the episodes that have called a tool
+        return {key.split("/")[0] for key in episode_env.calls(log)}
+
+    deadline = time.monotonic() + 60
+    while len(started()) < 4 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    returned = w.counters.get("episode_turns")  # tool phases over, before the fourth episode's first call
+    w.request_drain("test over")
+    await task
+    assert len(started()) == 4
+    if parked:
+        assert returned == 0
+    else:
+        assert returned >= 1
+
+
 async def test_an_environment_the_worker_does_not_run_is_refused_with_a_reason(clients, tmp_path):
     js, step, pool = clients.js, 503, "epbad"
     rows = calculator.rows("train", 1, seed=3)
@@ -173,7 +207,7 @@ async def test_an_environment_the_worker_does_not_run_is_refused_with_a_reason(c
                                  "episode": wire.EpisodeSpec(env="os:system", row=req.episode.row)})
     w = _worker(clients, pool, rows)
     task = asyncio.create_task(w.run())
-    await RolloutManager(clients, pool).publish_step([req])
+    await PoolClient(clients, pool).publish_step([req])
     got = await step_results(js, step, 1)
     w.request_drain("test over")
     await task
@@ -209,7 +243,7 @@ async def test_sigkill_mid_episode_a_second_worker_process_resumes_it_exactly(cl
                    tmp_path)
     second, running = None, frozenset()
     try:
-        await RolloutManager(clients, pool).publish_step(reqs)
+        await PoolClient(clients, pool).publish_step(reqs)
         deadline, target = time.monotonic() + 60, None
         while target is None and time.monotonic() < deadline and first.poll() is None:
             for req in reqs:
@@ -289,13 +323,13 @@ async def test_replay_shows_an_episode_turn_by_turn_with_its_tool_calls_hand_off
     from rlboost import replay
     from rlboost.config import EnvSettings as Env
 
-    js, step, pool = clients.js, 507, "eprep"
+    js, step, pool = clients.js, 519, "eprep"
     rows = calculator.rows("train", 2, seed=7)
     log = str(tmp_path / "calls.log")
     reqs = await episode_env.requests(step, rows, log, delay_s=0.3, max_turns=6, max_turn_tokens=64)
     first = _worker(clients, pool, rows, name="first")
     task = asyncio.create_task(first.run())
-    await RolloutManager(clients, pool).publish_step(reqs)
+    await PoolClient(clients, pool).publish_step(reqs)
     deadline = time.monotonic() + 20
     while not episode_env.calls(log) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)

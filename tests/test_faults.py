@@ -18,7 +18,7 @@ from rlboost import bus, wire
 from rlboost.checkpoint import CheckpointStore, LeaseLost
 from rlboost.clients import open_clients
 from rlboost.config import ServicesSettings, WorkerSettings
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from rlboost.services import EmbeddedServices
 from benchmarks import faults
 from workers.counters import Counters
@@ -158,7 +158,7 @@ async def test_a_request_whose_id_was_taken_first_is_refused_not_dropped(nats_ur
     await js.publish(wire.request_subject("taken"), b"someone else's", headers={wire.HDR_MSG_ID: req.request_id})
     async with open_clients(nats_url, redis_url, "test-taken") as c:
         with pytest.raises(bus.PublishFailed, match="taken-s1-p0") as e:
-            await RolloutManager(c, "taken").publish_step([req, other])
+            await PoolClient(c, "taken").publish_step([req, other])
     assert e.value.ids == [req.request_id]
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from rlboost import wire
 from rlboost.clients import open_clients
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from workers.engines.emulated import reference_tokens
 from benchmarks.fleet_host import HostedFleet
 
@@ -42,7 +42,7 @@ async def scenario(nats_url: str, redis_url: str, tmp_path, notice: bool) -> Non
         env={"RLBOOST_LOG_LEVEL": "warning", "RLBOOST_WORKER__HEARTBEAT_S": "0.25"})
     try:
         async with open_clients(nats_url, redis_url, "test-fleet-host", pools=(pool,)) as c:
-            m = RolloutManager(c, pool)
+            m = PoolClient(c, pool)
             a, b = fleet.start("a"), fleet.start("b")  # one host process: both instances in it
             deadline = time.monotonic() + 30
             while len(await m.live_workers()) < 2:
@@ -92,7 +92,7 @@ async def scenario(nats_url: str, redis_url: str, tmp_path, notice: bool) -> Non
         assert last_beat < gone_at  # no heartbeat after the kill
 
 
-async def _collect(m: RolloutManager, reqs: list[wire.RolloutRequest]) -> dict[str, wire.RolloutResult]:
+async def _collect(m: PoolClient, reqs: list[wire.RolloutRequest]) -> dict[str, wire.RolloutResult]:
     return {r.request_id: r async for r in m.results(0, reqs, timeout_s=60)}
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from rlboost import checkpoint, wire
 from rlboost.clients import open_clients
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from rlboost.weights import StoreError
 from rlboost.weights import Manifest, parse_version
 from workers.engines.emulated import LengthModel, reference_tokens
@@ -198,7 +198,7 @@ async def test_a_worker_process_under_fire_serves_the_genuine_work_unchanged(nat
         for i, data in enumerate(forged):  # the last one under the bare request id, first: main's dedup id
             await js.publish(wire.result_subject(step), data,
                              headers={wire.HDR_MSG_ID: genuine[0].request_id if data is forged[-1] else f"f{i}"})
-        got = {r.request_id: r async for r in RolloutManager(c, pool).results(step, genuine, timeout_s=90)}
+        got = {r.request_id: r async for r in PoolClient(c, pool).results(step, genuine, timeout_s=90)}
         await controls
         await asyncio.sleep(0.5)
         for key in (worker.worker_id, wire.CONTROL_ALL):

@@ -17,7 +17,7 @@ from rlboost.checkpoint import CorruptCheckpoint, pack
 from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
 from rlboost.errors import CheckpointError, RlboostError
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from rlboost.weights import DeltaCorrupt, FileBlobStore, StoreError
 from rlboost.weights import WeightCache
 from rlboost.weights import Manifest, VersionPointer, WeightPublisher
@@ -179,7 +179,7 @@ async def test_the_manager_takes_only_genuine_results(clients):
     subject = wire.result_subject(step)
     old_run = msgspec.structs.replace(forged, request_id="rold-" + reqs[0].request_id)
     await js.publish(subject, wire.encode(old_run))  # an earlier run's result: history, skipped quietly
-    manager = RolloutManager(clients, pool)
+    manager = PoolClient(clients, pool)
     await manager.publish_step(reqs)
     await js.publish(subject, wire.encode(msgspec.structs.replace(forged, request_id=wire.request_id(step, 77, 0))))
     await js.publish(subject, wire.encode(msgspec.structs.replace(forged, group=99)),

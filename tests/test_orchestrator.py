@@ -88,7 +88,7 @@ async def drive(services, mode: str, steps: int, preemptible: int = 0, policy: s
     async with open_clients(nats_url, redis_url, "test-orch") as c:
         workers = [RolloutWorker(settings(pool), engine(), c, worker_id=f"{run}-spot{i}") for i in range(preemptible)]
         tasks = [asyncio.create_task(w.run()) for w in workers]
-        seeding = InProcessSeeding(c, pool, reserved, engine(), settings, Counters(), weight=1.0 if policy != "disaggregated" else 0.0)
+        seeding = InProcessSeeding(c, pool, reserved, engine(), settings, Counters(), capacity=1.0 if policy != "disaggregated" else 0.0)
         if at_handoff is not None:  # e.g. the whole pool goes as the seeding window closes
             hand_off = seeding.hand_off
 

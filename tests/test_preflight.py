@@ -11,7 +11,7 @@ import pytest
 from helpers import build_hf_model
 
 from rlboost import cli
-from trainer import run
+from trainer import command
 
 REWARD = "def score(solution_str, ground_truth):\n    return float(ground_truth in solution_str)\n"
 
@@ -26,8 +26,8 @@ def nothing_slow(monkeypatch, tmp_path):
     def slow(*_a, **_k):
         raise AssertionError("slow work started before the checks")
 
-    monkeypatch.setattr(run, "resolve_model", slow)
-    monkeypatch.setattr(run, "running_services", slow)
+    monkeypatch.setattr(command, "resolve_model", slow)
+    monkeypatch.setattr(command, "running_services", slow)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "reward.py").write_text(REWARD)
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": _chat(f"What is {a} plus 2?"),
@@ -95,6 +95,6 @@ def test_prompts_all_over_the_budget_are_refused_before_the_run(nothing_slow, ca
 def test_a_512_context_model_passes_the_checks_with_no_budget_flags(nothing_slow, model512):
     """The issue's case: the response budget used to default to 512 whatever the model, which left
     a 512-token model a prompt budget of 0 ("1024 prompts in a row are over the budget of 0")."""
-    cfg = run.parse(["--model-dir", str(model512), "--data", "chat.jsonl", "--reward", "reward.py:score"])
-    data, reward, task_tokens = run.preflight(cfg)
+    cfg = command.parse(["--model-dir", str(model512), "--data", "chat.jsonl", "--reward", "reward.py:score"])
+    data, reward, task_tokens = command.preflight(cfg)
     assert reward == "reward.py:score" and task_tokens == 0 and len(data.iterator.samples) == 8

@@ -17,7 +17,7 @@ from helpers import step_results
 from rlboost import wire
 from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from trainer.model import init_model_dir
 from trainer.tasks import get_task
 from workers.counters import Counters, read_counters
@@ -54,7 +54,7 @@ async def test_a_torch_worker_process_answers_bad_requests_with_errors_and_serve
         out_of_vocab = _req(step, 1, [5, 6, engine.vocab_size + 7])
         good = [_req(step, 2 + i, [4, 5, 2, 6, 13]) for i in range(3)]
         async with open_clients(nats_url, redis_url, "test-errors") as c:
-            manager = RolloutManager(c, pool)  # the trainer's side: it verifies every result, errors too
+            manager = PoolClient(c, pool)  # the trainer's side: it verifies every result, errors too
             await manager.publish_step([too_long, out_of_vocab, *good], pool)
             got = {r.request_id: r async for r in manager.results(step, [too_long, out_of_vocab, *good],
                                                                    timeout_s=90)}
@@ -92,7 +92,7 @@ async def test_a_request_that_fails_mid_batch_gets_an_error_and_the_rest_finish(
                           ChokesOn666(speed=0.0), c, worker_id=f"{pool}-w", counters=Counters())
         task = asyncio.create_task(w.run())
         reqs = [_req(step, i, [666 if i == 2 else 5, 6, 7], max_new=40) for i in range(6)]
-        manager = RolloutManager(c, pool)  # the trainer's side: it verifies every result, errors too
+        manager = PoolClient(c, pool)  # the trainer's side: it verifies every result, errors too
         await manager.publish_step(reqs, pool)
         got = {r.request_id: r async for r in manager.results(step, reqs, timeout_s=60)}
         assert not w.draining.is_set()

@@ -238,7 +238,7 @@ def test_resume_of_a_partial_run_keeps_its_mode_prompts_and_overprovision(tmp_pa
     must have the same sizes, so a resume that changes the mode, prompts or overprovision is
     refused (in either direction)."""
     from rlboost.config import ConfigError, Settings, dump_toml
-    from trainer.run import parse
+    from trainer.command import parse
 
     s = Settings()
     s.rollout.mode = "partial"
@@ -258,7 +258,7 @@ def test_resume_of_an_async_run_keeps_its_mode_and_staleness(tmp_path):
     """The steps an async run published ahead are republished as they were: a resume that
     switches the mode or k is refused."""
     from rlboost.config import ConfigError, Settings, dump_toml
-    from trainer.run import parse
+    from trainer.command import parse
 
     s = Settings()
     s.rollout.mode, s.rollout.max_staleness = "async", 2
@@ -324,3 +324,31 @@ def test_sigkill_before_a_checkpoint_or_between_two_then_resume(services, tmp_pa
             continue  # a group still in flight at the end (carried by the last checkpoint)
         again = rollouts[rid.removeprefix(run_id + "-")]
         assert again["tokens"] == r.token_ids and again["workers"] == [s.worker_id for s in r.segments]
+
+
+@pytest.mark.slow
+def test_sigkill_mid_step_of_an_episode_run_then_resume_keeps_its_episodes(services, tmp_path, calc_model_dir):
+    """`rlboost run --env calculator` killed at the first episode result of step 2 resumes from its
+    step-1 checkpoint: the episodes the dead life finished come from the results stream (never
+    played again, their transcripts as they were), those in flight are finished from their
+    checkpoints, and every step trains each of its episodes once."""
+    nats_url, redis_url = services
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    args = ["--env", "calculator", "--model-dir", str(calc_model_dir), "--run-dir", str(run_dir), "--steps", "3",
+            "--prompts", "4", "--samples", "4", "--workers", "2", "--slots", "8", "--eval-every", "100",
+            "--save-rollouts", "--max-response-tokens", "24", "--env.max_turns", "3", "--env.describe_tools", "false",
+            "--env.options.instructions", "false", "--t-seed", "0.5", "--t-seed-floor", "0.5",
+            "run.checkpoint_every=1", f"rollout.checkpoint_tokens={K}"]
+    run_id = _start_then_kill(tmp_path, run_dir, args, env, nats_url, kill_in=2)
+    finished = asyncio.run(_results(nats_url, 2, run_id))
+    assert finished and all(r.episode is not None for r in finished.values())
+
+    rows = _resume(run_dir, env, run_id, steps=3)
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["episodes"] == 16 for r in rows)
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    ids = [r["id"] for r in rollouts]
+    assert len(ids) == len(set(ids)) == 3 * 16  # every episode of every step trained once
+    by_id = {r["id"]: r for r in rollouts}
+    for rid, r in finished.items():  # the dead life's finished episodes, as they were
+        assert by_id[rid.removeprefix(run_id + "-")]["tokens"] == r.token_ids

@@ -17,7 +17,7 @@ from rlboost.weights.source import StoreWeights, WeightSource
 from rlboost import bus, wire
 from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from benchmarks.chaos import chaos
 from workers.counters import Counters
 from workers.engines.emulated import EmulatedEngine, LengthModel, reference_tokens
@@ -83,7 +83,7 @@ async def test_a_flush_is_one_token_message_and_each_request_is_rebuilt_from_the
     w = _worker(clients, "flush", lengths=LengthModel(median=1e9))
     task = asyncio.create_task(w.run())
     reqs = [_req(step, i, max_new=400) for i in range(8)]
-    await RolloutManager(clients, "flush").publish_step(reqs)
+    await PoolClient(clients, "flush").publish_step(reqs)
     got = await step_results(js, step, len(reqs))
     w.request_drain("test over")
     await task
@@ -339,7 +339,7 @@ async def test_replay_tells_the_life_of_a_handed_off_request(clients):
     js, step = clients.js, 105
     slow = _worker(clients, "replay", speed=2.0, name="first", lengths=LengthModel(median=1e9))
     task = asyncio.create_task(slow.run())
-    await RolloutManager(clients, "replay").publish_step([_req(step, 0, max_new=300)])
+    await PoolClient(clients, "replay").publish_step([_req(step, 0, max_new=300)])
     while slow.counters.get("checkpointed") < 32:
         await asyncio.sleep(0.02)
     slow.request_drain("SIGTERM")

@@ -8,8 +8,8 @@ cap unless `--max-minutes`: a busy box takes longer, and shows the same learning
 from __future__ import annotations
 
 from rlboost.config import Settings
-from trainer import run
+from trainer import command
 
 
 def main(argv: list[str], s: Settings) -> int:
-    return run.main(argv, s, demo=True)
+    return command.main(argv, s, demo=True)

@@ -424,12 +424,12 @@ class GRPOTrainer:
         return out
 
     def save_checkpoint(self, run_dir: str, step: int, meta: dict, keep: int) -> str:
-        from trainer import checkpoint
+        from trainer import training_checkpoint as checkpoint
 
         return str(checkpoint.save(self, run_dir, step, meta, keep))
 
     def load_checkpoint(self, path: str) -> dict:
-        from trainer import checkpoint
+        from trainer import training_checkpoint as checkpoint
 
         return checkpoint.load(self, path)
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from rlboost import wire
 from rlboost.clients import Clients
-from rlboost.config import RolloutSettings, WorkerSettings
+from rlboost.config import ConfigError, RolloutSettings, WorkerSettings
 from rlboost.logs import get_logger
-from rlboost.manager import RolloutManager
+from rlboost.pool_client import PoolClient
 from workers.counters import Counters, read_counters
 from workers.engines import EngineError
 from workers.fleet import WorkerFleet
@@ -63,7 +63,7 @@ class LocalFleet:
                         serves: bool) -> InProcessSeeding | ProcessSeeding:
         """The reserved side's seeding engine. `serves`: it takes a share of every step (else,
         disaggregated, the reserved side only trains and its engine serves only with no live worker)."""
-        weight = 1.0 if serves else 0.0
+        capacity = 1.0 if serves else 0.0
 
         def settings(pool: str, handoff_pool: str) -> WorkerSettings:
             return WorkerSettings(pool=pool, handoff_pool=handoff_pool, slots=self.slots,
@@ -76,11 +76,11 @@ class LocalFleet:
         if ro.seeding == "process":
             fleet = self._processes(self.reserved_pool, ro.seeding_engine, "--handoff-pool", self.pool)
             return ProcessSeeding(c, self.pool, fleet, [()], engine, settings, self.reserved_counters,
-                                  weights=None, weight=weight)
+                                  weights=None, capacity=capacity)
         return InProcessSeeding(c, self.pool, self.reserved_pool, engine, settings, self.reserved_counters,
-                                weights=None, weight=weight, sleep=ro.vllm_sleep)
+                                weights=None, capacity=capacity, sleep=ro.vllm_sleep)
 
-    async def start_workers(self, n: int, manager: RolloutManager, timeout_s: float = 90.0) -> None:
+    async def start_workers(self, n: int, manager: PoolClient, timeout_s: float = 90.0) -> None:
         """Start `n` preemptible workers and wait (at most `timeout_s`: torch import + model load
         take a while) until they heartbeat on the pool."""
         for _ in range(n):
@@ -127,3 +127,14 @@ class Chaos:
                 if worker_id is None:
                     return
                 self.log.warning("chaos", step=r.step, action=kind, worker_id=worker_id)
+
+
+def parse_chaos(spec: str) -> dict[int, list[str]]:
+    """`--chaos 3:term,5:kill`: the steps in which a worker is SIGTERMed / SIGKILLed mid-step."""
+    out: dict[int, list[str]] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        step, _, kind = part.partition(":")
+        if kind not in ("term", "kill") or not step.strip().isdigit():
+            raise ConfigError(f"chaos {part!r}: use STEP:term or STEP:kill (STEP a step number)")
+        out.setdefault(int(step), []).append(kind)
+    return out

@@ -1,6 +1,6 @@
 """Resume: what a checkpoint carries beside the trainer's own state, and how a new life takes it back.
 
-The trainer's weights, optimizer and step count are `trainer.checkpoint`'s. This module keeps
+The trainer's weights, optimizer and step count are `trainer.training_checkpoint`'s. This module keeps
 the run's identity (`run.json`: a resumed run, even one killed before its first checkpoint,
 publishes under the same request ids) and the parts' own state at a checkpoint:
 
@@ -90,7 +90,7 @@ def republish_through(run_dir: Path, step: int, max_staleness: int) -> int:
 
 def checkpoint_meta(step: int, eval_first: float | None, *, run_id: str, orchestrator: Orchestrator,
                     source: RequestSource, ledger: VersionLedger, window: SeedWindow, tally: StepMetrics) -> dict:
-    """The run's state after `step`, beside the trainer's (saved together by trainer.checkpoint)."""
+    """The run's state after `step`, beside the trainer's (saved together by trainer.training_checkpoint)."""
     carried = orchestrator.untrained() if orchestrator.mode == "partial" else {}
     position = source.position(carried, step, ledger.version)
     if carried:  # partial: a carried response may hold tokens of every version since its draw
@@ -105,7 +105,7 @@ def checkpoint_meta(step: int, eval_first: float | None, *, run_id: str, orchest
 
 def restore(state: dict, run_dir: Path, *, max_staleness: int, source: RequestSource, window: SeedWindow,
             tally: StepMetrics) -> Resumed:
-    """The parts' state back from a checkpoint (the trainer's is restored by trainer.checkpoint)."""
+    """The parts' state back from a checkpoint (the trainer's is restored by trainer.training_checkpoint)."""
     source.restore(state)
     first = state["step"] + 1
     if state.get("seed_window"):

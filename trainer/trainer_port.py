@@ -1,4 +1,4 @@
-"""The trainer port: the real GRPO trainer as the orchestrator's `TrainerClock`.
+"""The trainer port: the real GRPO trainer as the orchestrator's `TrainerPort`.
 
 The orchestrator calls three things a step: `score` a complete group (off the trainer's path:
 the user's reward, in the scorer's process pool), `train_group` (back-propagate it; the
@@ -22,7 +22,7 @@ from trainer.request_source import RequestSource
 from trainer.scoring import Scorer
 
 
-class TrainerPort:
+class GRPOPort:
     def __init__(self, trainer: GRPOTrainer, ops, source: RequestSource, scorer: Scorer, ledger: VersionLedger,
                  *, partial: bool) -> None:
         self.trainer, self.ops, self.source, self.scorer, self.ledger = trainer, ops, source, scorer, ledger
@@ -37,7 +37,7 @@ class TrainerPort:
         """The full weights in the publish dtype, gathered tensor by tensor (every rank takes part)."""
         return await asyncio.to_thread(self.ops.call, "state_dict")
 
-    # ------------------------------------------------------------------ TrainerClock
+    # ------------------------------------------------------------------ TrainerPort
 
     async def score(self, key: tuple[int, int], results: list[wire.RolloutResult]) -> list[float]:
         return await self.scorer.group(self.source.sample(key), results)

@@ -28,7 +28,9 @@ can de-duplicate on it); with notice the worker lets the environment phase finis
 
 Which environments a worker runs: the built-in ones (`rlboost.envs.BUILTIN_ENVS`) and the one
 its own settings name (`[env] ref`): a request cannot make a worker import code of its choosing.
-Tools run inline in the worker here (`env.inline`); the environment pool is another process.
+Tools run inline in the worker (`env.inline`), off the generation loop: an episode in its
+environment phase holds no generation slot (`worker.parked_episodes`), so a slow tool never keeps
+the engine's batch short. An environment pool of its own processes is not built yet.
 """
 
 from __future__ import annotations

@@ -38,9 +38,9 @@ class _Fallback:
 
     def __init__(self, clients: Clients, pool: str, reserved_pool: str, engine: Engine | None,
                  settings: Callable[[str, str], WorkerSettings], counters: Counters, weights: WeightSource | None,
-                 weight: float) -> None:
+                 capacity: float) -> None:
         self.c, self.pool, self.reserved_pool, self.engine = clients, pool, reserved_pool, engine
-        self.settings, self.counters, self.weights, self.weight = settings, counters, weights, weight
+        self.settings, self.counters, self.weights, self.capacity = settings, counters, weights, capacity
         self.fallback: tuple[RolloutWorker, asyncio.Task] | None = None
         self.handoffs = 0
         self.env: EnvSettings | None = None  # [env]: the environments (and chat format) the workers here run episodes in
@@ -73,9 +73,9 @@ class InProcessSeeding(_Fallback):
 
     def __init__(self, clients: Clients, pool: str, reserved_pool: str, engine: Engine,
                  settings: Callable[[str, str], WorkerSettings], counters: Counters,
-                 weights: WeightSource | None = None, weight: float = 1.0, tag: str = "reserved",
+                 weights: WeightSource | None = None, capacity: float = 1.0, tag: str = "reserved",
                  sleep: bool = False) -> None:
-        super().__init__(clients, pool, reserved_pool, engine, settings, counters, weights, weight)
+        super().__init__(clients, pool, reserved_pool, engine, settings, counters, weights, capacity)
         self.tag = tag
         self.seed: tuple[RolloutWorker, asyncio.Task] | None = None
         self.sleep = sleep  # vLLM sleep mode: GPU memory back to the trainer between windows
@@ -150,18 +150,18 @@ class ProcessSeeding(_Fallback):
 
     def __init__(self, clients: Clients, pool: str, fleet: WorkerFleet, starts: list[tuple[str, ...]],
                  fallback_engine: Engine | None, settings: Callable[[str, str], WorkerSettings], counters: Counters,
-                 weights: WeightSource | None = None, weight: float = 1.0) -> None:
-        super().__init__(clients, pool, fleet.pool, fallback_engine, settings, counters, weights, weight)
+                 weights: WeightSource | None = None, capacity: float = 1.0) -> None:
+        super().__init__(clients, pool, fleet.pool, fallback_engine, settings, counters, weights, capacity)
         self.fleet, self.starts = fleet, starts
         self.handed_off = False  # this step: a take-back after the hand-off signals nobody again
 
     async def start(self, timeout_s: float = 60.0) -> None:
         """Start the processes (`extra_args` per engine) and wait until each heartbeats."""
-        from rlboost.manager import RolloutManager
+        from rlboost.pool_client import PoolClient
 
         for extra in self.starts:
             self.fleet.start(prefix="reserved", extra_args=extra)
-        reserved = RolloutManager(self.c, self.reserved_pool)
+        reserved = PoolClient(self.c, self.reserved_pool)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and len(await reserved.live_workers()) < len(self.fleet.workers):
             await asyncio.sleep(0.1)

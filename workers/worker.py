@@ -286,7 +286,7 @@ class RolloutWorker:
         slot_freed = asyncio.Event()
         self._slot_events.append(slot_freed)
         while not self.draining.is_set():
-            free = capacity - len(self.active) - self.admitting
+            free = capacity - self._holding_slots() - self.admitting
             # a worker making no progress takes no more work, nor one waiting for its engine to
             # be free to switch versions
             if free <= 0 or self.stalled() or self._switch_pending():
@@ -637,12 +637,21 @@ class RolloutWorker:
                 a.last_write = time.monotonic()  # the script renewed the lease
         return put
 
+    def _holding_slots(self) -> int:
+        """Requests that hold a generation slot: all active ones but the episodes parked in their
+        environment phase (up to `parked_episodes`). A tool that takes a minute then never keeps
+        the engine's batch short: the slot takes another request, and the episode's next turn
+        joins the batch when its tools are done (the batch may run over `slots` until then)."""
+        parked = sum(1 for a in self.active.values() if a.in_env)
+        return len(self.active) - min(parked, self.cfg.parked_episodes)
+
     def _start_env_phase(self, a: Active) -> None:
         """Run an episode's environment phase beside the engine (the batch goes on without it)."""
         a.in_env = time.monotonic()
         task = asyncio.create_task(self._env_phase(a))
         self._env_tasks.add(task)
         task.add_done_callback(self._env_tasks.discard)
+        self._notify_slots()  # parked: its slot is free for another request
 
     async def _env_phase(self, a: Active) -> None:
         """After a durable model turn: its tool calls and the environment's reply, each fenced in
@@ -788,7 +797,7 @@ class RolloutWorker:
                 segments: list[wire.Segment], error: str = "",
                 episode: wire.EpisodeState | None = None) -> wire.RolloutResult:
         """The result names the lease it was finished under (worker id, epoch): the trainer
-        takes it only if Redis agrees (rlboost/manager.py). `error`: the engine could not serve it.
+        takes it only if Redis agrees (rlboost/pool_client.py). `error`: the engine could not serve it.
         `episode`: an episode's final state, as its checkpoint holds it."""
         return wire.RolloutResult(
             request_id=req.request_id, step=req.step, group=req.group, prompt_ids=list(req.prompt_ids),

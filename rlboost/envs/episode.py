@@ -41,7 +41,7 @@ import msgspec
 
 from rlboost.envs.chat import ChatFormat
 from rlboost.config import EnvSettings
-from rlboost.envs.protocol import (Context, EnvError, Environment, Message, ModelTurn, Opening, Reply,
+from rlboost.envs.protocol import (Context, in_thread, EnvError, Environment, Message, ModelTurn, Opening, Reply,
                                    Score, ToolCall, ToolResult, ToolSpec)
 from rlboost.logs import get_logger
 
@@ -194,7 +194,7 @@ async def _call(fn: Callable, *args: Any) -> Any:
     """An environment method, sync (in a thread: a blocking one can still be timed out) or async."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args)
-    out = await asyncio.to_thread(fn, *args)
+    out = await in_thread(fn, *args)
     if inspect.isawaitable(out):
         out = await out
     return out

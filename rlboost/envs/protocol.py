@@ -28,7 +28,9 @@ The protocol is stable: changes are named in commit messages.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
@@ -213,7 +215,7 @@ class Env:
         if inspect.iscoroutinefunction(fn):
             return await fn(state, ctx, **call.arguments)
         # a plain method runs in a thread: a blocking tool can still be timed out
-        out = await asyncio.to_thread(fn, state, ctx, **call.arguments)
+        out = await in_thread(fn, state, ctx, **call.arguments)
         if inspect.isawaitable(out):
             out = await out
         return out
@@ -224,3 +226,17 @@ class Env:
     def score(self, transcript: list[Message], state: Any, ctx: Context) -> Score | float:
         raise NotImplementedError
 
+
+# Sync environment methods run on threads of their own, not the event loop's default executor
+# (min(32, cores + 4) threads: 6 on a 2-core box), which would queue the blocking tool calls of
+# the episodes a worker parks (`worker.parked_episodes`) behind one another.
+ENV_THREADS = 64
+_executor: ThreadPoolExecutor | None = None
+
+
+async def in_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` on the environments' threads."""
+    global _executor
+    if _executor is None:
+        _executor = ThreadPoolExecutor(max_workers=ENV_THREADS, thread_name_prefix="rlboost-env")
+    return await asyncio.get_running_loop().run_in_executor(_executor, functools.partial(fn, *args, **kwargs))

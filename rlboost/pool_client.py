@@ -1,4 +1,5 @@
-"""The rollout manager: puts a step's requests on the wire and collects its results.
+"""The pool client: the trainer's side of one pool on the wire. It puts a step's requests on
+the wire and collects its results.
 
 It owns the step-level view of the dataflow: publish the G samples of every prompt to the
 pool's work queue (each with its own seed, so the step is reproducible), stream the results
@@ -26,7 +27,7 @@ from rlboost.logs import get_logger
 REGISTRY_SKEW_S = 30.0
 
 
-class RolloutManager:
+class PoolClient:
     def __init__(self, clients: Clients, pool: str) -> None:
         self.c = clients
         self.pool = wire.check_name("pool", pool)

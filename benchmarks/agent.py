@@ -1,0 +1,205 @@
+"""`rlboost bench agent`: multi-turn tool episodes with long-tailed tool latency on scripted engines: episodes per second and generation-slot use, with episodes waiting on tools parked off their slots vs holding them.
+
+The workload: calculator episodes (`rlboost.envs.calculator`, 1-3 tool calls each) played by
+a scripted policy that solves them (workers.engines.scripted: real tokenizer, a fixed time per
+engine step whatever the batch, as on a GPU), tools whose latency is lognormal (median
+`--tool-median` s, `--tool-sigma`: p99 is about 10x the median at sigma 1), drawn from each
+call's idempotency key so both arms see the same latencies. The arms, on the same episodes:
+
+- `held`: an episode in its tool phase keeps its generation slot (`worker.parked_episodes = 0`,
+  what a worker did before): a slow tool keeps the engine's batch short;
+- `parked`: the slot takes another request meanwhile (`worker.parked_episodes`, the default).
+
+Figures per arm: episodes/s, `slot_use` (mean share of the slots generating, sampled every
+20 ms while the arm runs), `engine_busy` (share of samples with any sequence generating), and
+every episode's transcript checked: solved, each tool call run once per key. The separate
+environment pool of issue 25 is not built, so it is not an arm here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import re
+import tempfile
+import time
+from collections import Counter
+from typing import Any
+
+from benchmarks import percentile
+from rlboost import episodes, wire
+from rlboost.clients import open_clients
+from rlboost.config import EnvSettings, Settings, WorkerSettings
+from rlboost.envs import calculator
+from rlboost.envs.calculator import CALC, CalculatorEnv
+from rlboost.envs.chat import chat_format
+from rlboost.envs.episode import EpisodeRunner
+from rlboost.envs.protocol import Context, ToolCall, ToolResult
+from rlboost.logs import configure_logging, print_result
+from rlboost.pool_client import PoolClient
+from rlboost.services import running_services
+from workers.counters import Counters
+from workers.engines.scripted import ScriptedEngine
+from workers.worker import RolloutWorker
+
+ENV_REF = "benchmarks.agent:make"
+CALLS: Counter[str] = Counter()  # every tool call run in this process, by idempotency key
+
+
+def latency(key: str, median_s: float, sigma: float) -> float:
+    """The call's latency: lognormal, a pure function of its key without the run and step
+    (`<run>-s<step>-p<prompt>-g<sample>/<turn>/<index>`): the same call gets the same latency
+    in both arms."""
+    rid, _, where = key.partition("/")
+    episode = rid[rid.find("-p") + 1:]
+    return median_s * math.exp(sigma * random.Random(f"{episode}/{where}").gauss(0.0, 1.0))
+
+
+class SlowCalculator(CalculatorEnv):
+    """The calculator with long-tailed tools: each call sleeps its `latency` (in the worker's
+    tool thread, as a sandbox or an API call would block)."""
+
+    def __init__(self, median_s: float = 0.5, sigma: float = 1.0) -> None:
+        super().__init__(instructions=True)
+        self.median_s, self.sigma = median_s, sigma
+
+    def call_tool(self, call: ToolCall, state: Any, ctx: Context) -> ToolResult:
+        CALLS[call.key] += 1
+        time.sleep(latency(call.key, self.median_s, self.sigma))
+        return super().call_tool(call, state, ctx)
+
+
+def make(median_s: float = 0.5, sigma: float = 1.0) -> SlowCalculator:
+    return SlowCalculator(median_s, sigma)
+
+
+_RESULT = re.compile(r"<tool_response>(.*?)</tool_response>")
+
+
+def solver(rows: list[dict[str, Any]]):
+    """A scripted policy that solves `rows`: finds the row's question in the context, calls
+    `calc` for each worked step with the results the tool gave (read back from the context: a
+    wrong tool result gives a wrong answer), then answers."""
+    steps = {r["question"]: r["steps"] for r in rows}
+
+    def policy(context: str, seed: int) -> str:
+        question = next((q for q in steps if q in context), None)
+        if question is None:
+            return "Answer: 0"
+        results = _RESULT.findall(context)
+        k = len(results)
+        if k < len(steps[question]):
+            return f"<tool_call>calc {steps[question][k].format(*results)}</tool_call>"
+        return f"Answer: {results[-1]}"
+    return policy
+
+
+def tokenizer():
+    from trainer.model import build_tokenizer
+
+    return build_tokenizer(calculator.ALPHABET)
+
+
+async def make_requests(step: int, rows: list[dict[str, Any]], options: dict[str, Any], run: str
+                        ) -> list[wire.RolloutRequest]:
+    fmt = chat_format(tokenizer())
+    out = []
+    for i, row in enumerate(rows):
+        prompt = fmt.prompt_ids(CalculatorEnv().opening_messages(row), [CALC])
+        settings = EnvSettings(max_turns=8, max_episode_tokens=len(prompt) + 600, tool_timeout_s=120.0)
+        runner = EpisodeRunner(make(**options), fmt, settings, max_turn_tokens=64)
+        out.append(await episodes.request(runner, ENV_REF, row, request_id=wire.request_id(step, i, 0, run),
+                                          step=step, policy_version=0, seed=100 + i, group=i, env_options=options))
+    return out
+
+
+async def arm(name: str, parked: int, a: argparse.Namespace, nats_url: str, redis_url: str, step: int) -> dict:
+    rows = calculator.rows("train", a.episodes, seed=a.seed)
+    options = {"median_s": a.tool_median, "sigma": a.tool_sigma}
+    pool = f"agent-{name}"
+    async with open_clients(nats_url, redis_url, f"bench-agent-{name}") as c:
+        reqs = await make_requests(step, rows, options, run=name)
+        workers = [RolloutWorker(WorkerSettings(pool=pool, slots=a.slots, checkpoint_tokens=16, parked_episodes=parked,
+                                                ack_wait_s=max(30.0, 4 * a.tool_median * math.exp(3 * a.tool_sigma)),
+                                                lease_ttl_s=20.0, heartbeat_s=0.5),
+                                 ScriptedEngine(tokenizer(), solver(rows), token_s=a.step_s), c,
+                                 worker_id=f"{pool}-{i}", counters=Counters(), env=EnvSettings(ref=ENV_REF))
+                   for i in range(a.workers)]
+        tasks = [asyncio.create_task(w.run()) for w in workers]
+        use: list[float] = []
+        busy: list[bool] = []
+        sub = await c.js.subscribe(wire.result_subject(step), ordered_consumer=True)
+        got: dict[str, wire.RolloutResult] = {}
+        t0 = time.monotonic()
+        await PoolClient(c, pool).publish_step(reqs)
+        want = {r.request_id for r in reqs}
+        deadline = t0 + a.timeout
+        while len(got) < len(want) and time.monotonic() < deadline:
+            try:
+                m = await sub.next_msg(timeout=0.02)
+                r = wire.decode(wire.RolloutResult, m.data)
+                if r.request_id in want:
+                    got[r.request_id] = r
+            except (TimeoutError, asyncio.TimeoutError):
+                pass
+            generating = [sum(1 for x in w.active.values() if not x.in_env and not x.done) for w in workers]
+            use.append(sum(generating) / (a.slots * a.workers))
+            busy.append(any(generating))
+        elapsed = time.monotonic() - t0
+        await sub.unsubscribe()
+        for w in workers:
+            w.request_drain("bench over")
+        await asyncio.gather(*tasks)
+        await RolloutWorker.settled()  # the fetches the drains stopped waiting for, before the connection closes
+    snaps = [episodes.snapshot(r.episode) for r in got.values() if r.episode is not None and r.episode.done]
+    solved = sum(1 for snap in snaps if calculator.make().score(snap.messages, snap.state, None).reward == 1.0)
+    calls = [c for r in got.values() if r.episode is not None for c in r.episode.calls]
+    return {"episodes": len(reqs), "finished": len(got), "solved": solved,
+            "tool_calls": len(calls), "tool_calls_run_twice": sum(1 for c in calls if CALLS[c.key] > 1),
+            "tool_p50_s": percentile([c.latency_s for c in calls], 0.5),
+            "tool_p99_s": percentile([c.latency_s for c in calls], 0.99),
+            "seconds": round(elapsed, 2), "episodes_per_s": round(len(got) / elapsed, 3),
+            "slot_use": round(sum(use) / max(1, len(use)), 3), "engine_busy": round(sum(busy) / max(1, len(busy)), 3)}
+
+
+async def bench(a: argparse.Namespace, nats_url: str, redis_url: str) -> dict:
+    out: dict[str, Any] = {}
+    for i, (name, parked) in enumerate((("held", 0), ("parked", a.parked))):
+        out[name] = await arm(name, parked, a, nats_url, redis_url, step=900 + i)
+    out.update({"workers": a.workers, "slots": a.slots, "step_s": a.step_s, "tool_median_s": a.tool_median,
+                "tool_sigma": a.tool_sigma, "tool_p50_s": out["parked"]["tool_p50_s"],
+                "tool_p99_s": out["parked"]["tool_p99_s"],
+                "speedup": round(out["parked"]["episodes_per_s"] / max(1e-9, out["held"]["episodes_per_s"]), 2)})
+    return out
+
+
+def main(argv: list[str], s: Settings) -> int:
+    p = argparse.ArgumentParser(prog="rlboost bench agent", description=__doc__.splitlines()[0])
+    p.add_argument("--episodes", type=int, default=48)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--parked", type=int, default=WorkerSettings().parked_episodes, help="the parked arm's parked_episodes")
+    p.add_argument("--step-s", type=float, default=0.02, help="seconds per engine step (any batch size)")
+    p.add_argument("--tool-median", type=float, default=0.5, help="median tool latency (s)")
+    p.add_argument("--tool-sigma", type=float, default=1.0, help="lognormal sigma of tool latency")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=7)
+    a = p.parse_args(argv)
+    if not (s.services.nats_url and s.services.redis_url):
+        s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-agent-")
+    if "RLBOOST_LOG_LEVEL" not in os.environ:  # the workers run in this process: their warnings only
+        configure_logging(json=s.log_json, level="warning")
+    with running_services(s.services) as (nats_url, redis_url):
+        out = asyncio.run(bench(a, nats_url, redis_url))
+    ok = all(out[k]["finished"] == out[k]["solved"] == out[k]["episodes"] and out[k]["tool_calls_run_twice"] == 0
+             for k in ("held", "parked"))
+    h, q = out["held"], out["parked"]
+    print(f"{a.episodes} episodes, {a.workers} worker(s) x {a.slots} slots, tools p50 {out['tool_p50_s']} s / "
+          f"p99 {out['tool_p99_s']} s: held {h['episodes_per_s']} ep/s (slot use {h['slot_use']}), parked "
+          f"{q['episodes_per_s']} ep/s (slot use {q['slot_use']}): x{out['speedup']}  "
+          f"-> {'OK' if ok else 'EPISODES LOST OR WRONG'}")
+    print_result(out)
+    return 0 if ok else 1
