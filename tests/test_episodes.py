@@ -171,7 +171,7 @@ async def test_an_episode_waiting_on_its_tools_holds_no_generation_slot(clients,
     """Two slots, four episodes, each tool call 6 s: with parking every episode reaches its first
     tool call before any call returns (the slots of those in their tools serve the others); with
     `parked_episodes = 0` (each episode holds its slot) the third waits for a call to return."""
-    js, step, pool = clients.js, 507 + (parked > 0), f"park{parked}"
+    step, pool = 507 + (parked > 0), f"park{parked}"
     rows = calculator.rows("train", 4, seed=5)
     log = str(tmp_path / "calls.log")
     reqs = await episode_env.requests(step, rows, log, delay_s=6.0, max_turns=6, max_turn_tokens=64)
