@@ -228,7 +228,15 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--ack-wait", type=float, default=3.0)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--episodes", type=int, nargs="?", const=24, default=0,
+                   help="calculator episodes instead of single-turn requests (default 24): SIGKILL during "
+                        "generation and during tool calls, SIGTERM (benchmarks/chaos_episodes.py)")
+    from benchmarks import chaos_episodes
+
+    chaos_episodes.add_arguments(p)
     a = p.parse_args(argv)
+    if a.episodes:
+        return chaos_episodes.bench(a, s)
     if not (s.services.nats_url and s.services.redis_url):
         s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-chaos-")
     workdir = Path(tempfile.mkdtemp(prefix="rlboost-chaos-workers-"))

@@ -51,6 +51,12 @@ def snapshot(state: wire.EpisodeState) -> Snapshot:
     return _split(state)[0]
 
 
+def layout(state: wire.EpisodeState) -> tuple[Snapshot, list[int]]:
+    """The stored snapshot (segments without their tokens) and each segment's length: where
+    every turn lies in the token stream (what `rlboost replay` shows of an episode)."""
+    return _split(state)
+
+
 def _split(state: wire.EpisodeState) -> tuple[Snapshot, list[int]]:
     try:
         stored = msgspec.json.decode(state.env_state, type=_Stored)

@@ -6,6 +6,17 @@ checkpointed (RB_TOKENS: one `TokenFlush` per worker flush, which carries the ch
 request of that flush), and its result (RB_RESULTS). Replay reads them with ordered consumers
 filtered to the request's subjects (the step's token flushes, for its chunks) and prints a
 timeline.
+
+An episode's request (schema 4) is shown turn by turn from its result (`episode_turns`): each
+model turn with the workers, policy versions and weights digests that generated its tokens (a
+turn handed off mid-way has several), each environment turn with its tool calls (tool, idempotency
+key, who ran it, latency, result size: the `ToolRecord`s of the final episode state) and the
+environment tokens it appended, the lease events (claims, hand-offs, fencing) at the turn where
+they happened, and the reward. The reward is the trainer's to compute and is not on the
+streams: replay computes it the trainer's way (`EpisodeRunner.finish`) when it can load the
+environment (`--env`, else the settings' `[env] ref` with `[env.options]`). An episode without
+a result yet is shown from the checkpoint store (`running_episode`): its turns so far, a model
+turn under way, the tool calls pending.
 """
 
 from __future__ import annotations
@@ -21,8 +32,8 @@ from dataclasses import dataclass, field
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from rlboost import bus, wire
-from rlboost.config import ServicesSettings, Settings
+from rlboost import bus, episodes, wire
+from rlboost.config import EnvSettings, ServicesSettings, Settings
 from rlboost.errors import RlboostError
 from rlboost.services import resolve_urls
 
@@ -156,6 +167,181 @@ def print_timeline(life: Life) -> None:
     print(f"  tokens by worker: {life.tokens_by_worker()}; hand-offs: {life.handoffs()}")
 
 
+# ---------------------------------------------------------------- episodes, turn by turn
+
+_SHOWN = {"claim", "release", "fenced"}  # the lease events shown at the turn where they happened
+
+
+def _short(text: str, n: int = 60) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
+def episode_turns(life: Life) -> list[dict] | None:
+    """The turns of an episode's result in stream order (None: not an episode's result, or its
+    state unreadable). A model turn: its response offsets, tokens, and `parts`: who generated
+    which of its tokens (worker, lease epoch, policy version, weights digest), from the result's
+    segments; an environment turn: the tool calls it answered (`ToolRecord`: key, tool, the worker
+    that ran it, latency, error; the result's size from the transcript) and who appended its
+    tokens. Each turn lists the claims / hand-offs / fencings whose offset falls in it."""
+    r = life.result
+    if r is None or r.episode is None:
+        return None
+    return turns_of(r.episode, r.segments, len(r.token_ids), life.events)
+
+
+def turns_of(state: wire.EpisodeState, segments: list[wire.Segment], n: int,
+             events: list[wire.LeaseEvent]) -> list[dict] | None:
+    """`episode_turns` from an episode state, the segments of its token stream and its length
+    (`n` tokens after the prompt): a result's, or a running episode's checkpoint (then tokens
+    past the state's `at` are a model turn under way, `"under_way": true`, and the calls of its
+    last turn without a result yet are `pending`)."""
+    try:
+        snap, lengths = episodes.layout(state)
+    except episodes.EpisodeStateError:
+        return None
+    segs = sorted(segments, key=lambda s: s.offset)
+    spans = [(s, s.offset, segs[i + 1].offset if i + 1 < len(segs) else n) for i, s in enumerate(segs)]
+    results = {m.tool_call_id: m for m in snap.messages if m.role == "tool" and m.tool_call_id}
+    args = {c.key: c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments)
+            for m in snap.messages if m.role == "assistant" for c in m.tool_calls}
+    calls: dict[int, list[wire.ToolRecord]] = defaultdict(list)
+    for c in state.calls:
+        calls[c.at].append(c)
+
+    def call_row(c: wire.ToolRecord) -> dict:
+        res = results.get(c.key)
+        return {"key": c.key, "tool": c.name, "arguments": _short(args.get(c.key, "")), "worker": c.worker_id,
+                "latency_s": round(c.latency_s, 6), "error": c.error,
+                "result_chars": len(res.content) if res else None, "result": _short(res.content) if res else None}
+
+    def who(kind: str, a: int, b: int) -> list[dict]:
+        out = []
+        for s, lo, hi in spans:
+            k = max(0, min(b, hi) - max(a, lo))
+            if s.kind == kind and k:
+                out.append({"worker": s.worker_id, "epoch": s.epoch, "policy_version": s.policy_version,
+                            "weights": s.weights[:12], "tokens": k})
+        return out
+
+    turns: list[dict] = []
+    pos = -(lengths[0] if snap.segments and snap.segments[0].kind == "prompt" else 0)
+    for seg, k in zip(snap.segments, lengths, strict=True):
+        a, b = pos, pos + k
+        pos = b
+        if seg.kind == "prompt":
+            continue
+        t: dict = {"kind": seg.kind, "turn": seg.turn, "start": a, "end": b, "tokens": k}
+        if seg.kind == "model":
+            t.update(worker=seg.worker, policy_version=seg.policy_version, weights=seg.weights_digest[:12],
+                     parts=who("model", a, b))
+        else:
+            t.update(calls=[call_row(c) for c in calls.pop(a, [])], appended_by=who("env", a, b))
+        turns.append(t)
+    for at, left in sorted(calls.items()):  # calls whose reply was never appended (the episode ended there)
+        i = next((i for i, t in enumerate(turns) if t["start"] >= at and t["kind"] == "model"), len(turns))
+        turn = turns[i - 1]["turn"] if i else 0
+        turns.insert(i, {"kind": "env", "turn": turn, "start": at, "end": at, "tokens": 0,
+                         "calls": [call_row(c) for c in left], "appended_by": []})
+    if state.pending:  # the last model turn's calls without a result in the checkpoint
+        env = next((t for t in turns if t["kind"] == "env" and t["start"] == state.at), None)
+        if env is None:
+            env = {"kind": "env", "turn": max(0, snap.turn - 1), "start": state.at, "end": state.at, "tokens": 0,
+                   "calls": [], "appended_by": []}
+            turns.append(env)
+        env["pending"] = [{"key": c.key, "tool": c.name, "arguments": _short(c.arguments)} for c in state.pending]
+    if n > pos >= 0 and not state.done:  # tokens past the state: a model turn under way
+        turns.append({"kind": "model", "turn": snap.turn, "start": pos, "end": n, "tokens": n - pos, "worker": "",
+                      "policy_version": -1, "weights": "", "parts": who("model", pos, n), "under_way": True})
+    for e in events:
+        if e.kind not in _SHOWN or not turns:
+            continue
+        at = next((t for t in turns if t["start"] <= e.offset < t["end"]), None)
+        if at is None:  # at the very end, or an empty turn's offset
+            at = next((t for t in turns if t["start"] == e.offset), turns[-1])
+        at.setdefault("events", []).append({"kind": e.kind, "worker": e.worker_id, "epoch": e.epoch,
+                                            "offset": e.offset, "ts": e.ts, "detail": e.detail})
+    return turns
+
+
+async def episode_reward(result: wire.RolloutResult, env: EnvSettings | None) -> dict | None:
+    """The episode's reward as the trainer computes it (`EpisodeRunner.finish` on the final
+    snapshot, never a score a worker wrote), when `env` names an environment that loads; None
+    when none is named; `{"error": ...}` when it does not load or the episode is unfinished."""
+    if env is None or not env.ref or result.episode is None:
+        return None
+    from rlboost.envs import load_env
+    from rlboost.envs.episode import EpisodeRunner
+
+    try:
+        snap = episodes.snapshot(result.episode)
+        if snap.phase != "done":
+            return {"error": f"the episode is unfinished ({snap.phase})"}
+        snap.score = None
+        done = await EpisodeRunner(load_env(env.ref, **env.options), None).finish(snap)  # type: ignore[arg-type]
+    except RlboostError as e:
+        return {"error": str(e)}
+    return {"env": env.ref, "reward": done.reward, "turn_rewards": done.turn_rewards}
+
+
+def print_episode(life: Life, turns: list[dict], reward: dict | None, running: tuple[int, str] | None = None) -> None:
+    """The turns of a finished episode (`life.result`), or of a running one (`running`: its
+    checkpoint's length and the state's summary)."""
+    r = life.result
+    events = [e for e in life.events if e.kind not in _SHOWN]
+    t0 = min([e.ts for e in life.events] + ([r.ts] if r else []) + [c.ts for c in life.chunks], default=time.time())
+    model = [t for t in turns if t["kind"] == "model"]
+    ncalls = sum(len(t.get("calls", [])) for t in turns)
+    n = len(r.token_ids) if r else running[0] if running else 0
+    print(f"episode {life.request_id}: {len(model)} model turns, {ncalls} tool calls, {n} tokens"
+          + (f" after a {len(r.prompt_ids)}-token prompt" if r else " so far (running, from the checkpoint store)"))
+    for e in events:
+        if e.kind == "publish":
+            print(f"  +{e.ts - t0:8.3f}s  published by {e.worker_id}")
+    for t in turns:
+        span = f"tokens {t['start']}..{t['end'] - 1} ({t['tokens']})" if t["tokens"] else "no tokens"
+        if t["kind"] == "model" and t.get("under_way"):
+            print(f"  turn {t['turn']} model  {span}: under way")
+        elif t["kind"] == "model":
+            print(f"  turn {t['turn']} model  {span}: {t['worker']} policy v{t['policy_version']} "
+                  f"weights {t['weights'] or '-'}")
+        if t["kind"] == "model":
+            if len(t["parts"]) > 1 or t.get("under_way") or (t["parts"] and t["parts"][0]["worker"] != t["worker"]):
+                for p in t["parts"]:
+                    print(f"           {p['tokens']} tokens by {p['worker']} (epoch {p['epoch']}, "
+                          f"v{p['policy_version']}, weights {p['weights'] or '-'})")
+        else:
+            by = ",".join(sorted({p["worker"] for p in t["appended_by"]})) or "-"
+            print(f"  turn {t['turn']} env    {span} appended by {by}")
+            for c in t["calls"]:
+                res = f"{c['result_chars']} chars: {c['result']!r}" if c["result"] is not None else "no result message"
+                print(f"           tool {c['tool']}({c['arguments']}) key {c['key']} ran by {c['worker']} "
+                      f"in {c['latency_s'] * 1000:.1f} ms{' ERROR' if c['error'] else ''} -> {res}")
+            for c in t.get("pending", []):
+                print(f"           tool {c['tool']}({c['arguments']}) key {c['key']}: pending (no result fenced in yet)")
+        for e in t.get("events", []):
+            what = {"claim": f"claimed by {e['worker']} (epoch {e['epoch']}) at token {e['offset']}",
+                    "release": f"handed off by {e['worker']} at token {e['offset']} ({e['detail']})",
+                    "fenced": f"{e['worker']} lost the lease (epoch {e['epoch']} stale) at token {e['offset']}"}
+            print(f"           +{e['ts'] - t0:8.3f}s  {what[e['kind']]}")
+    for e in events:
+        if e.kind == "finish":
+            print(f"  +{e.ts - t0:8.3f}s  finished by {e.worker_id} with {e.offset} tokens")
+        elif e.kind == "deadletter":
+            print(f"  +{e.ts - t0:8.3f}s  dead-lettered: {e.detail}")
+    if r is None or r.episode is None:
+        print(f"  no result yet: {running[1] if running else '-'}, hand-offs: {life.handoffs()}")
+        return
+    print(f"  result: {r.finish_reason}, episode ended: {r.episode.reason or '-'}, hand-offs: {life.handoffs()}")
+    if reward is None:
+        print("  reward: not on the streams (the trainer computes it); give --env to compute it here")
+    elif "error" in reward:
+        print(f"  reward: not computed ({reward['error']})")
+    else:
+        per = f", per turn {reward['turn_rewards']}" if reward["turn_rewards"] else ""
+        print(f"  reward: {reward['reward']} (scored by {reward['env']}{per})")
+
+
 async def check_streams(js: JetStreamContext, nats_url: str) -> None:
     """ReplayError when the servers hold none of the streams a replay reads: nothing has run there."""
     for name in READ_STREAMS:
@@ -169,7 +355,31 @@ async def check_streams(js: JetStreamContext, nats_url: str) -> None:
                       "(is this the servers' URL? RLBOOST_NATS_URL, or the data dir of `rlboost up`)")
 
 
-async def run(nats_url: str, a: argparse.Namespace, services: ServicesSettings | None = None) -> int:
+async def running_episode(redis_url: str, life: Life, services: ServicesSettings | None
+                          ) -> tuple[list[dict] | None, tuple[int, str] | None]:
+    """The turns of an episode with no result yet, from the checkpoint store (its fenced state,
+    tokens and segments); (None, None) when it is no episode, or the store cannot be read."""
+    from rlboost.checkpoint import CheckpointStore
+
+    store = CheckpointStore(redis_url)
+    try:
+        state = await store.episode(life.request_id)
+        if state is None:
+            return None, None
+        tokens, _ = await store.read(life.request_id)
+        segments = await store.segments(life.request_id)
+    except Exception:  # an unreachable store, a read the identity may not make: the streams' timeline
+        return None, None
+    finally:
+        await store.close()
+    turns = turns_of(state, segments, len(tokens), life.events)
+    what = (f"turn {state.turn}, {len(state.pending)} tool call(s) pending" if state.pending
+            else "ended, not finished" if state.done else f"turn {state.turn}")
+    return turns, (len(tokens), what)
+
+
+async def run(nats_url: str, a: argparse.Namespace, services: ServicesSettings | None = None,
+              env: EnvSettings | None = None, redis_url: str = "") -> int:
     nc = await bus.connect(nats_url, name="rlboost-replay", services=services)
     try:
         js = nc.jetstream()
@@ -184,7 +394,18 @@ async def run(nats_url: str, a: argparse.Namespace, services: ServicesSettings |
             if not (life.events or life.chunks or life.result):
                 print(f"nothing on the streams for {a.request} in step {step}")
                 return 1
-            print(json.dumps(life.summary())) if a.json else print_timeline(life)
+            turns, running = episode_turns(life), None
+            if turns is None and life.result is None and redis_url:
+                turns, running = await running_episode(redis_url, life, services)
+            if turns is None:
+                print(json.dumps(life.summary())) if a.json else print_timeline(life)
+                return 0
+            reward = await episode_reward(life.result, env) if life.result else None
+            if a.json:
+                print(json.dumps({**life.summary(), "turns": turns, "reward": reward,
+                                  "running": running[1] if running else None}))
+            else:
+                print_episode(life, turns, reward, running)
             return 0
         lives = await step_lives(js, a.step)
         rows = [life.summary() for _, life in sorted(lives.items())]
@@ -207,8 +428,11 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("request", nargs="?", help="request id, e.g. s00003-p00012-g005")
     p.add_argument("--step", type=int, help="the step (a step summary when no request is given)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--env", help="an episode's environment (module:fn, file.py:fn or a built-in), to compute its "
+                                 "reward; default: the settings' [env] ref, with [env.options]")
     a = p.parse_args(argv)
     if not a.request and a.step is None:
         p.error("give a request id or --step")
-    nats_url, _ = resolve_urls(s.services)
-    return asyncio.run(run(nats_url, a, s.services))
+    nats_url, redis_url = resolve_urls(s.services)
+    env = s.env if not a.env else EnvSettings(ref=a.env, options=s.env.options if a.env == s.env.ref else {})
+    return asyncio.run(run(nats_url, a, s.services, env, redis_url))

@@ -311,6 +311,61 @@ def test_rlboost_run_env_calculator_trains_two_steps_through_real_workers(servic
     assert out["eval_first"] is not None
 
 
+@pytest.fixture(scope="module")
+def short_turns_model_dir(tmp_path_factory):
+    """The calculator's character model (printable ASCII: reasoning-gym's questions fit), tuned
+    for a few steps to end a turn with <eos> about a third of the time: its turns end with a stop
+    token, not the turn's budget, so the environment answers them (an untrained model rarely
+    stops within 24 tokens, and a turn cut off ends its episode)."""
+    from rlboost.envs import calculator
+    from trainer.model import build_model, build_tokenizer, save
+
+    tok = build_tokenizer(calculator.ALPHABET)
+    model = build_model(len(tok), hidden=64, layers=2, heads=2, mlp=128, max_positions=512, seed=0,
+                        pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for i in range(5):
+        x = torch.randint(2, len(tok), (8, 64), generator=torch.Generator().manual_seed(i))
+        loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, len(tok)),
+                                                 torch.full((8 * 64,), tok.eos_token_id))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return save(model, tok, tmp_path_factory.mktemp("m") / "short", meta={"trained": True})
+
+
+@pytest.mark.slow
+def test_rlboost_run_env_reasoning_gym_trains_two_steps_with_environment_turns(services, tmp_path,
+                                                                              short_turns_model_dir):
+    """An environment from an installed library through `rlboost run --env`: reasoning-gym's
+    basic_arithmetic with two attempts (a wrong answer gets "not correct, try again": an
+    environment turn, then a second model turn), 2 steps through real NATS / Redis and a torch
+    worker process, scored by the task's own verifier on the trainer."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("reasoning_gym")
+    nats_url, redis_url = services
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--env", "reasoning-gym", "--model-dir",
+                        str(short_turns_model_dir), "--run-dir", str(run_dir), "--steps", "2", "--prompts", "2",
+                        "--samples", "2", "--workers", "1", "--eval-every", "2", "--eval-size", "2",
+                        "--max-response-tokens", "24", "--env.max_turns", "3", "--env.options.attempts", "2",
+                        "--env.options.dataset", "basic_arithmetic", "--t-seed", "0.5", "--t-seed-floor", "0.5"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert out["steps"] == 2 and len(rows) == 2 and out["request_errors"] == 0, p.stderr[-3000:]
+    for r in rows:
+        assert r["episodes"] == 4 and r["tokens"] > 0 and sum(r["episode_ends"].values()) == 4
+        assert "unfinished" not in r["episode_ends"] and "env_error" not in r["episode_ends"], r["episode_ends"]
+    # a second model turn follows an environment turn ("try again"): most episodes had one
+    assert sum(r["turns_mean"] for r in rows) / len(rows) > 1.2, [r["turns_mean"] for r in rows]
+
+
 def test_a_saved_character_tokenizer_loads_with_its_spaces_and_newlines(calc_model_dir):
     """The demo's character model beside a Qwen2 config.json: AutoTokenizer would rebuild it as
     Qwen2's byte-level tokenizer, which drops the calculator's spaces and newlines."""
