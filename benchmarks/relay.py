@@ -86,12 +86,13 @@ class Relay:
         return self
 
     def set_latency(self, up: float | None = None, down: float | None = None) -> None:
-        def apply() -> None:
+        """From the next chunk read on (returns once the relay's loop applied it)."""
+        async def apply() -> None:
             if up is not None:
                 self.latency["up"] = up
             if down is not None:
                 self.latency["down"] = down
-        self._loop.call_soon_threadsafe(apply)
+        self._call(apply())
 
     def cut(self) -> None:
         self._call(self._cut())
@@ -138,8 +139,9 @@ class Relay:
 
     async def _stop_listening(self) -> None:
         if self._server is not None:
+            # close() shuts the listening socket at once (new connections are refused); not
+            # wait_closed(), which waits for every connection to end (Python >= 3.12)
             self._server.close()
-            await self._server.wait_closed()
             self._server = None
 
     async def _cut(self) -> None:
