@@ -11,6 +11,7 @@ Scenarios (each on fresh servers, one after the other):
   progress) and claimed by others: no two holders of a request may both have writes accepted;
 - `redis_half_open`: one worker's Redis connections stop answering without a reset (and new ones
   are black-holed) for `--cut-s`, then new connections work again;
+- `nats_cut`, `nats_half_open`: the same two faults on one worker's link to NATS, Redis up;
 - `all_unreachable`: every worker's links to NATS and Redis are cut for `--outage-s`: each
   worker's CPU time over the outage (it must back off, not spin) and how long after the links
   return each one generates again.
@@ -47,7 +48,7 @@ from rlboost.config import Settings
 from benchmarks import faults
 from benchmarks.relay import Relay
 
-SCENARIOS = ("redis_cut", "redis_slow", "redis_half_open", "all_unreachable")
+SCENARIOS = ("redis_cut", "redis_slow", "redis_half_open", "all_unreachable", "nats_cut", "nats_half_open")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -79,12 +80,14 @@ def taken_over(events, worker: str) -> int:
                       for i, e in enumerate(cl)))
 
 
-async def _progress_after(w, since: float, timeout_s: float, all_in) -> float | None:
+async def _progress_after(w, since: float, timeout_s: float, all_in, nats: bool = False) -> float | None:
     """Seconds from `since` until worker `w` hears from the store again: a token checkpointed, a
     write refused (fenced), a claim or a result more than it had at `since`. None if it did not
     within `timeout_s`, or the step completed first (nothing left for it)."""
     def heard() -> int:
         c = w.counters()
+        if nats:  # a fault of its NATS link: a request fetched (and claimed) or a result stored
+            return c["claims"] + c["results"]
         return c["checkpointed"] + c["fenced"] + c["claims"] + c["results"]
 
     start = heard()
@@ -118,15 +121,15 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
         def victim_of(fleet):
             return next((w for w in fleet.live() if w.counters()["claims"] > 0), fleet.live()[0])
 
-        async def one_worker_fault(ctx, hurt, heal, hold_s: float) -> None:
+        async def one_worker_fault(ctx, hurt, heal, hold_s: float, link: int = 1) -> None:
             w = victim_of(ctx["fleet"])
             fenced0 = w.counters()["fenced"]
-            relay = relays[w.worker_id][1]
+            relay = relays[w.worker_id][link]  # 0: its NATS link, 1: its Redis link
             hurt(relay)
             await asyncio.sleep(hold_s)  # the fault's duration
             heal(relay)
             t = time.monotonic()
-            resumed = await _progress_after(w, t, a.timeout / 2, all_in)
+            resumed = await _progress_after(w, t, a.timeout / 2, all_in, nats=link == 0)
             extra.update(victim=w.worker_id, victim_resumed_s=resumed, recovery_s=resumed)
             ctx["victim"], ctx["fenced0"] = w, fenced0
 
@@ -140,6 +143,12 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
         elif name == "redis_half_open":
             async def fault(ctx):
                 await one_worker_fault(ctx, lambda r: r.half_open(new_too=True), Relay.restore, a.cut_s)
+        elif name == "nats_cut":
+            async def fault(ctx):
+                await one_worker_fault(ctx, Relay.cut, Relay.restore, a.cut_s, link=0)
+        elif name == "nats_half_open":
+            async def fault(ctx):
+                await one_worker_fault(ctx, lambda r: r.half_open(new_too=True), Relay.restore, a.cut_s, link=0)
         elif name == "all_unreachable":
             async def fault(ctx):
                 live = ctx["fleet"].live()

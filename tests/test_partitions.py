@@ -76,3 +76,21 @@ def test_workers_with_every_server_unreachable_idle_and_resume_within_5_s(tmp_pa
     _assert_clean(out)
     assert len(out["cpu_pct"]) == 3 and out["cpu_pct_max"] < 5.0, out["cpu_pct"]
     assert out["resumed_s_max"] is not None and out["resumed_s_max"] <= 5.0, out["resumed_s"]
+
+
+@pytest.mark.slow
+def test_a_worker_cut_off_from_nats_with_redis_up_loses_nothing_and_comes_back(tmp_path):
+    out = asyncio.run(partitions.run_partition("nats_cut", _args(requests=180, cut_s=6.0, timeout=60.0), tmp_path))
+    _assert_clean(out)
+    assert out["victim_resumed_s"] is not None and out["victim_resumed_s"] < 5
+
+
+@pytest.mark.slow
+def test_a_worker_whose_nats_connection_goes_half_open_notices_and_comes_back(tmp_path):
+    """Before: nats-py's default pings (every 2 min, 2 outstanding) left the worker on the dead
+    connection for minutes after the link returned; it claimed nothing more and its drain timed
+    out. Workers ping every 2 s now (workers/main.py)."""
+    out = asyncio.run(partitions.run_partition("nats_half_open", _args(requests=180, cut_s=6.0, timeout=60.0),
+                                               tmp_path))
+    _assert_clean(out)
+    assert out["victim_resumed_s"] is not None and out["victim_resumed_s"] < 8
