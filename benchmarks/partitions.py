@@ -11,7 +11,9 @@ Scenarios (each on fresh servers, one after the other):
   progress) and claimed by others: no two holders of a request may both have writes accepted;
 - `redis_half_open`: one worker's Redis connections stop answering without a reset (and new ones
   are black-holed) for `--cut-s`, then new connections work again;
-- `nats_cut`, `nats_half_open`: the same two faults on one worker's link to NATS, Redis up;
+- `nats_cut`: the same cut on one worker's link to NATS, Redis up;
+- `nats_half_open`: one worker's NATS connection stops answering (no FIN, no RST; new connections
+  work): recovery is from the moment it went dead to the worker's next claim or result;
 - `all_unreachable`: every worker's links to NATS and Redis are cut for `--outage-s`: each
   worker's CPU time over the outage (it must back off, not spin) and how long after the links
   return each one generates again.
@@ -148,7 +150,9 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
                 await one_worker_fault(ctx, Relay.cut, Relay.restore, a.cut_s, link=0)
         elif name == "nats_half_open":
             async def fault(ctx):
-                await one_worker_fault(ctx, lambda r: r.half_open(new_too=True), Relay.restore, a.cut_s, link=0)
+                # the connection dies and new ones work: resumed = how soon the worker notices it
+                # (its pings) and reconnects, from the moment it went dead
+                await one_worker_fault(ctx, Relay.half_open, lambda r: None, 0.0, link=0)
         elif name == "all_unreachable":
             async def fault(ctx):
                 live = ctx["fleet"].live()

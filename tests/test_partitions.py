@@ -90,7 +90,6 @@ def test_a_worker_whose_nats_connection_goes_half_open_notices_and_comes_back(tm
     """Before: nats-py's default pings (every 2 min, 2 outstanding) left the worker on the dead
     connection for minutes after the link returned; it claimed nothing more and its drain timed
     out. Workers ping every 2 s now (workers/main.py)."""
-    out = asyncio.run(partitions.run_partition("nats_half_open", _args(requests=180, cut_s=6.0, timeout=60.0),
-                                               tmp_path))
+    out = asyncio.run(partitions.run_partition("nats_half_open", _args(requests=180, timeout=60.0), tmp_path))
     _assert_clean(out)
-    assert out["victim_resumed_s"] is not None and out["victim_resumed_s"] < 8
+    assert out["victim_resumed_s"] is not None and out["victim_resumed_s"] < 10  # from the link going dead
