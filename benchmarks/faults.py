@@ -105,9 +105,12 @@ async def _results_so_far(js, step: int) -> int:
 async def run_load(srv: Servers, workdir: Path, name: str, requests: list[wire.RolloutRequest], workers: int,
                    fault, at: float = 0.3, timeout_s: float = 120.0, slots: int = 16, speed: float = 4.0,
                    ack_wait: float = 3.0, worker_env: dict[str, str] | None = None,
-                   extra_args: tuple[str, ...] = (), weights: dict[int, str] | None = None) -> dict:
+                   extra_args: tuple[str, ...] = (), weights: dict[int, str] | None = None,
+                   worker_urls: list[tuple[str, str]] | None = None) -> dict:
     """Publish `requests`, start `workers` worker processes, call `fault(ctx)` once `at` of the
-    results are in, wait for the rest; then analyse everything the streams recorded."""
+    results are in, wait for the rest; then analyse everything the streams recorded.
+    `worker_urls`: the (NATS, Redis) URLs of each worker in start order (a fault relay's), where
+    they are not the servers' own."""
     step = requests[0].step
     fleet = WorkerFleet(srv.nats_url, srv.redis_url, workdir / name, POOL, worker_args=[
         "--engine", "emulated", "--speed", str(speed), "--slots", str(slots), "--checkpoint-tokens", "16",
@@ -117,7 +120,9 @@ async def run_load(srv: Servers, workdir: Path, name: str, requests: list[wire.R
     t_fault = t_recovered = None
     async with open_clients(srv.nats_url, srv.redis_url, f"rlboost-faults-{name}", pools=(POOL,)) as c:
         await PoolClient(c, POOL).publish_step(requests)
-        for _ in range(workers):
+        for i in range(workers):
+            if worker_urls:
+                fleet.nats_url, fleet.redis_url = worker_urls[i]
             fleet.start()
         t0 = time.monotonic()
         done, injected, last_done = 0, False, 0

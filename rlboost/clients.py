@@ -23,10 +23,13 @@ class Clients:
 
 @asynccontextmanager
 async def open_clients(nats_url: str, redis_url: str, name: str, settings: Settings | None = None,
-                       pools: tuple[str, ...] = (), wait_provisioned: bool = False) -> AsyncIterator[Clients]:
+                       pools: tuple[str, ...] = (), wait_provisioned: bool = False,
+                       nats_options: dict | None = None) -> AsyncIterator[Clients]:
     """Connect, provision (idempotent), and close everything on the way out. `wait_provisioned`:
-    an identity that may not provision (a worker) waits for the trainer to do it (`bus.provision_or_wait`)."""
-    nc = await bus.connect(nats_url, name=name, services=settings.services if settings else None)
+    an identity that may not provision (a worker) waits for the trainer to do it (`bus.provision_or_wait`).
+    `nats_options`: more options of the NATS connection (nats-py's `connect`)."""
+    nc = await bus.connect(nats_url, name=name, services=settings.services if settings else None,
+                           **(nats_options or {}))
     store = CheckpointStore(redis_url)
     try:
         try:

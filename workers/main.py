@@ -82,14 +82,21 @@ async def weight_source(s: Settings, js, worker_id: str) -> WeightSource | None:
     return StoreWeights(WeightCache(root, store), wait_s=5.0)
 
 
+WORKER_NATS_OPTIONS = {"ping_interval": 2.0, "max_outstanding_pings": 2}
+
+
 async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
     """Serve until drained. A hand-off (SIGUSR2: a reserved seeding engine's window is over)
     gives every request away and serves on with the same engine, in a new round."""
     nats_url, redis_url = resolve_urls(s.services)
     engine = engine_from_settings(s.worker)
     # the trainer provisions the servers; a worker started first waits for it (bus.provision_or_wait)
+    # Pings every 2 s, and a connection that misses 2 of them is dropped and reconnected: a link
+    # left half-open (no FIN, no RST) is noticed in ~4-6 s, not nats-py's default ~4 minutes
+    # (`rlboost bench partitions`, nats_half_open). The worker's loop never blocks (the engine
+    # runs in a thread of its own), so a late PONG means a dead link.
     async with open_clients(nats_url, redis_url, f"rlboost-worker-{worker_id}", settings=s,
-                            wait_provisioned=True) as c:
+                            wait_provisioned=True, nats_options=WORKER_NATS_OPTIONS) as c:
         weights = await weight_source(s, c.js, worker_id)
         if s.metrics.port:
             port = metrics.start_metrics_server(s.metrics.port, s.metrics.bind)

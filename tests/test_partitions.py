@@ -1,0 +1,95 @@
+"""Links that fail while both ends stay up (`rlboost bench partitions`): real servers, real worker
+processes, each worker behind fault relays of its own (benchmarks/relay.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from rlboost import wire
+from benchmarks import partitions
+
+
+def _args(**over) -> argparse.Namespace:
+    a = partitions.parser().parse_args([])
+    for k, v in over.items():
+        setattr(a, k, v)
+    return a
+
+
+def _assert_clean(out: dict) -> None:
+    assert out["lost"] == out["duplicated"] == out["mismatched"] == out["wrong_version_tokens"] == 0, out
+    assert out["stale_writes_accepted"] == out["epochs_reused"] == out["writes_after_takeover"] == 0, out
+    assert out["workers_stalled"] == 0, out
+
+
+def _claim(rid: str, worker: str, epoch: int, offset: int) -> wire.LeaseEvent:
+    return wire.LeaseEvent(request_id=rid, step=1, worker_id=worker, epoch=epoch, kind="claim", offset=offset, ts=0.0)
+
+
+def _chunk(rid: str, worker: str, epoch: int, offset: int) -> wire.TokenChunk:
+    return wire.TokenChunk(request_id=rid, step=1, worker_id=worker, epoch=epoch, offset=offset, token_ids=[1] * 16,
+                          logprobs=[0.0] * 16, policy_version=0, ts=0.0)
+
+
+def test_the_takeover_check_catches_an_old_lease_writing_past_the_new_ones_start():
+    """What a broken fence would leave: the old holder's append at the offset the new holder
+    resumed from, accepted. Writes before the takeover point are the old lease's own."""
+    events = [_claim("r", "a", 10, 0), _claim("r", "b", 20, 32)]
+    fine = [_chunk("r", "a", 10, 0), _chunk("r", "a", 10, 16), _chunk("r", "b", 20, 32)]
+    assert partitions.writes_after_takeover(events, fine) == 0
+    assert partitions.writes_after_takeover(events, [*fine, _chunk("r", "a", 10, 32)]) == 1
+    assert partitions.taken_over(events, "a") == 1 and partitions.taken_over(events, "b") == 0
+
+
+@pytest.mark.slow
+def test_a_worker_cut_off_from_redis_with_nats_up_loses_nothing_and_comes_back(tmp_path):
+    out = asyncio.run(partitions.run_partition("redis_cut", _args(requests=120, cut_s=6.0, timeout=60.0), tmp_path))
+    _assert_clean(out)
+    assert out["victim_resumed_s"] is not None and out["victim_resumed_s"] < 10
+
+
+@pytest.mark.slow
+def test_a_worker_whose_redis_answers_past_the_lease_ttl_has_no_write_accepted_after_a_takeover(tmp_path):
+    out = asyncio.run(partitions.run_partition("redis_slow", _args(requests=120, timeout=60.0), tmp_path))
+    _assert_clean(out)
+    assert out["taken_over"] > 0, "the slow worker's requests were never claimed by another: nothing was tested"
+
+
+@pytest.mark.slow
+def test_a_worker_whose_redis_connections_go_half_open_loses_nothing_and_comes_back(tmp_path):
+    """A call on a dead connection is noticed by the Redis client's socket timeout (5 s) and retried
+    on a new one: the worker answers again within that of the link's return, its requests taken
+    over meanwhile."""
+    out = asyncio.run(partitions.run_partition("redis_half_open", _args(requests=240, cut_s=6.0, timeout=60.0),
+                                               tmp_path))
+    _assert_clean(out)
+    assert out["victim_resumed_s"] is not None and out["victim_resumed_s"] < 10
+
+
+@pytest.mark.slow
+def test_workers_with_every_server_unreachable_idle_and_resume_within_5_s(tmp_path):
+    out = asyncio.run(partitions.run_partition("all_unreachable", _args(requests=120, outage_s=12.0, timeout=60.0),
+                                               tmp_path))
+    _assert_clean(out)
+    assert len(out["cpu_pct"]) == 3 and out["cpu_pct_max"] < 5.0, out["cpu_pct"]
+    assert out["resumed_s_max"] is not None and out["resumed_s_max"] <= 5.0, out["resumed_s"]
+
+
+@pytest.mark.slow
+def test_a_worker_cut_off_from_nats_with_redis_up_loses_nothing_and_comes_back(tmp_path):
+    out = asyncio.run(partitions.run_partition("nats_cut", _args(requests=180, cut_s=6.0, timeout=60.0), tmp_path))
+    _assert_clean(out)
+    assert out["victim_resumed_s"] is not None and out["victim_resumed_s"] < 5
+
+
+@pytest.mark.slow
+def test_a_worker_whose_nats_connection_goes_half_open_notices_and_comes_back(tmp_path):
+    """Before: nats-py's default pings (every 2 min, 2 outstanding) left the worker on the dead
+    connection for minutes after the link returned; it claimed nothing more and its drain timed
+    out. Workers ping every 2 s now (workers/main.py)."""
+    out = asyncio.run(partitions.run_partition("nats_half_open", _args(requests=180, timeout=60.0), tmp_path))
+    _assert_clean(out)
+    assert out["victim_resumed_s"] is not None and out["victim_resumed_s"] < 10  # from the link going dead
