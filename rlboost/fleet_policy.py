@@ -1,0 +1,150 @@
+"""How many preemptible instances to rent: the fleet policy (`[fleet]` settings).
+
+Pure (no I/O, no clock): `decide(settings, signals)` takes what a run measures of its last step
+and returns the desired number of instances and a one-line reason. The orchestrator's caller
+(`rlboost run`, `rlboost bench trace`) acts on it: it rents or releases instances, and exports
+the number as `rlboost_fleet_desired_workers` for a scaler (KEDA) to follow.
+
+- `all`: every available instance, up to `max_instances` (0 = no cap);
+- `fixed`: `fixed` instances (fewer if fewer are available);
+- `cost`: the number that maximises tokens per dollar, found one instance at a time: rent one
+  more if that raises the whole run's tokens/s per $/h by more than `hysteresis`, release one
+  if that does; otherwise hold. `min_tokens_per_s` (a throughput floor) and `max_dollars_per_hour`
+  (a $/h ceiling) bound it.
+
+The step model behind `cost` (the hybrid step, DESIGN §1): the instances generate from the
+step's start; the reserved cluster seeds for T_seed (generating its share), then trains groups
+as they complete. With n instances a step of W tokens takes
+
+    step(n) = max(T(n) + W x trainer_s_per_token,  rest(n),  tail_s)
+    rest(n) = (W - reserved_tokens_per_s x T(n)) / (n x instance_tokens_per_s)
+
+T(n) is the seeding window the adaptive rule settles at (the one that balances both sides, never
+under the measured T_seed), `tail_s` the latency of the longest response (no number of instances
+shortens it). Past the point where rest(n) falls under the trainer's time (or the tail), an
+instance is paid for and idle: its marginal tokens are 0 and `cost` releases it. With no
+instance the step runs colocated: W / reserved_tokens_per_s, then training. Preemptions discount
+an instance's rate by the output it loses to them (`replace_s` of generation per preemption).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("all", "fixed", "cost")
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What the run measured (means over recent steps); seconds and tokens of the same clock."""
+
+    instances: int  # rented now
+    available: int  # the instances that could be rented now (rented ones included)
+    step_tokens: float  # W: tokens trained per step
+    trainer_s_per_token: float  # the trainer's seconds per trained token (8 reserved GPUs training)
+    instance_tokens_per_s: float  # one preemptible instance's rollout rate while it has work
+    reserved_tokens_per_s: float  # the reserved engines' rollout rate while they seed
+    t_seed_s: float  # the seeding window of the last step
+    tail_s: float = 0.0  # the latency of a step's longest response (a floor on its rollout)
+    preemptions_per_instance_hour: float = 0.0
+    replace_s: float = 0.0  # generation an instance loses per preemption
+
+
+@dataclass(frozen=True)
+class Decision:
+    desired: int
+    reason: str
+    tokens_per_s: float = 0.0  # the model's estimate at `desired` (0 for all / fixed)
+    dollars_per_hour: float = 0.0
+
+
+def step_s(sig: Signals, n: int) -> float:
+    """The modelled step time with `n` instances (see the module docstring)."""
+    w, rr = sig.step_tokens, max(sig.reserved_tokens_per_s, 1e-9)
+    train_s = w * sig.trainer_s_per_token
+    if n <= 0:
+        return w / rr + train_s
+    lost = min(0.9, sig.preemptions_per_instance_hour * sig.replace_s / 3600)
+    fleet = n * max(sig.instance_tokens_per_s, 1e-9) * (1 - lost)
+    t_seed = max(sig.t_seed_s, min(w / rr, (w - fleet * train_s) / (fleet + rr)))
+    rest_s = max(0.0, w - rr * t_seed) / fleet
+    return max(t_seed + train_s, rest_s, sig.tail_s)
+
+
+def tokens_per_s(sig: Signals, n: int) -> float:
+    return sig.step_tokens / step_s(sig, n)
+
+
+def dollars_per_hour(fleet, n: int) -> float:
+    return fleet.reserved_dollars_per_hour + n * fleet.instance_dollars_per_hour
+
+
+def trainer_bound(sig: Signals) -> float:
+    """The trainer's throughput with rollout never waiting: what no fleet can exceed."""
+    return 1.0 / sig.trainer_s_per_token
+
+
+def decide(fleet, sig: Signals) -> Decision:
+    """`fleet`: a `FleetSettings` (rlboost/config.py). The desired instance count, within
+    what is available and `max_instances`."""
+    cap = sig.available if fleet.max_instances <= 0 else min(sig.available, fleet.max_instances)
+    cap = max(cap, 0)
+    if fleet.policy == "all":
+        return Decision(cap, f"all: {cap} available" + (f" (max {fleet.max_instances})" if fleet.max_instances else ""))
+    if fleet.policy == "fixed":
+        n = min(fleet.fixed, cap)
+        return Decision(n, f"fixed: {fleet.fixed}" + (f", {cap} available" if n < fleet.fixed else ""))
+
+    def ok(n: int) -> bool:  # within the $/h ceiling
+        return not fleet.max_dollars_per_hour or dollars_per_hour(fleet, n) <= fleet.max_dollars_per_hour + 1e-9
+
+    def eff(n: int) -> float:  # tokens/s per $/h
+        return tokens_per_s(sig, n) / dollars_per_hour(fleet, n)
+
+    n = min(max(sig.instances, 0), cap)
+    if n < sig.instances:  # preempted or capped below what we hold
+        return _decision(fleet, sig, n, f"cost: only {cap} available")
+    if not ok(n):  # over the ceiling (prices changed): shed at once
+        while n > 0 and not ok(n):
+            n -= 1
+        return _decision(fleet, sig, n, f"cost: ${dollars_per_hour(fleet, sig.instances):.2f}/h with {sig.instances} "
+                         f"is over the ceiling ${fleet.max_dollars_per_hour:.2f}/h")
+    floor = fleet.min_tokens_per_s
+    if floor and tokens_per_s(sig, n) < floor and n < cap and ok(n + 1):
+        return _decision(fleet, sig, n + 1, f"cost: {tokens_per_s(sig, n):,.0f} tokens/s under the floor {floor:,.0f}")
+    here = eff(n)
+    gain = (tokens_per_s(sig, n + 1) - tokens_per_s(sig, n)) if n < cap else 0.0
+    if n < cap and ok(n + 1) and eff(n + 1) > here * (1 + fleet.hysteresis):
+        return _decision(fleet, sig, n + 1, f"cost: one more adds {gain:,.0f} tokens/s for "
+                         f"${fleet.instance_dollars_per_hour:.2f}/h ({gain / fleet.instance_dollars_per_hour:,.0f} per $/h)"
+                         f" > the fleet's {here:,.0f}")
+    if n > 0:
+        loss = tokens_per_s(sig, n) - tokens_per_s(sig, n - 1)
+        keeps_floor = not floor or tokens_per_s(sig, n - 1) >= floor
+        if keeps_floor and eff(n - 1) > here * (1 + fleet.hysteresis):
+            why = "the trainer is saturated" if loss < 1e-6 * tokens_per_s(sig, n) else "it pays less than it costs"
+            return _decision(fleet, sig, n - 1, f"cost: one fewer loses {loss:,.0f} tokens/s, saves "
+                             f"${fleet.instance_dollars_per_hour:.2f}/h ({why})")
+    bound = n and tokens_per_s(sig, n + 1) <= tokens_per_s(sig, n) * (1 + 1e-9)
+    return _decision(fleet, sig, n, f"cost: hold {n} ({here:,.1f} tokens/s per $/h"
+                     + (", rollout no longer limits the step" if bound else "") + ")")
+
+
+def _decision(fleet, sig: Signals, n: int, reason: str) -> Decision:
+    return Decision(n, reason, round(float(tokens_per_s(sig, n)), 1), round(dollars_per_hour(fleet, n), 2))
+
+
+def settle(fleet, sig: Signals, steps: int = 64) -> Decision:
+    """`decide` applied until it holds (a fixed point of the one-at-a-time rule), from
+    `sig.instances`: what the policy converges to if the signals stay as they are."""
+    d = decide(fleet, sig)
+    for _ in range(steps):
+        if d.desired == sig.instances:
+            return d
+        sig = Signals(**{**sig.__dict__, "instances": d.desired})
+        d = decide(fleet, sig)
+    return d
+
+
+__all__ = ["POLICIES", "Signals", "Decision", "decide", "settle", "step_s", "tokens_per_s", "dollars_per_hour",
+           "trainer_bound"]

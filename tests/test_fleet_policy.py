@@ -1,0 +1,107 @@
+"""The fleet policy (rlboost/fleet_policy.py) driven by a modelled trainer and fleet: it releases
+instances when the trainer is saturated, rents when the trainer waits, follows prices and does
+not flap on noisy measurements."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import msgspec
+import pytest
+
+from rlboost.config import ConfigError, FleetSettings, load_settings
+from rlboost.fleet_policy import Signals, decide, dollars_per_hour, settle, tokens_per_s
+
+W = 2.4e6  # tokens per step (128 prompts x 8 samples, long-tailed responses)
+
+
+def measured(instances: int, available: int, trainer_s_per_token: float = 3.6e-5, **kw) -> Signals:
+    """What a run measures with this modelled trainer and fleet: 2-GPU instances at 3K tokens/s,
+    the reserved engines at 15K while seeding, a 90 s longest response."""
+    base = dict(step_tokens=W, trainer_s_per_token=trainer_s_per_token, instance_tokens_per_s=3000.0,
+                reserved_tokens_per_s=15000.0, t_seed_s=15.0, tail_s=90.0)
+    base.update(kw)
+    return Signals(instances=instances, available=available, **base)
+
+
+COST = FleetSettings(policy="cost")
+
+
+def test_saturated_trainer_releases():
+    sig = measured(12, 14)  # 12 instances: the trainer (86 s a step) is the limit, rollout waits on it
+    assert tokens_per_s(sig, 11) == pytest.approx(tokens_per_s(sig, 12))  # the 12th adds nothing
+    d = decide(COST, sig)
+    assert d.desired == 11 and "saturated" in d.reason
+    assert settle(COST, sig).desired < 9  # and it keeps releasing while that holds
+
+
+def test_idle_trainer_with_instances_available_rents():
+    sig = measured(2, 14)  # the trainer waits for rollout: each instance pays
+    d = decide(COST, sig)
+    assert d.desired == 3 and d.reason.startswith("cost: one more adds")
+    assert settle(COST, sig).desired > 3
+    assert decide(COST, measured(2, 2)).desired == 2  # none more available: hold
+
+
+def test_a_faster_trainer_wants_more_instances():
+    # (no tail floor: with one, the longest response bounds both alike)
+    slow = settle(COST, measured(4, 30, tail_s=0.0))
+    fast = settle(COST, measured(4, 30, trainer_s_per_token=1.8e-5, tail_s=0.0))
+    assert fast.desired > slow.desired
+
+
+def test_prices_move_the_decision():
+    sig = measured(6, 14)
+    cheap = settle(msgspec.structs.replace(COST, instance_dollars_per_hour=2.0), sig)
+    usual = settle(COST, sig)
+    dear = settle(msgspec.structs.replace(COST, instance_dollars_per_hour=40.0), sig)
+    assert cheap.desired >= usual.desired > dear.desired
+    # the decision really is the tokens-per-dollar optimum under each price
+    for fleet, d in ((COST, usual), (msgspec.structs.replace(COST, instance_dollars_per_hour=40.0), dear)):
+        eff = [tokens_per_s(sig, n) / dollars_per_hour(fleet, n) for n in range(15)]
+        assert eff[d.desired] == pytest.approx(max(eff), rel=fleet.hysteresis + 1e-9)
+    # a $/h ceiling below what is rented sheds at once, the floor rents past the optimum
+    ceiling = msgspec.structs.replace(COST, max_dollars_per_hour=100.0)
+    d = decide(ceiling, measured(8, 14))
+    assert dollars_per_hour(ceiling, d.desired) <= 100.0 and "ceiling" in d.reason
+    floor = msgspec.structs.replace(COST, min_tokens_per_s=tokens_per_s(sig, usual.desired) + 100)
+    assert settle(floor, replace(sig, instances=usual.desired)).desired > usual.desired
+
+
+def test_hysteresis_holds_under_noisy_measurements():
+    rng = random.Random(0)
+
+    def run(fleet: FleetSettings) -> list[int]:
+        n, seen = 0, []
+        for _ in range(80):
+            noisy = measured(n, 14, instance_tokens_per_s=3000 * rng.uniform(0.95, 1.05),
+                             reserved_tokens_per_s=15000 * rng.uniform(0.95, 1.05))
+            n = decide(fleet, noisy).desired
+            seen.append(n)
+        return seen
+
+    held = run(msgspec.structs.replace(COST, hysteresis=0.03))
+    changes = sum(a != b for a, b in zip(held[20:], held[21:]))
+    assert changes == 0, held  # settled, then held
+    flappy = run(msgspec.structs.replace(COST, hysteresis=0.0))
+    assert sum(a != b for a, b in zip(flappy[20:], flappy[21:])) > changes  # the test can fail: without it, it moves
+
+
+def test_all_and_fixed_within_what_is_available():
+    assert decide(FleetSettings(policy="all"), measured(3, 9)).desired == 9
+    assert decide(FleetSettings(policy="all", max_instances=6), measured(3, 9)).desired == 6
+    assert decide(FleetSettings(policy="fixed", fixed=3), measured(0, 9)).desired == 3
+    assert decide(FleetSettings(policy="fixed", fixed=3), measured(3, 2)).desired == 2
+    assert decide(msgspec.structs.replace(COST, max_instances=4), measured(4, 14)).desired == 4  # would rent more: capped
+    assert decide(COST, measured(5, 3)).desired == 3  # preempted below what it held
+
+
+@pytest.mark.parametrize("key,value", [("policy", "cheap"), ("hysteresis", 1.5), ("instance_dollars_per_hour", 0),
+                                       ("max_dollars_per_hour", 10.0), ("max_instances", -1)])
+def test_bad_fleet_settings_are_refused_with_their_key(tmp_path, key, value):
+    f = tmp_path / "s.toml"
+    f.write_text(f"[fleet]\n{key} = {value!r}\n".replace("'", '"'))
+    with pytest.raises(ConfigError, match=f"fleet.{key}"):
+        load_settings(f, environ={})
+    assert load_settings(None, environ={"RLBOOST_FLEET__POLICY": "cost"}).fleet.policy == "cost"
