@@ -20,7 +20,7 @@ as they complete. With n instances a step of W tokens takes
     rest(n) = (W - reserved_tokens_per_s x T(n)) / (n x instance_tokens_per_s)
 
 T(n) is the seeding window the adaptive rule settles at (the one that balances both sides, never
-under the measured T_seed), `tail_s` the latency of the longest response (no number of instances
+under its floor `t_seed_s`), `tail_s` the latency of the longest response (no number of instances
 shortens it). Past the point where rest(n) falls under the trainer's time (or the tail), an
 instance is paid for and idle: its marginal tokens are 0 and `cost` releases it. With no
 instance the step runs colocated: W / reserved_tokens_per_s, then training. Preemptions discount
@@ -44,7 +44,7 @@ class Signals:
     trainer_s_per_token: float  # the trainer's seconds per trained token (8 reserved GPUs training)
     instance_tokens_per_s: float  # one preemptible instance's rollout rate while it has work
     reserved_tokens_per_s: float  # the reserved engines' rollout rate while they seed
-    t_seed_s: float  # the seeding window of the last step
+    t_seed_s: float  # the seeding window's floor: the adaptive rule shrinks T_seed toward it as the fleet grows
     tail_s: float = 0.0  # the latency of a step's longest response (a floor on its rollout)
     preemptions_per_instance_hour: float = 0.0
     replace_s: float = 0.0  # generation an instance loses per preemption
