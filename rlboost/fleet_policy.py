@@ -134,6 +134,39 @@ def _decision(fleet, sig: Signals, n: int, reason: str) -> Decision:
     return Decision(n, reason, round(float(tokens_per_s(sig, n)), 1), round(dollars_per_hour(fleet, n), 2))
 
 
+def measure(prev: Signals | None, *, trained, live: int, rollout_s: float, step_s: float, t_seed_s: float | None,
+            reserved_ids: set[str], trainer_s_per_token: float, available: int, t_seed_floor_s: float,
+            sync: bool, token_scale: int = 1, tail_s: float = 0.0) -> Signals:
+    """One step's signals from what the orchestrator returned (`trained`: its (group, results)),
+    averaged with the previous step's (`prev`). An instance's rate: the tokens the preemptible
+    workers generated (read from the results' segments: anyone but the reserved engines) per
+    live worker and second of rollout (sync) or of the step (partial, async: they run ahead);
+    the reserved engines' rate: their tokens per second of seeding."""
+    spot = total = 0
+    for _, results in trained:
+        for r in results:
+            segs = r.segments
+            for k, seg in enumerate(segs):
+                end = segs[k + 1].offset if k + 1 < len(segs) else len(r.token_ids)
+                n = token_scale * max(0, end - seg.offset)
+                total += n
+                spot += n if seg.worker_id not in reserved_ids else 0
+    busy = rollout_s if sync else step_s
+    new = {"step_tokens": float(total) or (prev.step_tokens if prev else 1.0),
+           "trainer_s_per_token": trainer_s_per_token or (prev.trainer_s_per_token if prev else 0.0),
+           "instance_tokens_per_s": spot / (live * busy) if live and busy > 0 and spot else None,
+           "reserved_tokens_per_s": (total - spot) / t_seed_s if t_seed_s and total > spot else None}
+    if prev is not None:  # a mean with the previous step: one slow step does not move the fleet alone
+        new = {k: (v + getattr(prev, k)) / 2 if v is not None and k not in ("step_tokens", "trainer_s_per_token")
+               else (getattr(prev, k) if v is None else v) for k, v in new.items()}
+    new = {k: (v if v is not None else 0.0) for k, v in new.items()}
+    if not new["reserved_tokens_per_s"]:  # never seen seeding yet: colocated's rate is unknown, assume theirs
+        new["reserved_tokens_per_s"] = new["instance_tokens_per_s"] or 1.0
+    return Signals(instances=live, available=available, t_seed_s=t_seed_floor_s, tail_s=tail_s,
+                   preemptions_per_instance_hour=prev.preemptions_per_instance_hour if prev else 0.0,
+                   replace_s=prev.replace_s if prev else 0.0, **new)
+
+
 def settle(fleet, sig: Signals, steps: int = 64) -> Decision:
     """`decide` applied until it holds (a fixed point of the one-at-a-time rule), from
     `sig.instances`: what the policy converges to if the signals stay as they are."""
@@ -146,5 +179,5 @@ def settle(fleet, sig: Signals, steps: int = 64) -> Decision:
     return d
 
 
-__all__ = ["POLICIES", "Signals", "Decision", "decide", "settle", "step_s", "tokens_per_s", "dollars_per_hour",
+__all__ = ["POLICIES", "Signals", "Decision", "decide", "measure", "settle", "step_s", "tokens_per_s", "dollars_per_hour",
            "trainer_bound"]
