@@ -59,16 +59,20 @@ rollout modes to the same table, JSON and plot (`hybrid-partial`, `hybrid-async`
   trainer trains on complete groups as they arrive; one optimizer step per batch (on-policy).
   The rule's waits: the trainer's idle time on its own clock, and the preemptible workers'
   time with nothing in flight. With no live preemptible worker the step runs colocated; if the
-  fleet vanishes mid-step the reserved cluster takes the work back. It rents at most
-  `--max-instances` (3) of the available instances at a time (replacing a preempted one at once
-  when another is available): 3 gave the best cost efficiency in calibration; past that the
-  step is bound by the tail and by training, and more instances mostly add cost
-  (`--max-instances 0` rents everything the trace offers: measured on p3 and g4dn in every
-  rollout mode, more tokens/s but fewer tokens/s per $/h than 3, see docs/benchmarks/trace.md);
+  fleet vanishes mid-step the reserved cluster takes the work back. Which of the available
+  instances it rents is `--fleet` (rlboost/fleet_policy.py): `fixed:3` (the default, the
+  hand-picked cap of before: 3 gave the best cost efficiency in calibration), `all` (everything
+  the trace offers), or `cost` (after every step, from the run's measured signals: rent one more
+  or release one when that raises tokens/s per $/h by more than the hysteresis; a released
+  instance drains as on a notice and is not counted as a preemption). A preempted instance is
+  replaced at once when another is available. Comma-separated policies run one after the other,
+  rows `hybrid-async@cost`, `hybrid-async@all`, ...;
 - oracle (computed, not run): every rented GPU-second, reserved or preemptible, at the reserved
   cluster's measured per-GPU rate with zero overhead:
   oracle = colocated x (8 + 2 n) / 8, n = time-averaged instances rented in the segment
-  (`oracle_all_available`: the same with every instance the trace offered).
+  (`oracle_all_available`: the same with every instance the trace offered); per hybrid run,
+  on its own rented instances, with `bound` = min(oracle, 1 / TRAIN_S_PER_TOKEN: the trainer
+  with rollout never waiting, ~27.8K tokens/s), the upper bound the linear oracle is not.
 
 `--calibrate` runs colocated and hybrid with 1, 2, 3, 4 static instances (no preemption) and
 prints them next to the published ~10K / 12K / 14K / 16K / 18K tokens/s.
