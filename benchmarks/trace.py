@@ -93,7 +93,7 @@ from rlboost import wire
 from rlboost.logs import print_result
 from rlboost.clients import Clients, open_clients
 from rlboost.config import FleetSettings, Settings, WorkerSettings
-from rlboost.fleet_policy import Signals, decide, settle
+from rlboost.fleet_policy import Signals, decide, remember
 from benchmarks.costs import Prices, cost_efficiency, cost_per_hour, run_cost
 from rlboost.logs import configure_logging
 from rlboost.manager import RolloutManager
@@ -126,7 +126,7 @@ def fleet_settings(spec: str, prices: Prices, max_instances: int = 0) -> FleetSe
     name, _, n = spec.partition(":")
     if name not in ("cost", "all", "fixed") or (name == "fixed") != bool(n) or (n and not n.isdigit()):
         raise ValueError(f"--fleet {spec!r}: use cost, all or fixed:N")
-    return FleetSettings(policy=name, fixed=int(n or 0), max_instances=max_instances,
+    return FleetSettings(policy=name, fixed=int(n) if n else 3, max_instances=max_instances,
                          reserved_dollars_per_hour=RESERVED_GPUS * prices.reserved_gpu_hour,
                          instance_dollars_per_hour=INSTANCE_GPUS * prices.preemptible_gpu_hour)
 
@@ -249,7 +249,8 @@ class Emulation:
         procs = {}
         if self.policy == "hybrid":
             self.signals = prior_signals(self.a, sum(iv.up_s <= 0 for iv in self.ivs))
-            self.desired = settle(self.fleet_policy, self.signals).desired
+            # cost starts at `fixed` (3) and moves on what each step measures
+            self.desired = self.fleet_policy.fixed
             for iv in self._to_rent(0.0):
                 procs[iv] = self.fleet.start(prefix="node")
                 self.held[iv] = (procs[iv], 0.0)
@@ -357,7 +358,8 @@ class Emulation:
         inst_h = instance_seconds(self.rented_intervals(now)) / 3600
         preempt = (len(self.preempted) / inst_h) if inst_h > 0.5 else 0.0
         mix = {k: (getattr(sig, k) + v) / 2 if k != "step_tokens" else v for k, v in new.items()}
-        self.signals = Signals(**{**sig.__dict__, **mix, "instances": n, "available": len(self._available(now)),
+        seen = remember(sig.seen, o.live, row["tokens"] / row["step_s"]) if o.live == n and row["step_s"] else sig.seen
+        self.signals = Signals(**{**sig.__dict__, **mix, "seen": seen, "instances": n, "available": len(self._available(now)),
                                   "preemptions_per_instance_hour": preempt,
                                   "replace_s": statistics.median(self.provision_s) if self.provision_s else sig.replace_s})
         d = decide(self.fleet_policy, self.signals)

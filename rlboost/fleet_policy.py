@@ -25,6 +25,11 @@ shortens it). Past the point where rest(n) falls under the trainer's time (or th
 instance is paid for and idle: its marginal tokens are 0 and `cost` releases it. With no
 instance the step runs colocated: W / reserved_tokens_per_s, then training. Preemptions discount
 an instance's rate by the output it loses to them (`replace_s` of generation per preemption).
+
+Measurement wins over the model: where the run has measured a step at some instance count
+(`seen`), `cost` compares that count's measured tokens/s; elsewhere the model's, scaled by the
+ratio measured / modelled at the current count. So a fleet that the model says pays, but that
+measures worse (host overhead, a slow network), is released again and not rented twice.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class Signals:
     tail_s: float = 0.0  # the latency of a step's longest response (a floor on its rollout)
     preemptions_per_instance_hour: float = 0.0
     replace_s: float = 0.0  # generation an instance loses per preemption
+    seen: tuple[tuple[int, float], ...] = ()  # (instances, tokens/s) measured at each count (recent means)
 
 
 @dataclass(frozen=True)
@@ -98,8 +104,16 @@ def decide(fleet, sig: Signals) -> Decision:
     def ok(n: int) -> bool:  # within the $/h ceiling
         return not fleet.max_dollars_per_hour or dollars_per_hour(fleet, n) <= fleet.max_dollars_per_hour + 1e-9
 
+    # tokens/s: measured where the run has been, the model elsewhere, scaled to what was measured here
+    seen = dict(sig.seen)
+    here_n = min(max(sig.instances, 0), cap)
+    k = seen[here_n] / tokens_per_s(sig, here_n) if here_n in seen and tokens_per_s(sig, here_n) > 0 else 1.0
+
+    def tps(n: int) -> float:
+        return seen[n] if n in seen else k * tokens_per_s(sig, n)
+
     def eff(n: int) -> float:  # tokens/s per $/h
-        return tokens_per_s(sig, n) / dollars_per_hour(fleet, n)
+        return tps(n) / dollars_per_hour(fleet, n)
 
     n = min(max(sig.instances, 0), cap)
     if n < sig.instances:  # preempted or capped below what we hold
@@ -110,22 +124,24 @@ def decide(fleet, sig: Signals) -> Decision:
         return _decision(fleet, sig, n, f"cost: ${dollars_per_hour(fleet, sig.instances):.2f}/h with {sig.instances} "
                          f"is over the ceiling ${fleet.max_dollars_per_hour:.2f}/h")
     floor = fleet.min_tokens_per_s
-    if floor and tokens_per_s(sig, n) < floor and n < cap and ok(n + 1):
-        return _decision(fleet, sig, n + 1, f"cost: {tokens_per_s(sig, n):,.0f} tokens/s under the floor {floor:,.0f}")
+    if floor and tps(n) < floor and n < cap and ok(n + 1):
+        return _decision(fleet, sig, n + 1, f"cost: {tps(n):,.0f} tokens/s under the floor {floor:,.0f}")
     here = eff(n)
-    gain = (tokens_per_s(sig, n + 1) - tokens_per_s(sig, n)) if n < cap else 0.0
-    if n < cap and ok(n + 1) and eff(n + 1) > here * (1 + fleet.hysteresis):
-        return _decision(fleet, sig, n + 1, f"cost: one more adds {gain:,.0f} tokens/s for "
-                         f"${fleet.instance_dollars_per_hour:.2f}/h ({gain / fleet.instance_dollars_per_hour:,.0f} per $/h)"
-                         f" > the fleet's {here:,.0f}")
-    if n > 0:
-        loss = tokens_per_s(sig, n) - tokens_per_s(sig, n - 1)
-        keeps_floor = not floor or tokens_per_s(sig, n - 1) >= floor
-        if keeps_floor and eff(n - 1) > here * (1 + fleet.hysteresis):
-            why = "the trainer is saturated" if loss < 1e-6 * tokens_per_s(sig, n) else "it pays less than it costs"
-            return _decision(fleet, sig, n - 1, f"cost: one fewer loses {loss:,.0f} tokens/s, saves "
-                             f"${fleet.instance_dollars_per_hour:.2f}/h ({why})")
-    bound = n and tokens_per_s(sig, n + 1) <= tokens_per_s(sig, n) * (1 + 1e-9)
+    up = eff(n + 1) if n < cap and ok(n + 1) else 0.0
+    keeps_floor = n > 0 and (not floor or tps(n - 1) >= floor)
+    down = eff(n - 1) if keeps_floor else 0.0
+    if up > here * (1 + fleet.hysteresis) and up >= down:  # the better of the two moves, if it pays
+        gain = tps(n + 1) - tps(n)
+        return _decision(fleet, sig, n + 1, f"cost: one more adds {gain:,.0f} tokens/s"
+                         + (" (measured)" if n + 1 in seen else "") + f" for ${fleet.instance_dollars_per_hour:.2f}/h "
+                         f"({gain / fleet.instance_dollars_per_hour:,.0f} per $/h) > the fleet's {here:,.0f}")
+    if down > here * (1 + fleet.hysteresis):
+        loss = tps(n) - tps(n - 1)
+        why = ("the trainer is saturated" if loss < 1e-6 * tps(n) else "it pays less than it costs") + (
+            f", measured with {n - 1}" if n - 1 in seen else "")
+        return _decision(fleet, sig, n - 1, f"cost: one fewer loses {loss:,.0f} tokens/s, saves "
+                         f"${fleet.instance_dollars_per_hour:.2f}/h ({why})")
+    bound = n and tps(n + 1) <= tps(n) * (1 + 1e-9)
     return _decision(fleet, sig, n, f"cost: hold {n} ({here:,.1f} tokens/s per $/h"
                      + (", rollout no longer limits the step" if bound else "") + ")")
 
@@ -164,7 +180,15 @@ def measure(prev: Signals | None, *, trained, live: int, rollout_s: float, step_
         new["reserved_tokens_per_s"] = new["instance_tokens_per_s"] or 1.0
     return Signals(instances=live, available=available, t_seed_s=t_seed_floor_s, tail_s=tail_s,
                    preemptions_per_instance_hour=prev.preemptions_per_instance_hour if prev else 0.0,
-                   replace_s=prev.replace_s if prev else 0.0, **new)
+                   replace_s=prev.replace_s if prev else 0.0,
+                   seen=remember(prev.seen if prev else (), live, total / step_s if step_s > 0 else 0.0), **new)
+
+
+def remember(seen: tuple[tuple[int, float], ...], n: int, tokens_per_s: float) -> tuple[tuple[int, float], ...]:
+    """The measured tokens/s at `n` instances: a mean with what was measured there before."""
+    d = dict(seen)
+    d[n] = (d[n] + tokens_per_s) / 2 if n in d else tokens_per_s
+    return tuple(sorted(d.items()))
 
 
 def settle(fleet, sig: Signals, steps: int = 64) -> Decision:
@@ -179,5 +203,5 @@ def settle(fleet, sig: Signals, steps: int = 64) -> Decision:
     return d
 
 
-__all__ = ["POLICIES", "Signals", "Decision", "decide", "measure", "settle", "step_s", "tokens_per_s", "dollars_per_hour",
+__all__ = ["POLICIES", "Signals", "Decision", "decide", "measure", "remember", "settle", "step_s", "tokens_per_s", "dollars_per_hour",
            "trainer_bound"]

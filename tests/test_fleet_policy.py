@@ -142,3 +142,14 @@ def test_a_runs_step_is_measured_and_exported_as_the_desired_workers_gauge():
     assert out == {"fleet_desired": expect.desired, "fleet_reason": expect.reason}
     text = metrics.render().decode()
     assert f'rlboost_fleet_desired_workers{{policy="cost",pool="spot-test"}} {float(expect.desired)}' in text
+
+
+def test_what_was_measured_wins_over_the_model():
+    sig = measured(5, 14)
+    assert decide(COST, sig).desired == 6  # the model: one more pays
+    # but 6 was measured slower than 5 (host overhead the model does not know): hold at 5
+    held = decide(COST, replace(sig, seen=((5, 18000.0), (6, 17000.0))))
+    assert held.desired == 5
+    # and with 6 instances, having measured 5 as better: release
+    back = decide(COST, replace(sig, instances=6, seen=((5, 18000.0), (6, 17000.0))))
+    assert back.desired == 5 and "measured with 5" in back.reason
