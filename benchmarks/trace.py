@@ -586,7 +586,7 @@ def summarise(policies: dict, ivs: list[Interval], a: argparse.Namespace) -> dic
 def print_table(policies: dict, published: dict[str, float] | None = None, model: dict[str, float] | None = None) -> None:
     """`published`: the paper's figures; `model`: the timing model alone (no system overhead)."""
     print(f"\n{'policy':20}{'tokens/s':>10}{'$/h':>9}{'tok/s per $/h':>15}{'rented':>8}{'x coloc':>9}{'cost eff':>9}"
-          f"{'bound':>8}{'of bound':>9}{'preempt':>9}{'regen':>7}{'hand-offs':>10}"
+          f"{'bound':>8}{'of bound':>9}{'preempt':>9}{'regen':>10}{'hand-offs':>10}"
           + (f"{'published':>11}" if published else "") + (f"{'model':>9}" if model else ""))
     for name, r in policies.items():
         pub = f"{published[name]:>11,.0f}" if published and name in published else ""
@@ -595,7 +595,7 @@ def print_table(policies: dict, published: dict[str, float] | None = None, model
             f"{r['throughput_ratio']:>9.2f}{r['cost_efficiency_gain']:>+9.0%}{r['bound']:>8,.0f}{r['bound_fraction']:>9.0%}"
             if "bound" in r else f"{'':>34}")
         print(f"{name:20}{r['throughput']:>10,.0f}{r['cost_per_hour']:>9.2f}{r['cost_efficiency']:>15.2f}{extra}"
-              f"{r['preemptions']:>9}{r['regenerated_tokens']:>7}{r.get('handoffs', 0):>10}{pub}{mod}")
+              f"{r['preemptions']:>9}{r['regenerated_tokens']:>10}{r.get('handoffs', 0):>10}{pub}{mod}")
 
 
 def plot(ivs: list[Interval], duration: float, policies: dict, path: Path) -> None:
