@@ -362,8 +362,13 @@ class Emulation:
         self.signals = Signals(**{**sig.__dict__, **mix, "seen": seen, "instances": n, "available": len(self._available(now)),
                                   "preemptions_per_instance_hour": preempt,
                                   "replace_s": statistics.median(self.provision_s) if self.provision_s else sig.replace_s})
-        d = decide(self.fleet_policy, self.signals)
         sig = self.signals
+        if self.fleet_policy.policy == "cost" and n < self.desired:  # fewer available than it wants:
+            self.decisions.append([now, sig.available, n, self.desired, f"cost: wants {self.desired}, "
+                                   f"{sig.available} available", round(sig.instance_tokens_per_s),
+                                   round(sig.reserved_tokens_per_s), 0])
+            return  # its intent stands until instances come (a dip in availability is no measurement)
+        d = decide(self.fleet_policy, sig)
         self.decisions.append([now, sig.available, n, d.desired, d.reason, round(sig.instance_tokens_per_s),
                                round(sig.reserved_tokens_per_s), round(d.tokens_per_s)])
         if self.fleet_policy.policy == "cost" and d.desired != self.desired:

@@ -137,7 +137,8 @@ def decide(fleet, sig: Signals) -> Decision:
                          f"({gain / fleet.instance_dollars_per_hour:,.0f} per $/h) > the fleet's {here:,.0f}")
     if down > here * (1 + fleet.hysteresis):
         loss = tps(n) - tps(n - 1)
-        why = ("the trainer is saturated" if loss < 1e-6 * tps(n) else "it pays less than it costs") + (
+        why = ("measured faster with fewer" if loss < 0 else "the trainer is saturated" if loss < 1e-6 * tps(n)
+               else "it pays less than it costs") + (
             f", measured with {n - 1}" if n - 1 in seen else "")
         return _decision(fleet, sig, n - 1, f"cost: one fewer loses {loss:,.0f} tokens/s, saves "
                          f"${fleet.instance_dollars_per_hour:.2f}/h ({why})")
