@@ -566,7 +566,7 @@ def summarise(policies: dict, ivs: list[Interval], a: argparse.Namespace) -> dic
     never waiting), with the run's share of each. The `oracle` row is the first hybrid run's;
     `oracle_all_available` counts every instance-second the trace offered."""
     result: dict = {"policies": policies, "trainer_bound": round(TRAINER_BOUND, 1)}
-    hybrids = [k for k, v in policies.items() if "rented_intervals" in v]
+    hybrids = [k for k, v in policies.items() if k.startswith("hybrid") and "rented_intervals" in v]
     if "colocated" not in policies or not hybrids:
         return result
     c = policies["colocated"]
@@ -613,7 +613,7 @@ def plot(ivs: list[Interval], duration: float, policies: dict, path: Path) -> No
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
     ax1.step([t / 60 for t in ts], [available(ivs, t) for t in ts], where="post", color="gray", label="available")
     for name, r in policies.items():  # each hybrid run's rented instances
-        if ivs and r.get("rented_intervals") is not None:
+        if ivs and name.startswith("hybrid") and r.get("rented_intervals") is not None:
             fleet = rented_of(r)
             ax1.step([t / 60 for t in ts], [available(fleet, t) for t in ts], where="post", ls="--", lw=1,
                      label=f"rented: {name}")
