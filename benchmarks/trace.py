@@ -59,16 +59,20 @@ rollout modes to the same table, JSON and plot (`hybrid-partial`, `hybrid-async`
   trainer trains on complete groups as they arrive; one optimizer step per batch (on-policy).
   The rule's waits: the trainer's idle time on its own clock, and the preemptible workers'
   time with nothing in flight. With no live preemptible worker the step runs colocated; if the
-  fleet vanishes mid-step the reserved cluster takes the work back. It rents at most
-  `--max-instances` (3) of the available instances at a time (replacing a preempted one at once
-  when another is available): 3 gave the best cost efficiency in calibration; past that the
-  step is bound by the tail and by training, and more instances mostly add cost
-  (`--max-instances 0` rents everything the trace offers: measured on p3 and g4dn in every
-  rollout mode, more tokens/s but fewer tokens/s per $/h than 3, see docs/benchmarks/trace.md);
+  fleet vanishes mid-step the reserved cluster takes the work back. Which of the available
+  instances it rents is `--fleet` (rlboost/fleet_policy.py): `fixed:3` (the default, the
+  hand-picked cap of before: 3 gave the best cost efficiency in calibration), `all` (everything
+  the trace offers), or `cost` (after every step, from the run's measured signals: rent one more
+  or release one when that raises tokens/s per $/h by more than the hysteresis; a released
+  instance drains as on a notice and is not counted as a preemption). A preempted instance is
+  replaced at once when another is available. Comma-separated policies run one after the other,
+  rows `hybrid-async@cost`, `hybrid-async@all`, ...;
 - oracle (computed, not run): every rented GPU-second, reserved or preemptible, at the reserved
   cluster's measured per-GPU rate with zero overhead:
   oracle = colocated x (8 + 2 n) / 8, n = time-averaged instances rented in the segment
-  (`oracle_all_available`: the same with every instance the trace offered).
+  (`oracle_all_available`: the same with every instance the trace offered); per hybrid run,
+  on its own rented instances, with `bound` = min(oracle, 1 / TRAIN_S_PER_TOKEN: the trainer
+  with rollout never waiting, ~27.8K tokens/s), the upper bound the linear oracle is not.
 
 `--calibrate` runs colocated and hybrid with 1, 2, 3, 4 static instances (no preemption) and
 prints them next to the published ~10K / 12K / 14K / 16K / 18K tokens/s.
@@ -78,7 +82,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import statistics
 import tempfile
@@ -89,7 +92,8 @@ from pathlib import Path
 from rlboost import wire
 from rlboost.logs import print_result
 from rlboost.clients import Clients, open_clients
-from rlboost.config import Settings, WorkerSettings
+from rlboost.config import FleetSettings, Settings, WorkerSettings
+from rlboost.fleet_policy import Signals, decide, remember
 from benchmarks.costs import Prices, cost_efficiency, cost_per_hour, run_cost
 from rlboost.logs import configure_logging
 from rlboost.pool_client import PoolClient
@@ -97,7 +101,7 @@ from rlboost.offload import SeedWindow
 from rlboost.orchestrator import Orchestrator
 from rlboost.replay import migrations, read_subject
 from rlboost.services import running_services
-from benchmarks.spot import (Interval, TraceError, available, instance_seconds, intervals, parse_trace, rented,
+from benchmarks.spot import (Interval, TraceError, available, instance_seconds, intervals, parse_trace,
                           sample_nodes, static_intervals)
 from benchmarks import percentile
 from benchmarks.fleet_host import HostedFleet
@@ -115,6 +119,31 @@ from workers.seeding import ProcessSeeding
 # (120 modelled s) each SIGKILL cost its step ~100 s (--notice 0: x1.43 instead of x1.52); at
 # 1.5 s the kills cost nothing visible and no live worker was fenced (`fenced_tokens` 0).
 ACK_WAIT_S, LEASE_TTL_S = 1.5, 1.0
+
+
+def fleet_settings(spec: str, prices: Prices, max_instances: int = 0) -> FleetSettings:
+    """`--fleet cost | all | fixed:N` as `[fleet]` settings at the bench's prices."""
+    name, _, n = spec.partition(":")
+    if name not in ("cost", "all", "fixed") or (name == "fixed") != bool(n) or (n and not n.isdigit()):
+        raise ValueError(f"--fleet {spec!r}: use cost, all or fixed:N")
+    return FleetSettings(policy=name, fixed=int(n) if n else 3, max_instances=max_instances,
+                         reserved_dollars_per_hour=RESERVED_GPUS * prices.reserved_gpu_hour,
+                         instance_dollars_per_hour=INSTANCE_GPUS * prices.preemptible_gpu_hour)
+
+
+def prior_signals(a: argparse.Namespace, available: int) -> Signals:
+    """What the cost policy assumes before the first step is measured (then replaced, step by
+    step, by the run's own measurements): the timing model's rates (trace_model.py), the
+    trainer's per-token time, the seeding window's floor, and the latency of the longest response (a
+    14,336-token decode at the model's base step time, ~86 s) as the rollout's floor."""
+    t = TimingModel()
+    tokens = float(modelled_lengths(0, a.prompts, a.samples).sum())
+    return Signals(instances=0, available=available, step_tokens=tokens, trainer_s_per_token=TRAIN_S_PER_TOKEN,
+                   instance_tokens_per_s=3000.0, reserved_tokens_per_s=tokens / 131.0, t_seed_s=SEED_FLOOR_S,
+                   tail_s=MAX_NEW_TOKENS * t.step_base_s, replace_s=30.0)
+
+
+SEED_FLOOR_S = 5.0  # modelled s: the adaptive seeding window's floor (SeedWindow floor_s x S)
 
 
 class EmulatedTrainer:
@@ -141,7 +170,7 @@ class Emulation:
     engines and the preemptible fleet (replaying the trace) as real worker processes."""
 
     def __init__(self, a: argparse.Namespace, c: Clients, nats_url: str, redis_url: str, workdir: Path, label: str,
-                 policy: str, ivs: list[Interval], mode: str = "sync") -> None:
+                 policy: str, ivs: list[Interval], mode: str = "sync", fleet_spec: str | None = None) -> None:
         self.a, self.c, self.label, self.policy, self.ivs, self.S = a, c, label, policy, ivs, a.speed
         self.pool = wire.check_name("pool", f"trace-{label}-{wire.new_run_id()}")
         self.reserved_pool = f"{self.pool}-reserved"  # the seeding engine's own queue: its share
@@ -171,7 +200,7 @@ class Emulation:
                                      lengths=LengthModel().per_emulated_token(R))
         self.train_s_per_token = TRAIN_S_PER_TOKEN * RESERVED_GPUS / (RESERVED_GPUS - self.split
                                                                        if policy == "disaggregated" else RESERVED_GPUS)
-        self.window = SeedWindow(initial_s=a.t_seed / self.S, floor_s=5.0 / self.S)
+        self.window = SeedWindow(initial_s=a.t_seed / self.S, floor_s=SEED_FLOOR_S / self.S)
         self.counters = Counters()
         self.preempted: set[str] = set()
         self.notice_exceeded = 0
@@ -183,6 +212,17 @@ class Emulation:
         self.mode = mode
         self.staleness: list[int] = []  # of every trained response (partial / async)
         self.run_id = wire.new_run_id()
+        # which instances are rented: `--fleet` (rlboost/fleet_policy.py), from what the trace offers
+        self.fleet_policy = fleet_settings(fleet_spec or getattr(a, "fleet", "all"), a.prices,
+                                           getattr(a, "max_instances", 0))
+        self.held: dict[Interval, tuple[object, float]] = {}  # rented now -> (instance, rented since)
+        self.rented: list[Interval] = []  # rented stretches that ended (released, preempted)
+        self.desired = 0  # cost: the policy's last decision
+        # per step: [t, available, rented, desired, reason, instance and reserved tokens/s, modelled tokens/s]
+        self.decisions: list[list] = []
+        self.rented_series: list[list] = []  # [t, available, rented] at every change
+        self.changed = asyncio.Event()
+        self.signals: Signals | None = None
         self.issued: dict[str, tuple[int, int]] = {}  # (tests) request id -> (seed, max new tokens)
 
     # ------------------------------------------------------------------ the trace
@@ -206,7 +246,15 @@ class Emulation:
                                          waiting_period_s=self.hb_s, on_result=self._on_result)
         if self.policy == "hybrid" and self.ivs and isinstance(self.fleet, HostedFleet):
             self.fleet.open()  # the host processes start before the clock, like the nodes up at 0
-        procs = {iv: self.fleet.start(prefix="node") for iv in self.ivs if iv.up_s <= 0} if self.policy == "hybrid" else {}
+        procs = {}
+        if self.policy == "hybrid":
+            self.signals = prior_signals(self.a, sum(iv.up_s <= 0 for iv in self.ivs))
+            # cost starts at `fixed` (3) and moves on what each step measures
+            self.desired = self.fleet_policy.fixed
+            for iv in self._to_rent(0.0):
+                procs[iv] = self.fleet.start(prefix="node")
+                self.held[iv] = (procs[iv], 0.0)
+            self._note(0.0)
         start = asyncio.create_task(self.seeding.start())
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and await self._live() < len(procs):
@@ -214,32 +262,118 @@ class Emulation:
         await start
         return procs
 
+    def _available(self, t: float) -> list[Interval]:
+        # (a node the segment's end cut off stays up past it: a step may end a little later)
+        return [iv for iv in self.ivs if iv.up_s <= t and (t < iv.down_s or not iv.preempted)]
+
+    def _target(self, t: float) -> int:
+        up = len(self._available(t))
+        if self.fleet_policy.policy == "cost":
+            return min(self.desired, up)
+        return decide(self.fleet_policy, Signals(len(self.held), up, 1, 1, 1, 1, 0)).desired
+
+    def _to_rent(self, t: float) -> list[Interval]:
+        free = [iv for iv in self._available(t) if iv not in self.held]
+        return free[:max(0, self._target(t) - len(self.held))]
+
+    def _note(self, t: float) -> None:
+        row = [round(t, 1), len(self._available(t)), len(self.held)]
+        if not self.rented_series or self.rented_series[-1][1:] != row[1:]:
+            self.rented_series.append(row)
+
     async def replay(self, t0: float, stop: asyncio.Event, procs: dict) -> None:
-        """Start and preempt worker processes as the trace says (time compressed by S)."""
-        events = sorted([(i.up_s, 1, i) for i in self.ivs if i.up_s > 0] +
-                        [(i.down_s, 0, i) for i in self.ivs if i.preempted], key=lambda e: (e[0], e[1]))
+        """Replay the trace (time compressed by S) and follow the fleet policy: rent available
+        instances up to its target, replace a preempted one at once, release (drain, as on a
+        preemption notice, but not counted as one) what it no longer wants."""
+        points = sorted({i.up_s for i in self.ivs if i.up_s > 0} | {i.down_s for i in self.ivs if i.preempted})
         tasks = []
-        for t_model, up, iv in events:
-            delay = t0 + t_model / self.S - time.monotonic()
-            if delay > 0:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=delay)
+        while not stop.is_set():
+            now = (time.monotonic() - t0) * self.S
+            nxt = next((p for p in points if p > now), None)
+            delay = (nxt - now) / self.S if nxt is not None else 3600.0
+            self.changed.clear()
+            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.changed.wait())]
+            await asyncio.wait(waits, timeout=max(0.0, delay), return_when=asyncio.FIRST_COMPLETED)
+            for f in waits:
+                f.cancel()
             if stop.is_set():
                 break
-            if up:
-                procs[iv] = self.fleet.start(prefix="node")
-                tasks.append(asyncio.create_task(self._provisioned(procs[iv].worker_id, time.monotonic())))
-            elif iv in procs:
+            now = max(now, (time.monotonic() - t0) * self.S)
+            if nxt is not None and now < nxt and not self.changed.is_set():
+                now = nxt  # woken by the timer a hair early
+            for iv in [iv for iv in self.held if iv.preempted and iv.down_s <= now]:
+                w, since = self.held.pop(iv)
+                procs.pop(iv, None)
+                self.rented.append(Interval(iv.node, since, iv.down_s, True))
                 if getattr(self.a, "preempt_busy", False):
-                    await self._holding_work(procs[iv])
-                w = procs.pop(iv)
+                    await self._holding_work(w)
                 self.preempted.add(w.worker_id)
                 if self.a.notice > 0:
                     self.fleet.terminate(w)
                     tasks.append(asyncio.create_task(self._kill_after_notice(w)))
                 else:
                     self.killed_at[w.worker_id] = await asyncio.to_thread(self.fleet.kill, w)
+            for iv in self._to_rent(now):
+                procs[iv] = self.fleet.start(prefix="node")
+                self.held[iv] = (procs[iv], now)
+                tasks.append(asyncio.create_task(self._provisioned(procs[iv].worker_id, time.monotonic())))
+            while len(self.held) > self._target(now):  # release the latest rented first
+                iv = max(self.held, key=lambda i: self.held[i][1])
+                w, since = self.held.pop(iv)
+                procs.pop(iv, None)
+                self.rented.append(Interval(iv.node, since, now, False))
+                self.fleet.terminate(w)
+                tasks.append(asyncio.create_task(self._kill_after_notice(w)))
+            self._note(now)
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    def rented_intervals(self, until_s: float) -> list[Interval]:
+        """Every rented stretch, those still held ending at `until_s`."""
+        return sorted(self.rented + [Interval(iv.node, since, until_s, False) for iv, (_, since) in self.held.items()],
+                      key=lambda i: (i.up_s, i.node))
+
+    def _measure(self, row: dict, o) -> None:
+        """The policy's signals from the step just run (means with the previous ones), then its decision."""
+        R, sig = self.a.token_scale, self.signals
+        if sig is None or self.policy != "hybrid":
+            return
+        spot_ids = set(self.fleet.workers)
+        spot = 0
+        for _, results in o.trained:
+            for r in results:
+                segs = r.segments
+                for k, seg in enumerate(segs):
+                    end = segs[k + 1].offset if k + 1 < len(segs) else len(r.token_ids)
+                    if seg.worker_id in spot_ids:
+                        spot += R * max(0, end - seg.offset)
+        n = len(self.held)
+        busy = row["rollout_s"] if self.mode == "sync" else row["step_s"]
+        new = dict(step_tokens=float(row["tokens"]) or sig.step_tokens)
+        if n and o.live and busy > 0 and spot:
+            new["instance_tokens_per_s"] = spot / (o.live * busy)
+        if row["t_seed"]:
+            if row["tokens"] - spot > 0:
+                new["reserved_tokens_per_s"] = (row["tokens"] - spot) / row["t_seed"]
+        now = row["t_end_s"]
+        inst_h = instance_seconds(self.rented_intervals(now)) / 3600
+        preempt = (len(self.preempted) / inst_h) if inst_h > 0.5 else 0.0
+        mix = {k: (getattr(sig, k) + v) / 2 if k != "step_tokens" else v for k, v in new.items()}
+        seen = remember(sig.seen, o.live, row["tokens"] / row["step_s"]) if o.live == n and row["step_s"] else sig.seen
+        self.signals = Signals(**{**sig.__dict__, **mix, "seen": seen, "instances": n, "available": len(self._available(now)),
+                                  "preemptions_per_instance_hour": preempt,
+                                  "replace_s": statistics.median(self.provision_s) if self.provision_s else sig.replace_s})
+        sig = self.signals
+        if self.fleet_policy.policy == "cost" and n < self.desired:  # fewer available than it wants:
+            self.decisions.append([now, sig.available, n, self.desired, f"cost: wants {self.desired}, "
+                                   f"{sig.available} available", round(sig.instance_tokens_per_s),
+                                   round(sig.reserved_tokens_per_s), 0])
+            return  # its intent stands until instances come (a dip in availability is no measurement)
+        d = decide(self.fleet_policy, sig)
+        self.decisions.append([now, sig.available, n, d.desired, d.reason, round(sig.instance_tokens_per_s),
+                               round(sig.reserved_tokens_per_s), round(d.tokens_per_s)])
+        if self.fleet_policy.policy == "cost" and d.desired != self.desired:
+            self.desired = d.desired
+            self.changed.set()
 
     async def _holding_work(self, w, timeout_s: float = 30.0) -> None:
         """(tests: `preempt_busy`) Hold a preemption until the instance holds a request in
@@ -331,6 +465,7 @@ class Emulation:
         R, S = self.a.token_scale, self.S
         tokens = R * sum(len(r.token_ids) for _, results in o.trained for r in results)  # modelled tokens
         self.staleness += o.staleness
+        self._last_outcome = o
         return {"tokens": tokens, "live": o.live, "handoffs": o.handoffs,
                 "t_seed": None if o.t_seed is None else round(o.t_seed * S, 1),
                 "trainer_wait_s": round(o.trainer_wait_s * S, 1), "spot_waiting_s": round(o.spot_waiting_s * S, 1),
@@ -353,6 +488,7 @@ class Emulation:
                 tokens, t_done = tokens + row["tokens"], time.monotonic()
                 row["t_end_s"] = round((t_done - t0) * self.S, 1)
                 self.rows.append(row)
+                self._measure(row, self._last_outcome)
                 print(f"  {self.label:14} step {len(self.rows):3d}  t={row['t_end_s']:6.0f} s  "
                       f"{row['tokens'] / row['step_s']:8,.0f} tok/s (run {tokens / row['t_end_s']:8,.0f})  "
                       f"step {row['step_s']:5.0f} s  live {row['live']:2d}  T_seed {row['t_seed'] or '-'}  "
@@ -371,7 +507,8 @@ class Emulation:
         regenerated = R * sum(max(0, c["generated"] - c["checkpointed"]) for c in counted)
         fenced = R * sum(c["fenced"] for c in counted)  # a live worker's lease lost (a spurious expiry)
         elapsed = (t_done - t0) * self.S
-        inst_s = instance_seconds(self.ivs, until_s=elapsed)
+        fleet = self.rented_intervals(elapsed) if self.policy == "hybrid" else []
+        inst_s = instance_seconds(fleet, until_s=elapsed)
         dollars = run_cost(elapsed, RESERVED_GPUS, inst_s, INSTANCE_GPUS, self.a.prices)
         throughput = tokens / elapsed if elapsed else 0.0
         rate = cost_per_hour(dollars, elapsed) if elapsed else 0.0
@@ -387,21 +524,23 @@ class Emulation:
                 "workers_started": len(self.fleet.workers),
                 "provision_s_p50": round(statistics.median(self.provision_s), 1) if self.provision_s else None,
                 "rollout_gpus": self.split, "t_seed_last": self.rows[-1]["t_seed"] if self.rows else None,
+                "fleet": self.fleet_policy.policy + (f":{self.fleet_policy.fixed}" if self.fleet_policy.policy == "fixed" else ""),
+                "avg_instances_rented": round(inst_s / elapsed, 2) if elapsed else 0.0,
+                "rented_series": self.rented_series, "decisions": self.decisions,
+                "rented_intervals": [[i.node, round(i.up_s, 1), round(i.down_s, 1), i.preempted] for i in fleet],
                 "series": [[r["t_end_s"], round(r["tokens"] / r["step_s"])] for r in self.rows]}
 
 
-async def evaluate(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Path,
-                   runs: list[tuple[str, str, list[Interval]]]) -> dict:
-    """`runs`: (label, policy, intervals); a label `hybrid-partial` / `hybrid-async` runs the
-    hybrid policy in that rollout mode."""
+async def evaluate(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Path, runs: list[tuple]) -> dict:
+    """`runs`: (label, policy, intervals, rollout mode, fleet spec)."""
     out: dict[str, dict] = {}
     async with open_clients(nats_url, redis_url, "rlboost-trace") as c:
-        for label, policy, ivs in runs:
+        for label, policy, ivs, mode, fleet in runs:
             print(f"{label}:", flush=True)
             t = time.monotonic()
             duration = a.duration if policy == "hybrid" or not a.trace else min(a.duration, a.baseline_duration)
-            mode = label.rpartition("-")[2] if label.rpartition("-")[2] in ("partial", "async") else "sync"
-            out[label] = await Emulation(a, c, nats_url, redis_url, workdir, label, policy, ivs, mode).run(duration)
+            out[label] = await Emulation(a, c, nats_url, redis_url, workdir, label.replace("@", "-").replace(":", ""),
+                                         policy, ivs, mode, fleet).run(duration)
             out[label]["wall_s"] = round(time.monotonic() - t, 1)
     return out
 
@@ -414,38 +553,57 @@ def oracle(colocated: dict, ivs: list[Interval], duration_s: float, prices: Pric
             "cost_efficiency": round(cost_efficiency(thr, rate), 2), "preemptions": 0, "regenerated_tokens": 0}
 
 
-def summarise(policies: dict, ivs: list[Interval], fleet: list[Interval], a: argparse.Namespace) -> dict:
-    """The oracle is computed on the fleet the hybrid rented (`fleet`); `oracle_all_available`
-    on every instance-second the trace offered."""
-    result: dict = {"policies": policies}
-    if "colocated" in policies:
-        policies["oracle"] = oracle(policies["colocated"], fleet, a.duration, a.prices)
-        result["oracle_all_available"] = oracle(policies["colocated"], ivs, a.duration, a.prices)
-    if "hybrid" in policies and "colocated" in policies:
-        h, c = policies["hybrid"], policies["colocated"]
-        result["throughput_ratio"] = round(h["throughput"] / c["throughput"], 3)
-        result["cost_efficiency_gain"] = round(h["cost_efficiency"] / c["cost_efficiency"] - 1, 3)
-        result["oracle_fraction"] = round(h["throughput"] / policies["oracle"]["throughput"], 3)
-        for mode in ("partial", "async"):  # the rollout modes beside sync, against the same oracle
-            if (m := policies.get(f"hybrid-{mode}")) is not None:
-                result[f"{mode}_throughput_ratio"] = round(m["throughput"] / c["throughput"], 3)
-                result[f"{mode}_cost_efficiency_gain"] = round(m["cost_efficiency"] / c["cost_efficiency"] - 1, 3)
-                result[f"{mode}_oracle_fraction"] = round(m["throughput"] / policies["oracle"]["throughput"], 3)
+TRAINER_BOUND = 1.0 / TRAIN_S_PER_TOKEN  # tokens/s: the trainer with rollout never waiting (~27.8K)
+
+
+def rented_of(run: dict) -> list[Interval]:
+    return [Interval(node, up, down, pre) for node, up, down, pre in run.get("rented_intervals", [])]
+
+
+def summarise(policies: dict, ivs: list[Interval], a: argparse.Namespace) -> dict:
+    """Each hybrid run against colocated: `oracle` (linear: colocated x (8 + 2n) / 8 on the
+    instances that run rented) and `bound` = min(oracle, the trainer's throughput with rollout
+    never waiting), with the run's share of each. The `oracle` row is the first hybrid run's;
+    `oracle_all_available` counts every instance-second the trace offered."""
+    result: dict = {"policies": policies, "trainer_bound": round(TRAINER_BOUND, 1)}
+    hybrids = [k for k, v in policies.items() if k.startswith("hybrid") and "rented_intervals" in v]
+    if "colocated" not in policies or not hybrids:
+        return result
+    c = policies["colocated"]
+    for k in hybrids:
+        h = policies[k]
+        o = oracle(c, rented_of(h), a.duration, a.prices)["throughput"]
+        h.update({"throughput_ratio": round(h["throughput"] / c["throughput"], 3),
+                  "cost_efficiency_gain": round(h["cost_efficiency"] / c["cost_efficiency"] - 1, 3),
+                  "oracle": o, "oracle_fraction": round(h["throughput"] / o, 3),
+                  "bound": round(min(o, TRAINER_BOUND), 1), "bound_fraction": round(h["throughput"] / min(o, TRAINER_BOUND), 3)})
+    policies["oracle"] = oracle(c, rented_of(policies[hybrids[0]]), a.duration, a.prices)
+    result["oracle_all_available"] = oracle(c, ivs, a.duration, a.prices)
+    for k in hybrids:  # the first fleet's runs under the keys of before (`throughput_ratio`, `async_oracle_fraction`, ...)
+        base = k.partition("@")[0]
+        prefix = "" if base == "hybrid" else base.removeprefix("hybrid-") + "_"
+        if base.startswith("hybrid") and f"{prefix}throughput_ratio" not in result:
+            for key in ("throughput_ratio", "cost_efficiency_gain", "oracle_fraction", "bound", "bound_fraction"):
+                result[prefix + key] = policies[k][key]
     return result
 
 
 def print_table(policies: dict, published: dict[str, float] | None = None, model: dict[str, float] | None = None) -> None:
     """`published`: the paper's figures; `model`: the timing model alone (no system overhead)."""
-    print(f"\n{'policy':14}{'tokens/s':>10}{'$/h':>9}{'tok/s per $/h':>15}{'preempt':>9}{'regen':>9}{'hand-offs':>11}"
+    print(f"\n{'policy':20}{'tokens/s':>10}{'$/h':>9}{'tok/s per $/h':>15}{'rented':>8}{'x coloc':>9}{'cost eff':>9}"
+          f"{'bound':>8}{'of bound':>9}{'preempt':>9}{'regen':>10}{'hand-offs':>10}"
           + (f"{'published':>11}" if published else "") + (f"{'model':>9}" if model else ""))
     for name, r in policies.items():
         pub = f"{published[name]:>11,.0f}" if published and name in published else ""
         mod = f"{model[name]:>9,.0f}" if model and name in model else ""
-        print(f"{name:14}{r['throughput']:>10,.0f}{r['cost_per_hour']:>9.2f}{r['cost_efficiency']:>15.2f}"
-              f"{r['preemptions']:>9}{r['regenerated_tokens']:>9}{r.get('handoffs', 0):>11}{pub}{mod}")
+        extra = (f"{r['avg_instances_rented']:>8.2f}" if "avg_instances_rented" in r else f"{'':>8}") + (
+            f"{r['throughput_ratio']:>9.2f}{r['cost_efficiency_gain']:>+9.0%}{r['bound']:>8,.0f}{r['bound_fraction']:>9.0%}"
+            if "bound" in r else f"{'':>34}")
+        print(f"{name:20}{r['throughput']:>10,.0f}{r['cost_per_hour']:>9.2f}{r['cost_efficiency']:>15.2f}{extra}"
+              f"{r['preemptions']:>9}{r['regenerated_tokens']:>10}{r.get('handoffs', 0):>10}{pub}{mod}")
 
 
-def plot(ivs: list[Interval], duration: float, policies: dict, path: Path, fleet: list[Interval] | None = None) -> None:
+def plot(ivs: list[Interval], duration: float, policies: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -454,13 +612,16 @@ def plot(ivs: list[Interval], duration: float, policies: dict, path: Path, fleet
     ts = [duration * i / 600 for i in range(601)]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
     ax1.step([t / 60 for t in ts], [available(ivs, t) for t in ts], where="post", color="gray", label="available")
-    if fleet is not None:
-        ax1.step([t / 60 for t in ts], [available(fleet, t) for t in ts], where="post", color="black", ls="--",
-                 label="rented by hybrid")
-        ax1.legend(loc="upper left", fontsize=8)
+    for name, r in policies.items():  # each hybrid run's rented instances
+        if ivs and name.startswith("hybrid") and r.get("rented_intervals") is not None:
+            fleet = rented_of(r)
+            ax1.step([t / 60 for t in ts], [available(fleet, t) for t in ts], where="post", ls="--", lw=1,
+                     label=f"rented: {name}")
+    if ivs:
+        ax1.legend(loc="upper left", fontsize=7)
     ax1.set_xlabel("minutes into the segment")
     ax1.set_ylabel("preemptible instances up (2xH100 each)", color="gray")
-    ax1.set_title("availability and per-step throughput")
+    ax1.set_title("available vs rented instances, per-step throughput")
     axr = ax1.twinx()
     for name, r in policies.items():
         if r.get("series"):
@@ -500,8 +661,10 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--overprovision", type=float, default=0.25, help="partial: extra groups kept in flight")
     p.add_argument("--calibrate", action="store_true",
                    help="colocated and hybrid with 1-4 static instances, against the published figures")
-    p.add_argument("--max-instances", type=int, default=3,
-                   help="hybrid rents at most this many of the available instances at a time (0 = all)")
+    p.add_argument("--fleet", default="fixed:3",
+                   help="which available instances the hybrid rents (rlboost/fleet_policy.py): cost, all or fixed:N; "
+                   "comma-separated runs each (e.g. cost,all), as rows `hybrid@cost`, `hybrid-async@all`, ...")
+    p.add_argument("--max-instances", type=int, default=0, help="a cap on every --fleet policy (0 = none)")
     p.add_argument("--baseline-duration", type=float, default=900.0,
                    help="modelled s for colocated/disaggregated (reserved-only: independent of the trace)")
     p.add_argument("--hosts", type=int, default=2,
@@ -518,10 +681,10 @@ def main(argv: list[str], s: Settings) -> int:
     if a.calibrate or a.static:
         a.duration = a.duration if "--duration" in argv else 1800.0
         ivs: list[Interval] = []
-        fleet: list[Interval] = []
         counts = [int(x) for x in (a.static or "1,2,3,4").split(",") if x]
         runs = ([("colocated", "colocated", [])] if a.calibrate else []) + [
             (f"static-{n}", "hybrid", static_intervals(n, a.duration)) for n in counts]
+        runs = [(label, policy, x, "sync", "all") for label, policy, x in runs]
     else:
         if not a.trace:
             p.error("--trace FILE is required (or --calibrate)")
@@ -532,21 +695,30 @@ def main(argv: list[str], s: Settings) -> int:
             return 2
         nodes = sample_nodes(events, a.fraction, a.seed)
         ivs = intervals([e for e in events if e.node in nodes], a.start, a.duration)
-        fleet = rented(ivs, a.max_instances)
-        runs = [(x, x, fleet if x == "hybrid" else []) for x in a.policies.split(",") if x]
-        modes = [m for m in a.mode.split(",") if m and m != "sync"]
-        if set(modes) - {"partial", "async"}:
+        fleets = [f for f in a.fleet.split(",") if f]
+        try:
+            for f in fleets:
+                fleet_settings(f, a.prices)
+        except ValueError as e:
+            p.error(str(e))
+        modes = [m for m in a.mode.split(",") if m]
+        if set(modes) - {"sync", "partial", "async"}:
             p.error(f"--mode {a.mode}: use sync, partial, async (comma-separated)")
-        if modes and "hybrid" in a.policies.split(","):  # reported beside sync in the same table
-            runs += [(f"hybrid-{m}", "hybrid", fleet) for m in modes]
-        unknown = {x for _, x, _ in runs} - {"colocated", "disaggregated", "hybrid"}
+        names = [x for x in a.policies.split(",") if x]
+        unknown = set(names) - {"colocated", "disaggregated", "hybrid"}
         if unknown:
             p.error(f"unknown policies {sorted(unknown)}")
+        runs = [(x, x, [], "sync", "all") for x in names if x != "hybrid"]
+        if "hybrid" in names:  # each rollout mode under each fleet policy, in the same table
+            for f in fleets:
+                for m in modes:
+                    label = ("hybrid" if m == "sync" else f"hybrid-{m}") + (f"@{f}" if len(fleets) > 1 else "")
+                    runs.append((label, "hybrid", ivs, m, f))
         print(f"trace {a.trace}: {len(nodes)} of {len({e.node for e in events})} nodes sampled (seed {a.seed}), "
               f"segment [{a.start:.0f}, {a.start + a.duration:.0f}) s: {len(ivs)} availability intervals, "
               f"{sum(i.preempted for i in ivs)} preemptions, {instance_seconds(ivs) / a.duration:.2f} instances up "
-              f"on average; hybrid rents at most {a.max_instances or 'all'}: {instance_seconds(fleet) / a.duration:.2f} "
-              f"on average, {sum(i.preempted for i in fleet)} preempted; compressed {a.speed:g}x "
+              f"on average; --fleet {a.fleet}" + (f" (at most {a.max_instances})" if a.max_instances else "")
+              + f"; compressed {a.speed:g}x "
               f"(~{(a.duration + a.baseline_duration * (len(runs) - 1)) / a.speed / 60:.0f} min)", flush=True)
     if not (s.services.nats_url and s.services.redis_url):
         s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-trace-")
@@ -566,11 +738,10 @@ def main(argv: list[str], s: Settings) -> int:
                                       "model": round(model[k])} for k, v in policies.items()},
                   "train_s_per_token": TRAIN_S_PER_TOKEN, "speed": a.speed, "token_scale": a.token_scale}
     else:
-        result = summarise(policies, ivs, fleet, a)
+        result = summarise(policies, ivs, a)
         print_table(result["policies"])
         result.update({"avg_instances_up": round(instance_seconds(ivs) / a.duration, 2),
-                       "avg_instances_rented": round(instance_seconds(fleet) / a.duration, 2),
-                       "max_instances": a.max_instances,
+                       "fleet": a.fleet, "max_instances": a.max_instances,
                        "segment": [a.start, a.duration], "fraction": a.fraction, "seed": a.seed, "speed": a.speed,
                        "token_scale": a.token_scale, "notice_s": a.notice,
                        "published": {k: PUBLISHED[k] for k in ("throughput_ratio", "cost_efficiency_gain")}})
@@ -578,22 +749,22 @@ def main(argv: list[str], s: Settings) -> int:
             print(f"\nhybrid vs colocated: throughput x{result['throughput_ratio']:.2f} (published 1.51-1.97x), "
                   f"cost efficiency {result['cost_efficiency_gain']:+.0%} (published +28-49%), "
                   f"{result['oracle_fraction']:.0%} of the oracle")
-            for mode in ("partial", "async"):
-                if f"{mode}_throughput_ratio" in result:
-                    h = policies[f"hybrid-{mode}"]
-                    print(f"hybrid, {mode} rollout: throughput x{result[f'{mode}_throughput_ratio']:.2f}, cost efficiency "
-                          f"{result[f'{mode}_cost_efficiency_gain']:+.0%}, {result[f'{mode}_oracle_fraction']:.0%} of the "
-                          f"oracle (staleness max {h['staleness_max']}, mean {h['staleness_mean']})")
+        for name, h in policies.items():
+            if "bound" in h:
+                print(f"{name}: throughput x{h['throughput_ratio']:.2f}, cost efficiency {h['cost_efficiency_gain']:+.0%}, "
+                      f"{h['avg_instances_rented']:.2f} instances rented on average; {h['oracle_fraction']:.0%} of the "
+                      f"linear oracle, {h['bound_fraction']:.0%} of the bound {h['bound']:,.0f} (trainer "
+                      f"{TRAINER_BOUND:,.0f}); staleness max {h['staleness_max']}, mean {h['staleness_mean']}")
         if (m := policies.get("hybrid", {}).get("migration_latency")) and m["after_handoff_s"]["n"]:
             h, k = m["after_handoff_s"], m["after_kill_s"]
             print(f"migration (modelled s to the next claim): {h['n']} after a hand-off p50 {h['p50']} p95 {h['p95']}"
                   + (f"; {k['n']} after a kill p50 {k['p50']} p95 {k['p95']}" if k["n"] else ""))
     result["wall_s"] = round(time.monotonic() - t_wall, 1)
-    plot(ivs if a.trace else [], a.duration, result.get("policies", policies), out_dir / "trace.png",
-         fleet if a.trace else None)
+    plot(ivs if a.trace else [], a.duration, result.get("policies", policies), out_dir / "trace.png")
     (out_dir / "trace.json").write_text(json.dumps(result, indent=2))
     print(f"(plot, JSON and worker logs in {out_dir})", flush=True)
     for r in result.get("policies", {}).values():
-        r.pop("series", None)  # in trace.json; the last line stays one readable JSON object
+        for key in ("series", "rented_series", "decisions", "rented_intervals"):
+            r.pop(key, None)  # in trace.json; the last line stays one readable JSON object
     print_result(result)
     return 0

@@ -420,6 +420,32 @@ class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                              "generation worker, parked off its slots (worker.parked_episodes)")
 
 
+class FleetSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How many preemptible instances to rent (rlboost/fleet_policy.py): exported as
+    `rlboost_fleet_desired_workers` for a scaler to follow, and used by `rlboost bench trace --fleet`."""
+
+    policy: str = "all"  # all | fixed | cost
+    max_instances: int = 0  # never more than this (0 = no cap)
+    fixed: int = 3  # policy = "fixed": this many
+    reserved_dollars_per_hour: float = 83.76  # the reserved cluster (8 x $10.47/GPU-h, RLBoost's evaluation)
+    instance_dollars_per_hour: float = 5.32  # one preemptible instance (2 x $2.66/GPU-h)
+    hysteresis: float = 0.02  # cost: move only for more than this relative gain in tokens/s per $/h
+    min_tokens_per_s: float = 0.0  # cost: a throughput floor (0 = none)
+    max_dollars_per_hour: float = 0.0  # cost: a $/h ceiling for the whole run (0 = none)
+
+    def __post_init__(self) -> None:
+        _check(self.policy in ("all", "fixed", "cost"), "fleet.policy", f"{self.policy!r}: use all, fixed or cost")
+        _check(self.max_instances >= 0, "fleet.max_instances", "must be >= 0 (0 = no cap)")
+        _check(self.fixed >= 0, "fleet.fixed", "must be >= 0")
+        _check(self.reserved_dollars_per_hour >= 0, "fleet.reserved_dollars_per_hour", "must be >= 0")
+        _check(self.instance_dollars_per_hour > 0, "fleet.instance_dollars_per_hour", "must be > 0")
+        _check(0 <= self.hysteresis < 1, "fleet.hysteresis", "must be in [0, 1)")
+        _check(self.min_tokens_per_s >= 0, "fleet.min_tokens_per_s", "must be >= 0")
+        _check(self.max_dollars_per_hour >= 0, "fleet.max_dollars_per_hour", "must be >= 0 (0 = none)")
+        _check(not self.max_dollars_per_hour or self.max_dollars_per_hour >= self.reserved_dollars_per_hour,
+               "fleet.max_dollars_per_hour", "is below the reserved cluster's own $/h")
+
+
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     run: RunSettings = msgspec.field(default_factory=RunSettings)
     trainer: TrainerSettings = msgspec.field(default_factory=TrainerSettings)
@@ -432,6 +458,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weights: WeightsSettings = msgspec.field(default_factory=WeightsSettings)
     env: EnvSettings = msgspec.field(default_factory=EnvSettings)
     endpoint: EndpointSettings = msgspec.field(default_factory=EndpointSettings)
+    fleet: FleetSettings = msgspec.field(default_factory=FleetSettings)
     log_json: bool = False
     log_level: str = "info"
 

@@ -120,6 +120,9 @@ TRAINER_IS_CAPPED = Gauge("rlboost_trainer_is_capped_fraction", "Share of tokens
                           registry=REGISTRY)
 TRAINER_STALENESS = Gauge("rlboost_trainer_staleness_versions",
                           "Policy versions between a token's sampler and the trained one", ["stat"], registry=REGISTRY)
+FLEET_DESIRED = Gauge("rlboost_fleet_desired_workers",
+                      "Preemptible workers the fleet policy wants ([fleet], rlboost/fleet_policy.py): a scaler's target",
+                      ["pool", "policy"], registry=REGISTRY)
 SEED_WINDOW = Gauge("rlboost_seed_window_seconds", "T_seed of the last step (hybrid policy)", registry=REGISTRY)
 
 

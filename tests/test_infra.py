@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rlboost import auth, wire
+from rlboost import auth, metrics, wire
 from rlboost.config import Settings, load_settings
 from rlboost.services import find_binary, free_port
 
@@ -278,8 +278,17 @@ def test_k8s_keda_scales_workers_on_the_pool_consumers():
     assert so["spec"]["scaleTargetRef"]["name"] in by_kind("Deployment")
     worker_cmd = by_kind("Deployment")["rlboost-worker"]["spec"]["template"]["spec"]["containers"][0]["command"]
     pool = worker_cmd[worker_cmd.index("--pool") + 1]
-    triggers = so["spec"]["triggers"]
-    assert {t["type"] for t in triggers} == {"nats-jetstream"}
+    everything = so["spec"]["triggers"]
+    assert {t["type"] for t in everything} == {"nats-jetstream", "prometheus"}
+    # the fleet policy's target (rlboost/fleet_policy.py), exported by the trainer for this pool
+    (fleet,) = [t for t in everything if t["type"] == "prometheus"]
+    q = fleet["metadata"]["query"]
+    assert "rlboost_fleet_desired_workers" in q and f'pool="{pool}"' in q
+    assert metrics.FLEET_DESIRED._name == "rlboost_fleet_desired_workers" and float(fleet["metadata"]["threshold"]) == 1
+    trainer = by_kind("Deployment")["rlboost-trainer"]["spec"]["template"]["spec"]["containers"][0]
+    fs = settings_from(_env(trainer)).fleet
+    assert fs.policy == "cost" and fs.max_instances == so["spec"]["maxReplicaCount"]
+    triggers = [t for t in everything if t["type"] == "nats-jetstream"]
     assert {t["metadata"]["consumer"] for t in triggers} == {wire.consumer_name(pool), wire.resume_consumer_name(pool)}
     nats_svc = by_kind("Service")["nats"]
     monitor = next(p["port"] for p in nats_svc["spec"]["ports"] if p["name"] == "monitor")

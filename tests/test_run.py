@@ -49,6 +49,8 @@ def test_hybrid_hands_off_at_the_end_of_the_seeding_window(services, tmp_path, m
     assert out["steps"] == 2 and len(rows) == 2
     assert out["handoffs"] > 0  # the reserved engine drained with responses in flight
     assert all(r["live_workers"] == 1 for r in rows)
+    # the fleet policy's target in each row (`[fleet] policy = "all"`: one more than live, nothing capped)
+    assert [(r["fleet_desired"], r["fleet_reason"]) for r in rows] == [(2, "all: 2 available")] * 2
 
 
 @pytest.mark.slow

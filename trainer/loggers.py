@@ -19,7 +19,8 @@ SECTIONS = {
               "train_s", "tokens", "is_ratio_mean", "is_ratio_max", "is_capped", "staleness_mean", "staleness_max"),
     "rollout": ("reward", "reward_std", "eval_acc", "mean_response_tokens", "max_response_tokens",
                 "truncation_rate", "tokens_per_s", "step_s", "regenerated_tokens"),
-    "fleet": ("live_workers", "t_seed", "handoffs", "trainer_wait_s", "spot_idle_s", "rollout_ahead_s", "dollars"),
+    "fleet": ("live_workers", "fleet_desired", "t_seed", "handoffs", "trainer_wait_s", "spot_idle_s", "rollout_ahead_s",
+              "dollars"),
 }
 _WHERE = {k: s for s, keys in SECTIONS.items() for k in keys}
 

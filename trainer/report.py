@@ -11,7 +11,7 @@ from rich.live import Live
 from rich.table import Table
 
 COLUMNS = [("step", "step"), ("reward", "reward"), ("eval_acc", "eval"), ("tokens_per_s", "tok/s"),
-           ("live_workers", "workers"), ("t_seed", "T_seed"), ("handoffs", "hand-offs"), ("step_s", "secs"),
+           ("live_workers", "workers"), ("fleet_desired", "want"), ("t_seed", "T_seed"), ("handoffs", "hand-offs"), ("step_s", "secs"),
            ("is_ratio_mean", "IS"), ("is_capped", "IS>cap"), ("staleness_mean", "stale")]  # off-policy, per token
 
 

@@ -172,6 +172,8 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
     window = SeedWindow(initial_s=ro.t_seed, floor_s=ro.t_seed_floor)
     tally = StepMetrics(run_id, rs.policy, ro.mode, rs, trainer.ranks.world, pool=POOL,
                         reserved_pool=RESERVED_POOL)
+    if rs.policy == "hybrid":  # the fleet policy's decision in each row and as a gauge ([fleet])
+        tally.fleet, tally.reserved_ids, tally.t_seed_floor_s = s.fleet, seeding.worker_ids, ro.t_seed_floor
 
     def on_result(r: wire.RolloutResult, arrived: int, total: int) -> None:
         ledger.check(r)  # may raise WrongWeights: the step fails loudly

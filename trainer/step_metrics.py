@@ -5,16 +5,19 @@ trainer's `StepReport`, the ledger's publish report, the scorer's and the reques
 per-step counts) and keeps the run's running totals a checkpoint carries: hand-offs, failed
 requests per step, and the dollars (reserved ranks and live preemptible workers by uptime, at
 `run.gpu_hour_dollars` / `run.worker_hour_dollars`; none counted when both are 0).
+With `[fleet]` set it also holds the fleet policy's decision on the step's measured signals
+(`fleet_desired`, `fleet_reason`; the gauge `rlboost_fleet_desired_workers`).
 `save_rollouts` is `--save-rollouts`: every trained response, for comparisons between runs.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
-from rlboost import metrics, wire
-from rlboost.config import RunSettings
+from rlboost import fleet_policy, metrics, wire
+from rlboost.config import FleetSettings, RunSettings
 from rlboost.logs import get_logger
 from rlboost.orchestrator import StepOutcome
 
@@ -29,6 +32,10 @@ class StepMetrics:
         self.handoffs_total = 0
         self.dollars = 0.0
         self.request_errors = 0  # this step's
+        self.fleet: FleetSettings | None = None  # set by the run: the fleet policy's decision in each row
+        self.fleet_signals: fleet_policy.Signals | None = None
+        self.reserved_ids: Callable[[], set[str]] = set
+        self.t_seed_floor_s = 0.0
 
     def begin_step(self) -> None:
         self.request_errors = 0
@@ -70,8 +77,25 @@ class StepMetrics:
                "reward_timeouts": reward_timeouts, "request_errors": self.request_errors,
                "carried_groups": o.carried_groups, "data": data_state}
         row.update(rep.off_policy_row())  # IS ratio and per-token staleness statistics (algorithm.off_policy)
+        if self.fleet is not None:
+            row.update(self.fleet_decision(o, step_s, rep.trained_tokens_per_s))
         metrics.observe_training(row)
         return row
+
+    def fleet_decision(self, o: StepOutcome, step_s: float, trained_tokens_per_s: float) -> dict:
+        """The fleet policy on this step's measured signals (rlboost/fleet_policy.py): the number of
+        preemptible workers it wants, exported as `rlboost_fleet_desired_workers` for a scaler.
+        What could be rented is unknown here: `fleet.max_instances`, or one more than live (0)."""
+        f = self.fleet
+        available = f.max_instances or o.live + 1
+        self.fleet_signals = fleet_policy.measure(
+            self.fleet_signals, trained=o.trained, live=o.live, rollout_s=o.rollout_s, step_s=step_s,
+            t_seed_s=o.t_seed, reserved_ids=self.reserved_ids(), available=available,
+            trainer_s_per_token=1.0 / trained_tokens_per_s if trained_tokens_per_s else 0.0,
+            t_seed_floor_s=self.t_seed_floor_s, sync=self.mode == "sync")
+        d = fleet_policy.decide(f, self.fleet_signals)
+        metrics.FLEET_DESIRED.labels(self.pool, f.policy).set(d.desired)
+        return {"fleet_desired": d.desired, "fleet_reason": d.reason}
 
     def state(self) -> dict:
         return {"handoffs_total": self.handoffs_total, "dollars": self.dollars}
