@@ -1,7 +1,7 @@
 """The calculator environment, counting its tool calls, and a scripted policy that solves it:
 what the episode tests run in worker processes (`episode_env:make`, with tests/ on the path).
 
-`CountingCalculator` appends each call's idempotency key to the file `log` (one `write` of one
+`CountingCalculator` (benchmarks/chaos_episodes.py) appends each call's idempotency key and pid to `log` (one `write` of one
 line, O_APPEND: a killed process leaves whole lines) before it answers, after `delay_s`.
 `solver(rows)` is a policy for workers.engines.scripted: it finds the row's question in the
 context, calls `calc` for each worked step with the results the tool gave (read back from the
@@ -10,35 +10,19 @@ context: a wrong tool result gives a wrong answer), then answers.
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any
 
-from benchmarks import agent
+from benchmarks import agent, chaos_episodes
 from rlboost import episodes, wire
 from rlboost.envs.calculator import ALPHABET, CALC, CalculatorEnv
 from rlboost.envs.chat import chat_format
 from rlboost.envs.episode import EpisodeRunner
 from rlboost.config import EnvSettings
-from rlboost.envs.protocol import Context, ToolCall, ToolResult
 
 ENV_REF = "episode_env:make"
 
 
-class CountingCalculator(CalculatorEnv):
-    def __init__(self, log: str, delay_s: float = 0.0) -> None:
-        super().__init__(instructions=True)
-        self.log, self.delay_s = log, delay_s
-
-    def call_tool(self, call: ToolCall, state: Any, ctx: Context) -> ToolResult:
-        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, f"{call.key}\n".encode())
-        finally:
-            os.close(fd)
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        return super().call_tool(call, state, ctx)
+CountingCalculator = chaos_episodes.CountingCalculator  # each call's key (and pid) appended to `log`
 
 
 def make(log: str, delay_s: float = 0.0) -> CountingCalculator:
@@ -49,7 +33,7 @@ def calls(log: str) -> list[str]:
     """Every tool call the environment ran, by key, in order."""
     try:
         with open(log, encoding="utf-8") as f:
-            return [line.strip() for line in f if line.strip()]
+            return [line.split()[0] for line in f if line.strip()]
     except FileNotFoundError:
         return []
 
