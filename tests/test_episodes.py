@@ -18,6 +18,7 @@ import episode_env
 import pytest
 from helpers import step_results
 
+from benchmarks import chaos_episodes
 from rlboost import episodes, wire
 from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
@@ -27,7 +28,6 @@ from rlboost.envs.episode import EpisodeRunner
 from rlboost.config import EnvSettings
 from rlboost.pool_client import PoolClient
 from workers.counters import Counters
-from workers.engines.base import Sequence
 from workers.engines.scripted import ScriptedEngine
 from workers.worker import RolloutWorker
 
@@ -50,35 +50,9 @@ def _worker(clients, pool: str, rows, token_s: float = 0.0, name: str = "w") -> 
 
 async def _reference(reqs: list[wire.RolloutRequest], rows, log: str) -> dict[str, tuple[list[int], list, list[int]]]:
     """Each episode run undisturbed by the runner alone (no worker, no store): its tokens after
-    the prompt, its messages and its training mask."""
-    engine = ScriptedEngine(episode_env.tokenizer(), episode_env.solver(rows))
-    out = {}
-    for req in reqs:
-        spec = req.episode
-        settings = EnvSettings(max_turns=spec.max_turns, max_episode_tokens=len(req.prompt_ids) + req.max_new_tokens,
-                               tool_timeout_s=spec.tool_timeout_s)
-        runner = EpisodeRunner(episode_env.make(log), chat_format(engine.tokenizer), settings,
-                               max_turn_tokens=spec.max_turn_tokens or req.max_new_tokens)
-
-        async def generate(ids: list[int], budget: int, stops: list[int], req=req):
-            seq = Sequence(request_id=req.request_id, prompt_ids=list(req.prompt_ids), seed=req.seed,
-                           max_new_tokens=len(ids) - len(req.prompt_ids) + budget, stop_ids=stops,
-                           token_ids=list(ids[len(req.prompt_ids):]))
-            new, lps = [], []
-            while not seq.done():
-                (g,) = await engine.generate([seq], 3)
-                seq.token_ids += g.token_ids
-                new += g.token_ids
-                lps += g.logprobs
-                if g.finished:
-                    break
-            return (new, lps)
-
-        res = await runner.run(generate, req.request_id, json.loads(spec.row))
-        n = res.prompt_len
-        assert res.token_ids[:n] == list(req.prompt_ids)
-        out[req.request_id] = (res.token_ids[n:], res.messages, [bool(m) for m in res.mask[n:]])
-    return out
+    the prompt, its messages and its training mask (bench chaos --episodes' reference)."""
+    ref = await chaos_episodes.reference(reqs, rows, log)
+    return {rid: (tokens, messages, mask) for rid, (tokens, mask, _, messages) in ref.items()}
 
 
 def _check(got: dict[str, wire.RolloutResult], reqs, rows, reference, log: str, rerun: frozenset = frozenset()) -> None:
