@@ -225,6 +225,13 @@ def pool_consumer_configs(pool: str, spec: wire.ConsumerSpec) -> list[ConsumerCo
                             (wire.resume_consumer_name(pool), wire.resume_subject(pool)))]
 
 
+def env_consumer_config(spec: wire.ConsumerSpec) -> ConsumerConfig:
+    """The environment lane of every pool (`wire.ENV_FILTER`): environment workers share it."""
+    return ConsumerConfig(durable_name=wire.ENV_CONSUMER, ack_policy=AckPolicy.EXPLICIT, ack_wait=spec.ack_wait_s,
+                          max_deliver=spec.max_deliver, max_ack_pending=spec.max_ack_pending,
+                          filter_subject=wire.ENV_FILTER)
+
+
 async def provision(js: JetStreamContext, pools: tuple[str, ...] = (), consumer: wire.ConsumerSpec | None = None,
                     registry_ttl_s: float = 10.0, replicas: int = 1) -> None:
     """Create or update every stream, the pools' consumers and the KV buckets. `replicas`:
@@ -243,6 +250,8 @@ async def provision(js: JetStreamContext, pools: tuple[str, ...] = (), consumer:
                 await js.update_stream(cfg)
     for pool in pools:
         await ensure_pool_consumer(js, pool, consumer or wire.ConsumerSpec())
+    if pools:
+        await _ensure_consumers(js, [env_consumer_config(consumer or wire.ConsumerSpec())])
     await _kv(js, KeyValueConfig(bucket=wire.BUCKET_WORKERS, ttl=registry_ttl_s, history=1, replicas=replicas))
     await _kv(js, KeyValueConfig(bucket=wire.BUCKET_POLICY, history=5, replicas=replicas))
     await _kv(js, KeyValueConfig(bucket=wire.BUCKET_CONTROL, history=1, replicas=replicas))
@@ -262,7 +271,11 @@ async def ensure_pool_consumer(js: JetStreamContext, pool: str, spec: wire.Consu
     worker identity may read consumer info and never (re)configure a consumer (rlboost/auth.py),
     so a worker joining a pool the trainer provisioned makes no forbidden call."""
     wire.check_name("pool", pool)
-    for cfg in pool_consumer_configs(pool, spec):
+    await _ensure_consumers(js, pool_consumer_configs(pool, spec))
+
+
+async def _ensure_consumers(js: JetStreamContext, configs: list[ConsumerConfig]) -> None:
+    for cfg in configs:
         try:
             have = (await js.consumer_info(wire.STREAM_REQUESTS, cfg.durable_name)).config
             if _same_consumer(have, cfg):
@@ -281,7 +294,8 @@ _REFUSED_POOLS: set[str] = set()  # pools whose consumers this process was refus
 
 
 async def join_pool(js: JetStreamContext, pool: str, spec: wire.ConsumerSpec, *,
-                    stop: asyncio.Event | None = None, cap_s: float = 5.0) -> ConsumerConfig | None:
+                    stop: asyncio.Event | None = None, cap_s: float = 5.0,
+                    configs: list[ConsumerConfig] | None = None) -> ConsumerConfig | None:
     """A worker joining `pool`: its consumers as provisioned, ready to pull from. Returns the
     fresh lane's configuration (whoever set it), or None if `stop` was set while waiting.
 
@@ -293,7 +307,7 @@ async def join_pool(js: JetStreamContext, pool: str, spec: wire.ConsumerSpec, *,
     provisioned the pool, waits for it with bounded back-off instead of crash-looping (asking
     once: while it waits it only reads, so the server logs one refusal, not one per retry)."""
     wire.check_name("pool", pool)
-    wanted = pool_consumer_configs(pool, spec)
+    wanted = configs or pool_consumer_configs(pool, spec)  # `configs`: an environment worker's lane
     delay, may_create, told = 0.5, True, False
     while True:
         try:

@@ -81,6 +81,13 @@ redis.replicate_commands()  -- TIME is not deterministic: replicate the effects 
 local meta, lease, hist, tok = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner, ttl, version, steal, keep = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5])
 local weights = ARGV[6]
+if ARGV[7] == '1' then  -- an environment worker's claim: it generates nothing, the labels stay the last segment's
+  local last = redis.call('LRANGE', hist, -1, -1)[1]
+  if last then
+    local lv, lw = string.match(last, '^%S+ %S+ %d+ (%S+) ?(%S*)')
+    if lv then version, weights = lv, lw end
+  end
+end
 local ep = KEYS[5]  -- an episode's state key: only an episode's claim names it (and gets its state)
 if redis.call('HGET', meta, 'finished') == '1' then
   return {-3, tonumber(redis.call('HGET', meta, 'epoch') or '0'), ''}
@@ -305,10 +312,12 @@ class CheckpointStore:
         await self.redis.ping()
 
     async def claim(self, rid: str, owner: str, policy_version: int, ttl_s: float, steal: bool = False,
-                    weights: str = "", episode: bool = False) -> Claim:
+                    weights: str = "", episode: bool = False, inherit: bool = False) -> Claim:
         """Take the lease with a new epoch and get the tokens so far (to resume from).
         `weights` names the weights that will generate from here on (recorded in the segment).
-        `episode`: the request is an episode; its stored state comes back too (`Claim.episode`)."""
+        `episode`: the request is an episode; its stored state comes back too (`Claim.episode`).
+        `inherit`: an environment worker's claim (it appends tool results, never model tokens):
+        its history line keeps the last segment's version and weights, whatever it passes."""
         k = wire
         keys = [k.ckpt_meta_key(rid), k.ckpt_lease_key(rid), k.ckpt_history_key(rid), k.ckpt_tokens_key(rid)]
         if episode:
@@ -316,7 +325,7 @@ class CheckpointStore:
         try:
             reply = await self._coalesced(
                 ("EVALSHA", self._claim.sha, len(keys), *keys, owner, int(ttl_s * 1000), policy_version,
-                 "1" if steal else "0", self.keep_s, wire.check_weights_id(weights)))
+                 "1" if steal else "0", self.keep_s, wire.check_weights_id(weights), "1" if inherit else "0"))
             if isinstance(reply, Exception):
                 raise reply
             status, extra, data, *state = reply  # type: ignore[misc]

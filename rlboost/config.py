@@ -399,10 +399,13 @@ class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     on_tool_error: str = "message"  # a tool that raises or times out: message (the model reads the error) | end (the episode)
     max_turns: int = 8  # model turns per episode; a turn past it ends the episode (its tool calls are not run)
     max_episode_tokens: int = 4096  # prompt + model + environment tokens; no room for one more model token ends it
-    # Tool calls run in the generation worker, beside its engine: an episode in its tools holds no
-    # generation slot (`worker.parked_episodes`). false (an environment pool of its own processes)
-    # is not built yet and is refused.
+    # Where tool calls run. true: in the generation worker, beside its engine (an episode in its
+    # tools holds no generation slot, up to `worker.parked_episodes`). false: on the environment
+    # pool (`rlboost env-worker` processes, CPU machines): the generation worker releases the
+    # episode at each tool call and takes other work. The default and why: docs/concepts/environments.md.
     inline: bool = True
+    pool_slots: int = 64  # an environment worker: episodes whose tools it runs at once
+    env_workers: int = 1  # `rlboost run` with inline = false: environment worker processes it starts
     describe_tools: bool = True  # fallback chat format (a model without a chat template): list the tools' JSON specs in the opening; false keeps prompts short for a small model that learned its tools from warm-start data
 
     def __post_init__(self) -> None:
@@ -415,9 +418,10 @@ class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"env.max_turns: {self.max_turns} must be >= 1")
         if self.max_episode_tokens < 1:
             raise ValueError(f"env.max_episode_tokens: {self.max_episode_tokens} must be >= 1")
-        if not self.inline:
-            raise ValueError("env.inline: false (an environment pool) is not built yet; tools run in the "
-                             "generation worker, parked off its slots (worker.parked_episodes)")
+        if self.pool_slots < 1:
+            raise ValueError(f"env.pool_slots: {self.pool_slots} must be >= 1")
+        if self.env_workers < 0:
+            raise ValueError(f"env.env_workers: {self.env_workers} must be >= 0")
 
 
 class FleetSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

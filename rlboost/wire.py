@@ -80,6 +80,25 @@ def resume_subject(pool: str) -> str:
     return f"rb.req.{pool}.resume"
 
 
+def env_subject(pool: str) -> str:
+    """The environment lane (`env.inline = false`): an episode whose model turn ended in tool
+    calls, fenced and released by its generation worker, for an environment worker
+    (`rlboost env-worker`) to run the calls; it then goes back to `resume_subject(pool)`."""
+    return f"rb.req.{pool}.env"
+
+
+ENV_FILTER = "rb.req.*.env"  # every pool's environment lane: one consumer serves them all
+ENV_CONSUMER = "rb-env"
+
+
+def env_lane_pool(subject: str) -> str:
+    """The pool of an environment-lane subject (where the episode goes back to), validated."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[:2] != ["rb", "req"] or parts[3] != "env":
+        raise WireError(f"{subject!r} is not an environment-lane subject ({ENV_FILTER})")
+    return check_name("pool", parts[2])
+
+
 def consumer_name(pool: str) -> str:
     """All workers of a pool share this durable pull consumer: pull is the load balancer."""
     return f"rb-workers-{pool}"
@@ -92,6 +111,18 @@ def resume_consumer_name(pool: str) -> str:
 def handoff_msg_id(request_id: str, epoch: int) -> str:
     """One hand-off message per lease epoch: a retried publish is dropped as a duplicate."""
     return f"{request_id}-h{epoch}"
+
+
+def env_handoff_msg_id(request_id: str, epoch: int) -> str:
+    """One environment-lane message per generation lease epoch."""
+    return f"{request_id}-e{epoch}"
+
+
+def env_return_msg_id(request_id: str, turn: int, done: bool) -> str:
+    """An episode back from its tools: one message per tool phase (`turn`: model turns recorded
+    when it ended), whoever sends it: an environment worker that died after sending and before
+    acking is replaced by one that sends the same id, which the stream drops."""
+    return f"{request_id}-t{turn}{'d' if done else ''}"
 
 
 HDR_MSG_ID = "Nats-Msg-Id"

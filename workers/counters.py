@@ -20,7 +20,12 @@ FIELDS = ("generated", "checkpointed", "fenced", "handed_off", "results", "claim
           "wrong_weights",  # requests refused because the engine held other weights (must stay 0)
           "publishes_given_up",  # token chunks / lease events not stored after their retries
           "env_tokens",  # episodes: environment tokens (tool results, env turns) fenced into checkpoints
-          "episode_turns")  # episodes: model turns whose environment phase ended in a next turn
+          "episode_turns",  # episodes: model turns whose environment phase ended in a next turn
+          "to_env_pool",  # episodes sent to the environment pool at a tool call (env.inline = false)
+          # an environment worker's (workers/env_worker.py):
+          "tool_phases", "tool_calls",  # tool phases run (each a model turn's calls and the reply), calls run
+          "sent_back",  # episodes sent back to their pool's resume lane after their tools
+          "handed_back")  # episodes handed back to the environment lane (a drain past its grace, a failure)
 _FMT = "<" + "q" * len(FIELDS)
 _SIZE = struct.calcsize(_FMT)
 

@@ -28,9 +28,11 @@ can de-duplicate on it); with notice the worker lets the environment phase finis
 
 Which environments a worker runs: the built-in ones (`rlboost.envs.BUILTIN_ENVS`) and the one
 its own settings name (`[env] ref`): a request cannot make a worker import code of its choosing.
-Tools run inline in the worker (`env.inline`), off the generation loop: an episode in its
-environment phase holds no generation slot (`worker.parked_episodes`), so a slow tool never keeps
-the engine's batch short. An environment pool of its own processes is not built yet.
+Tools run inline in the worker (`env.inline`, the default), off the generation loop: an episode
+in its environment phase holds no generation slot (`worker.parked_episodes`), so a slow tool never
+keeps the engine's batch short. With `env.inline = false` the worker records the turn, fences it
+with its pending calls and hands the episode to the environment pool (workers/env_worker.py),
+which runs steps 2 and 3 and sends it back to the resume lane.
 """
 
 from __future__ import annotations
@@ -114,12 +116,24 @@ class EpisodeRun:
         checkpoint, the turn at its end), or the rest of one a resume found under way. Every
         step is fenced through `put` / `append_env` before the next. True: the next model turn
         is to be generated; False: the episode is over and its final state stored."""
-        at = len(tokens)
+        await self.record_turn(tokens, logprobs, version, weights, put)
+        return await self.env_phase(len(tokens), put, append_env, alive)
+
+    async def record_turn(self, tokens: list[int], logprobs: list[float], version: int, weights: str,
+                          put: Put) -> None:
+        """The model turn that just ended (the checkpoint's tokens past `turn_start`), recorded and
+        parsed, and the state that follows it fenced in: tool calls to run, or the end."""
         if self.snap.phase == "generate":
             self.snap = self.runner.model_turn(self.snap, Generation(
                 token_ids=list(tokens[self.turn_start:]), logprobs=list(logprobs[self.turn_start:]),
                 policy_version=version, weights_digest=weights, worker=self.worker_id))
-            await self._put(put, at)
+            await self._put(put, len(tokens))
+
+    async def env_phase(self, at: int, put: Put, append_env: AppendEnv, alive: Callable[[], None]) -> bool:
+        """The pending tool calls and the environment's reply of a checkpoint of `at` tokens (in a
+        generation worker, inline, or in an environment worker), each fenced in before the next.
+        True: the next model turn is to be generated; False: the episode is over, its final state
+        stored."""
         if self.snap.phase == "tools":
             async def record(_: Snapshot) -> None:  # each tool result (and the reply) fenced before the next call
                 alive()
@@ -157,8 +171,10 @@ class EpisodeHost:
     chat format (the engine's tokenizer, else the model directory's) and one runner per
     (environment, options, bounds)."""
 
-    def __init__(self, engine: Any, model_dir: str = "", env: EnvSettings | None = None, worker_id: str = "") -> None:
+    def __init__(self, engine: Any, model_dir: str = "", env: EnvSettings | None = None, worker_id: str = "",
+                 tokenizer: Any = None) -> None:
         self.engine, self.model_dir, self.worker_id = engine, model_dir, worker_id
+        self.tokenizer = tokenizer  # (an environment worker has no engine: its own, or the model directory's)
         self.allowed = set(BUILTIN_ENVS) | ({env.ref} if env is not None and env.ref else set())
         self.describe_tools = env.describe_tools if env is not None else True  # the trainer's format: [env]
         self._fmt: ChatFormat | None = None
@@ -167,7 +183,7 @@ class EpisodeHost:
 
     def chat_format(self) -> ChatFormat:
         if self._fmt is None:
-            tokenizer = getattr(self.engine, "tokenizer", None)
+            tokenizer = self.tokenizer or getattr(self.engine, "tokenizer", None)
             if tokenizer is None and self.model_dir:
                 from rlboost.modeldir import load_tokenizer
 

@@ -121,6 +121,33 @@ def pack_flush(dirty: list[Active]) -> tuple[list[bytes], list[list[float]]]:
 finish_reason, is_complete = wire.finish_reason, wire.is_complete  # (the manager checks results with them)
 
 
+def make_result(req: wire.RolloutRequest, tokens: list[int], logprobs: list[float], worker_id: str, epoch: int,
+                segments: list[wire.Segment], error: str = "",
+                episode: wire.EpisodeState | None = None) -> wire.RolloutResult:
+    """The result names the lease it was finished under (worker id, epoch): the trainer
+    takes it only if Redis agrees (rlboost/pool_client.py). `error`: the request could not be
+    served. `episode`: an episode's final state, as its checkpoint holds it."""
+    return wire.RolloutResult(
+        request_id=req.request_id, step=req.step, group=req.group, prompt_ids=list(req.prompt_ids),
+        token_ids=tokens, logprobs=logprobs, segments=segments,
+        finish_reason="error" if error else finish_reason(req, tokens),  # type: ignore[arg-type]
+        worker_id=worker_id, ts=time.time(), epoch=epoch, error=error, episode=episode)
+
+
+async def publish_result(c: Clients, req: wire.RolloutRequest, tokens: list[int], logprobs: list[float],
+                         worker_id: str, epoch: int, error: str, timeout_s: float) -> None:
+    """One result (see `make_result`), its provenance and episode state read from the checkpoint.
+    Bounded, retried with the same id: stored once however often sent."""
+    episode = await c.store.episode(req.request_id) if req.episode is not None else None
+    result = make_result(req, tokens, logprobs, worker_id, epoch, await c.store.segments(req.request_id), error,
+                         episode=episode)
+    (out,) = await bus.publish_batch(c.js, [(wire.result_subject(req.step), wire.encode(result),
+                                             {wire.HDR_MSG_ID: wire.result_msg_id(result)})],
+                                     ack_timeout_s=timeout_s, deadline_s=timeout_s * 3)
+    if not out.ok:
+        raise bus.PublishFailed("results", [req.request_id], str(out.error))
+
+
 def make_sequence(req: wire.RolloutRequest, token_ids: list[int]) -> Sequence:
     p = req.sampling
     return Sequence(request_id=req.request_id, prompt_ids=list(req.prompt_ids), seed=req.seed,
@@ -168,8 +195,10 @@ class RolloutWorker:
         self._join_pending = False
         self._last_join = 0.0
         self._floor = 0  # the pool's version floor (wire.VersionFloor): partial / async rollout
-        # episodes: the environments this worker runs (built-ins and its own [env] ref), inline tools
+        # episodes: the environments this worker runs (built-ins and its own [env] ref); their tool
+        # calls run here (`env.inline`, the default) or on the environment pool (workers/env_worker.py)
         self.episodes = EpisodeHost(engine, settings.model_dir, env, self.worker_id)
+        self.env_pool = env is not None and not env.inline
         self._env_tasks: set[asyncio.Task] = set()
 
     @staticmethod
@@ -678,6 +707,12 @@ class RolloutWorker:
             a.in_env = time.monotonic()
 
         try:
+            if self.env_pool:  # the turn's tool calls go to the environment pool: nothing of it stays here
+                await run.record_turn(a.seq.token_ids[:a.durable], list(a.logprobs), a.req.policy_version, a.weights,
+                                      self._episode_put(a.req, a.epoch))
+                if run.snap.phase == "tools":
+                    await self._to_env_pool(a)
+                    return
             more = await run.advance(a.seq.token_ids[:a.durable], list(a.logprobs), a.req.policy_version, a.weights,
                                      self._episode_put(a.req, a.epoch), append_env, alive)
         except (LeaseLost, AlreadyFinished) as e:
@@ -704,6 +739,36 @@ class RolloutWorker:
             return
         a.done = a.finishing = True
         await self._finish_batch_safely([a])
+
+    async def _to_env_pool(self, a: Active) -> None:
+        """The model turn ended in tool calls, fenced in with them (`record_turn`): the episode
+        goes to its pool's environment lane for an environment worker (workers/env_worker.py),
+        which sends it back to the resume lane once its tool results are in. Release, publish,
+        then ack (as a hand-off): a crash in between leaves the request's message to come back,
+        and its claim finds the calls pending and sends the episode again."""
+        rid = a.req.request_id
+        try:
+            released = await self._retrying(lambda: self.c.store.release(rid, a.epoch))
+        except Exception as e:
+            released = False
+            self.log.warning("could not release for the environment pool", request_id=rid, error=repr(e))
+        if not released:  # fenced out (or the store refused): the message comes back, or is someone else's
+            self._forget(a)
+            return
+        (out,) = await bus.publish_batch(
+            self.c.js, [(wire.env_subject(self.handoff_pool), a.msg.data,
+                         {wire.HDR_MSG_ID: wire.env_handoff_msg_id(rid, a.epoch)})],
+            ack_timeout_s=self.cfg.publish_timeout_s, deadline_s=self.cfg.publish_timeout_s * 2)
+        self._forget(a)
+        if not out.ok:  # released, not sent: the next claim finds the calls pending and sends it again
+            self.log.warning("could not send to the environment pool", request_id=rid, error=str(out.error))
+            with contextlib.suppress(Exception):
+                await a.msg.nak(delay=1.0)
+            return
+        with contextlib.suppress(Exception):
+            await a.msg.ack()
+        self.counters.add("to_env_pool")
+        await self._event(a.req, a.epoch, "release", a.durable, detail="tool calls: environment pool")
 
     async def _publish_outbox_soon(self) -> None:
         """Publish the outbox while the engine makes the next tokens: token messages and events
@@ -769,7 +834,7 @@ class RolloutWorker:
                 with contextlib.suppress(Exception):
                     await a.msg.nak(delay=1.0)
             else:
-                ready.append((a, self._result(a.req, a.seq.token_ids[: a.durable], a.logprobs, self.worker_id,
+                ready.append((a, make_result(a.req, a.seq.token_ids[: a.durable], a.logprobs, self.worker_id,
                                               a.epoch, out, episode=a.episode.stored if a.episode else None)))
         if not ready:
             return
@@ -793,31 +858,9 @@ class RolloutWorker:
             self._forget(a)
             self.log.info("finished", request_id=rid, step=a.req.step, tokens=a.durable)
 
-    def _result(self, req: wire.RolloutRequest, tokens: list[int], logprobs: list[float], worker_id: str, epoch: int,
-                segments: list[wire.Segment], error: str = "",
-                episode: wire.EpisodeState | None = None) -> wire.RolloutResult:
-        """The result names the lease it was finished under (worker id, epoch): the trainer
-        takes it only if Redis agrees (rlboost/pool_client.py). `error`: the engine could not serve it.
-        `episode`: an episode's final state, as its checkpoint holds it."""
-        return wire.RolloutResult(
-            request_id=req.request_id, step=req.step, group=req.group, prompt_ids=list(req.prompt_ids),
-            token_ids=tokens, logprobs=logprobs, segments=segments,
-            finish_reason="error" if error else finish_reason(req, tokens),  # type: ignore[arg-type]
-            worker_id=worker_id, ts=time.time(), epoch=epoch, error=error, episode=episode)
-
     async def _publish_result(self, req: wire.RolloutRequest, tokens: list[int], logprobs: list[float],
                               worker_id: str, epoch: int, error: str = "") -> None:
-        """One result (see `_result`), its provenance read from the checkpoint."""
-        episode = await self.c.store.episode(req.request_id) if req.episode is not None else None
-        result = self._result(req, tokens, logprobs, worker_id, epoch, await self.c.store.segments(req.request_id),
-                              error, episode=episode)
-        # Bounded, retried with the same id: stored once however often sent.
-        (out,) = await bus.publish_batch(self.c.js, [(wire.result_subject(req.step), wire.encode(result),
-                                                      {wire.HDR_MSG_ID: wire.result_msg_id(result)})],
-                                         ack_timeout_s=self.cfg.publish_timeout_s,
-                                         deadline_s=self.cfg.publish_timeout_s * 3)
-        if not out.ok:
-            raise bus.PublishFailed("results", [req.request_id], str(out.error))
+        await publish_result(self.c, req, tokens, logprobs, worker_id, epoch, error, self.cfg.publish_timeout_s)
 
     async def _refuse(self, msg: Msg, req: wire.RolloutRequest, epoch: int, tokens: list[int], logprobs: list[float],
                       reason: str) -> None:
