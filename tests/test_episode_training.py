@@ -340,7 +340,10 @@ def test_rlboost_run_env_reasoning_gym_trains_two_steps_with_environment_turns(s
     """An environment from an installed library through `rlboost run --env`: reasoning-gym's
     basic_arithmetic with two attempts (a wrong answer gets "not correct, try again": an
     environment turn, then a second model turn), 2 steps through real NATS / Redis and a torch
-    worker process, scored by the task's own verifier on the trainer."""
+    worker process, scored by the task's own verifier on the trainer. Its environment runs on the
+    environment pool (`--env.inline false`: an `rlboost env-worker` process the run starts)."""
+    from workers.counters import read_counters
+
     import os
     import subprocess
     import sys
@@ -353,7 +356,8 @@ def test_rlboost_run_env_reasoning_gym_trains_two_steps_with_environment_turns(s
                         str(short_turns_model_dir), "--run-dir", str(run_dir), "--steps", "2", "--prompts", "2",
                         "--samples", "2", "--workers", "1", "--eval-every", "2", "--eval-size", "2",
                         "--max-response-tokens", "24", "--env.max_turns", "3", "--env.options.attempts", "2",
-                        "--env.options.dataset", "basic_arithmetic", "--t-seed", "0.5", "--t-seed-floor", "0.5"],
+                        "--env.options.dataset", "basic_arithmetic", "--t-seed", "0.5", "--t-seed-floor", "0.5",
+                        "--env.inline", "false"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
@@ -364,6 +368,12 @@ def test_rlboost_run_env_reasoning_gym_trains_two_steps_with_environment_turns(s
         assert "unfinished" not in r["episode_ends"] and "env_error" not in r["episode_ends"], r["episode_ends"]
     # a second model turn follows an environment turn ("try again"): most episodes had one
     assert sum(r["turns_mean"] for r in rows) / len(rows) > 1.2, [r["turns_mean"] for r in rows]
+    # every environment phase ran on the pool: sent there by the generation side, run by the env worker
+    counters = {p.stem: read_counters(p) for p in (run_dir / "workers").rglob("*.counters")}
+    env_side = sum(c["tool_phases"] for name, c in counters.items() if name.startswith("l0e"))
+    sent = sum(c["to_env_pool"] for c in counters.values())
+    assert env_side > 0 and sent == env_side, counters
+    assert sum(c["env_tokens"] for name, c in counters.items() if not name.startswith("l0e")) == 0
 
 
 def test_a_saved_character_tokenizer_loads_with_its_spaces_and_newlines(calc_model_dir):

@@ -8,6 +8,7 @@ and the chaos it injects into them.
 - The reserved side's seeding engine (`[rollout] seeding`, `seeding_engine`): in this process
   (default: nothing to start, the weights cache is the trainer's) or an `rlboost worker` process
   on the reserved pool handing off to the preemptible one.
+- The environment pool (`[env] inline = false`): `env.env_workers` `rlboost env-worker` processes.
 - `regenerated_tokens`: what every worker and engine of every life generated and never made
   durable (their crash-proof counters), so generated again by someone.
 
@@ -49,6 +50,10 @@ class LocalFleet:
         self.life = f"l{attempt}"  # also the tag of request ids this life cannot take from a previous one
         self.prefix = f"{self.life}w"
         self.workers = self._processes(pool, "torch")
+        # the environment pool (`env.inline = false`): processes that run episodes' tool calls
+        self.env_workers = WorkerFleet(nats_url, redis_url, self.workdir, pool, command="env-worker",
+                                       worker_args=["--model-dir", model_dir],  # its chat format: the model's
+                                       env={"RLBOOST_LOG_LEVEL": "warning", **self.env}, die_with_parent=True)
         self.reserved_counters = Counters(self.workdir / "reserved.counters")
 
     def _processes(self, pool: str, engine: str, *extra: str) -> WorkerFleet:
@@ -89,6 +94,12 @@ class LocalFleet:
         while len(await manager.live_workers()) < n and time.monotonic() < deadline:
             await asyncio.sleep(0.25)
 
+    def start_env_workers(self, n: int) -> None:
+        """Start `n` environment workers. Nothing waits for them: an episode's tool calls wait on
+        the environment lane until one takes them."""
+        for _ in range(n):
+            self.env_workers.start(prefix=f"{self.life}e")
+
     def preempt(self, kind: str) -> str | None:
         """Terminate (`term`) or kill (`kill`) a running worker and start a fresh one in its place.
         Returns the preempted worker's id (None: none was running)."""
@@ -111,6 +122,7 @@ class LocalFleet:
 
     def stop(self) -> None:
         self.workers.stop_all()
+        self.env_workers.stop_all()
 
 
 class Chaos:

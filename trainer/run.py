@@ -219,6 +219,8 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
         orchestrator.carry(drawn, carried)
     if isinstance(seeding, ProcessSeeding):
         await seeding.start(timeout_s=90.0)
+    if s.env.ref and not s.env.inline:
+        fleet.start_env_workers(s.env.env_workers)
     if rs.policy != "colocated" and rs.workers:
         await fleet.start_workers(rs.workers, orchestrator.manager)
     if not resumed.from_checkpoint:
