@@ -68,6 +68,7 @@ class EnvWorker:
         # the environments it may run (built-ins and its [env] ref) and their chat format: the
         # model directory's tokenizer (no engine here)
         self.host = EpisodeHost(None, settings.model_dir, env, self.worker_id, tokenizer=tokenizer)
+        self.env_ref = env.ref
         self.counters = counters or Counters()
         self.log = get_logger(component="env-worker", worker_id=self.worker_id)
         self.draining = asyncio.Event()
@@ -91,6 +92,9 @@ class EnvWorker:
         if await bus.join_pool(self.c.js, wire.ENV_CONSUMER, spec, stop=self.draining,
                                configs=[bus.env_consumer_config(spec)]) is None:
             return
+        # its environment's code and the chat format, loaded before the first pull (a refusal
+        # here is a configuration error of this worker: it stops with the reason, takes nothing)
+        await asyncio.to_thread(self.host.preload, self.env_ref)
         sub = await self.c.js.pull_subscribe_bind(durable=wire.ENV_CONSUMER, stream=wire.STREAM_REQUESTS)
         keep_alive = asyncio.create_task(self._keep_alive())
         self.log.info("environment worker started", slots=self.slots)
@@ -117,7 +121,9 @@ class EnvWorker:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._slot_freed.wait(), timeout=0.5)
                 continue
-            fetch = asyncio.ensure_future(sub.fetch(batch=min(free, 16), timeout=0.5))
+            # one at a time: nats-py's fetch(n) on an empty lane waits for all n (or its timeout),
+            # and an episode waiting here is a turn not generated; fetch(1) returns on arrival
+            fetch = asyncio.ensure_future(sub.fetch(batch=1, timeout=0.5))
             stop = asyncio.ensure_future(self.draining.wait())
             await asyncio.wait([fetch, stop], return_when=asyncio.FIRST_COMPLETED)
             stop.cancel()
@@ -167,6 +173,8 @@ class EnvWorker:
             return
         rid = req.request_id
         log = self.log.bind(request_id=rid, step=req.step, policy_version=req.policy_version)
+        queued_s = _queued_s(msg)
+        log.info("fetched", queued_s=queued_s, delivered=msg.metadata.num_delivered if msg.metadata else 0)
         epoch = 0
         try:
             try:
@@ -188,7 +196,7 @@ class EnvWorker:
             state = claim.episode
             if state is not None and _phase(state) == "tools":
                 state = await self._tools(req, claim, epoch)
-                log.info("tool phase done", epoch=epoch, turn=state.turn, done=state.done)
+                log.info("tool phase done", epoch=epoch, turn=state.turn, done=state.done, queued_s=queued_s)
             await self._send_back(msg, req, pool, epoch, state, state.at if state else len(claim.token_ids))
         except EpisodeRefused as e:
             await self._refuse(msg, req, epoch, claim.token_ids, claim.logprobs, str(e))
@@ -303,6 +311,14 @@ class EnvWorker:
                 self.log.warning("checkpoint store unreachable, retrying", error=str(e), delay_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+
+def _queued_s(msg: Msg) -> float:
+    """How long the message waited in the lane (its stream timestamp to now), -1 if unknown."""
+    try:
+        return round(time.time() - msg.metadata.timestamp.timestamp(), 3)
+    except Exception:
+        return -1.0
 
 
 def _phase(state: wire.EpisodeState) -> str:

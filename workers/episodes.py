@@ -181,6 +181,15 @@ class EpisodeHost:
         self._envs: dict[tuple[str, str], Any] = {}
         self._runners: dict[tuple, EpisodeRunner] = {}
 
+    def preload(self, ref: str) -> None:
+        """Import the code of environment `ref` and load the chat format now, not on the first
+        episode: an import inside the event loop would hold every episode already fetched."""
+        from rlboost import plugins
+
+        if ref:
+            plugins.load(ref, what="env", builtins=BUILTIN_ENVS, error=EpisodeRefused)
+        self.chat_format()
+
     def chat_format(self) -> ChatFormat:
         if self._fmt is None:
             tokenizer = self.tokenizer or getattr(self.engine, "tokenizer", None)

@@ -707,10 +707,12 @@ class RolloutWorker:
             a.in_env = time.monotonic()
 
         try:
-            if self.env_pool:  # the turn's tool calls go to the environment pool: nothing of it stays here
+            # env.inline = false: a turn's tool calls go to the environment pool, and nothing of the
+            # episode stays here meanwhile; a turn without calls gets the environment's reply here
+            if self.env_pool:
                 await run.record_turn(a.seq.token_ids[:a.durable], list(a.logprobs), a.req.policy_version, a.weights,
                                       self._episode_put(a.req, a.epoch))
-                if run.snap.phase == "tools":
+                if run.snap.phase == "tools" and run.snap.pending is not None and run.snap.pending.turn.tool_calls:
                     await self._to_env_pool(a)
                     return
             more = await run.advance(a.seq.token_ids[:a.durable], list(a.logprobs), a.req.policy_version, a.weights,

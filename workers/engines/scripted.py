@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+import time
 from collections.abc import Callable
 
 from workers.engines.base import Engine, Generated, RequestError, Sequence
@@ -41,6 +42,7 @@ class ScriptedEngine(Engine):
             raise ValueError("the scripted engine needs a tokenizer with an EOS token (the end of a turn)")
         self.stop_id = int(tokenizer.eos_token_id)
         self.weights_id = "scripted-v0"
+        self.steps, self.busy_s = 0, 0.0  # engine steps made and the wall time they took (bench agent)
         self._on_tokens: Callable[[int], None] | None = None
 
     def set_token_callback(self, fn: Callable[[int], None]) -> bool:
@@ -65,6 +67,7 @@ class ScriptedEngine(Engine):
 
     async def generate(self, batch: list[Sequence], max_tokens: int,
                        stop: threading.Event | None = None) -> list[Generated]:
+        t0 = time.monotonic()
         plans = []
         for seq in batch:
             start, ids = self.turn(seq)
@@ -80,6 +83,8 @@ class ScriptedEngine(Engine):
                 self._on_tokens(sum(1 for p in plans if len(p) >= made))
             if stop is not None and stop.is_set():
                 break
+        self.steps += made
+        self.busy_s += time.monotonic() - t0
         out = []
         for seq, plan in zip(batch, plans, strict=True):
             ids = plan[:made]
