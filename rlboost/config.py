@@ -303,9 +303,14 @@ class WeightsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return {"url": self.store, "s3_endpoint": self.s3_endpoint, "s3_region": self.s3_region}
 
     def store_env(self) -> dict[str, str]:
-        """The store's keys as RLBOOST_WEIGHTS__* variables, for a process this one starts."""
-        return {f"RLBOOST_WEIGHTS__{k.upper()}": v for k, v in
-                (("store", self.store), ("s3_endpoint", self.s3_endpoint), ("s3_region", self.s3_region)) if v}
+        """The store's keys (and the peers' when they are on) as RLBOOST_WEIGHTS__* variables, for
+        a process this one starts."""
+        env = {f"RLBOOST_WEIGHTS__{k.upper()}": v for k, v in
+               (("store", self.store), ("s3_endpoint", self.s3_endpoint), ("s3_region", self.s3_region)) if v}
+        if self.peers:
+            env.update({f"RLBOOST_WEIGHTS__{k.upper()}": str(getattr(self, k)).lower() if k == "peers" else
+                        str(getattr(self, k)) for k in self.__struct_fields__ if k == "peers" or k.startswith("peer_")})
+        return env
 
 
 OFF_POLICY = ("none", "tis", "decoupled")  # algorithm.off_policy

@@ -262,6 +262,8 @@ async def test_the_peers_setting_wires_a_worker(peers_kv, js, tmp_path, monkeypa
     s = load_settings(environ={"RLBOOST_WEIGHTS__STORE": f"file://{tmp_path}/origin",
                                "RLBOOST_WEIGHTS__PEERS": "true", "RLBOOST_WORKER__EMULATED_PULLS": "true",
                                "RLBOOST_WORKER__CACHE_DIR": str(tmp_path / "wc")})
+    # what `rlboost run` hands the workers it starts carries the peers' settings too
+    assert load_settings(environ=s.weights.store_env()).weights.peers is True
     origin = FileBlobStore(tmp_path / "origin", create=True)
     m = await published(origin, model(3))
     a, b = await weight_source(s, js, "w-a"), await weight_source(s, js, "w-b")

@@ -580,6 +580,8 @@ class WeightCache:
                 if verify:
                     await peers.advertise(sha)
                 return path
+            if verify and peers.live_claim(st):  # its claimant is fetching it: wait as long as it is alive
+                deadline = max(deadline, time.monotonic() + peers.claim_stale_s)
             if busy or (verify and peers.live_claim(st)):  # a holder, or a holder soon: wait a little
                 await asyncio.sleep(0.05 + random.random() * 0.2)
                 continue
