@@ -54,10 +54,11 @@ class CountingStore(PassThroughStore, BlobStore):
 
 class LyingPeer:
     """A peer server that answers every blob request with the right length and one byte
-    flipped (a compromised or broken worker): a real HTTP server on loopback."""
+    flipped (a compromised or broken worker), or (`cut`) with half the body before it hangs up
+    (a worker killed mid-transfer): a real HTTP server on loopback."""
 
-    def __init__(self, blobs: dict[str, bytes]) -> None:
-        self.blobs, self.served, self.url = blobs, 0, ""
+    def __init__(self, blobs: dict[str, bytes], cut: bool = False) -> None:
+        self.blobs, self.cut, self.served, self.url = blobs, cut, 0, ""
 
     async def start(self) -> LyingPeer:
         self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
@@ -70,7 +71,8 @@ class LyingPeer:
             sha = head.split(b" ")[1].decode().rsplit("/", 1)[-1]
             bad = bytearray(self.blobs[sha])
             bad[len(bad) // 2] ^= 0x01
-            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(bad) + bytes(bad))
+            body = bytes(bad[:len(bad) // 2] if self.cut else bad)
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(bad) + body)
             await w.drain()
             self.served += 1
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -253,6 +255,38 @@ async def test_a_lying_peer_is_caught_and_the_pull_completes_elsewhere(peers_kv,
         await liar.close()
 
 
+async def test_a_peer_cut_mid_body_or_a_dead_claimant_costs_a_retry(peers_kv, tmp_path):
+    """A holder that hangs up half-way through every body is not asked again (nothing of it is
+    kept, it is not counted as a lie); a claim whose worker died (never refreshed) is taken over
+    once stale, and the version comes from the origin."""
+    origin = FileBlobStore(tmp_path / "origin", create=True)
+    state = model(5)
+    m = await published(origin, state)
+    blobs = {s.sha256: await origin.read_all(wire.weights_shard_key(s.sha256)) for s in m.shards}
+    cutter = await LyingPeer(blobs, cut=True).start()
+    nets = {name: PeerNetwork(peers_kv, name, claim_stale_s=0.5) for name in ("cutter", "ghost")}
+    nets["cutter"].url, nets["ghost"].url = cutter.url, f"http://127.0.0.1:{free_port()}"
+    for s in m.shards:
+        await nets["cutter"].advertise(s.sha256)
+        assert await nets["ghost"].claim(s.sha256, exclude={"cutter"})  # ... and dies: no refresh, no advert
+    one = await joiner(tmp_path, "one", peers_kv, origin, claim_stale_s=0.5)
+    try:
+        t0 = asyncio.get_running_loop().time()
+        vv = await one[0].ensure(1)
+        assert all(torch.equal(vv.load_tensors()[k], state[k]) for k in state)
+        assert asyncio.get_running_loop().time() - t0 >= 0.4  # it waited for the claim to go stale
+        st = one[0].stats
+        assert cutter.served == len(m.shards) and st.peer_rejected == 0 and st.peer_blobs == 0
+        assert st.origin_bytes == m.total_bytes
+        for s in m.shards:  # every blob: the ghost's claim taken over, then ended by the advert
+            entry = await one[0].peers.state(s.sha256)
+            assert not entry.claim and set(entry.holders) == {"cutter", "one"}
+        all_whole(one[0])
+    finally:
+        await leave(one)
+        await cutter.close()
+
+
 async def test_the_peers_setting_wires_a_worker(peers_kv, js, tmp_path, monkeypatch):
     """`[weights] peers = true`: a worker's weight source serves what it pulled, and a second
     worker pulls the version from it; closing withdraws the adverts."""
@@ -314,7 +348,7 @@ async def test_eight_late_joiners_the_origin_serves_each_blob_about_once(s3_serv
             stats = [c.stats for c, _ in joiners]
             rejected = sum(s.peer_rejected for s in stats)
             print(f"\norigin served {counted['bytes']} bytes for a {size}-byte version "
-                  f"({counted['bytes'] / size:.2f}x; without peers 8.00x); peers served "
+                  f"({counted['bytes'] / size:.2f}x; without peers each reads it all: 8x); peers served "
                   f"{sum(s.peer_bytes for s in stats) / size:.2f}x; lying copies {liar.served}, refused {rejected}")
             assert counted["bytes"] <= 2 * size
             # the liar holds 8 blobs, so whoever claims one has tried it first: every copy it sent was caught

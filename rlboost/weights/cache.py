@@ -16,7 +16,8 @@ next path is tried, down to the version's own snapshot when it has one. Nothing 
 
 Missing shards and blobs are fetched in parallel; an unreachable store is retried with back-off
 until a deadline, then reported clearly. With `peers` (rlboost/weights/peers.py) a blob is taken
-from another worker that holds it verified before the store, and hashed all the same. Reading is safetensors only, zero-copy, never pickle.
+from another worker that holds it verified before the store, and hashed all the same. Reading is
+safetensors only, zero-copy, never pickle.
 """
 
 from __future__ import annotations
@@ -621,11 +622,11 @@ class WeightCache:
                         chunks_q.put(chunk)
             finally:
                 chunks_q.put(None)
-                written, digest = await sink
                 if source == "peer":
                     self.stats.peer_bytes += n
                 else:
                     self.stats.origin_bytes += n
+                written, digest = await sink
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
