@@ -78,6 +78,7 @@ def worker_permissions(pools: list[str] | tuple[str, ...] = ("*",)) -> dict[str,
     allow = [
         "rb.tok.>", "rb.res.>", "rb.evt.>", "rb.dlq.>",  # token chunks, results, lease events, DLQ
         f"$KV.{wire.BUCKET_WORKERS}.>",  # own heartbeat in the registry
+        f"$KV.{wire.BUCKET_PEERS}.>",  # the weight blobs it serves to its peers, its origin claims
         "$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.INFO.*",  # look-ups, read only
         "$JS.FC.>",  # flow-control replies of ordered consumers (KV watch)
     ]
@@ -90,7 +91,7 @@ def worker_permissions(pools: list[str] | tuple[str, ...] = ("*",)) -> dict[str,
                 f"$JS.API.CONSUMER.MSG.NEXT.{rq}.{durable}",
                 f"$JS.ACK.{rq}.{durable}.>",  # ack / nak / in-progress / term
             ]
-    for stream in READ_ONLY_STREAMS:
+    for stream in (*READ_ONLY_STREAMS, f"KV_{wire.BUCKET_PEERS}"):  # the peers bucket: read here, written above
         allow += [
             f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
             f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",

@@ -255,6 +255,8 @@ async def provision(js: JetStreamContext, pools: tuple[str, ...] = (), consumer:
     await _kv(js, KeyValueConfig(bucket=wire.BUCKET_WORKERS, ttl=registry_ttl_s, history=1, replicas=replicas))
     await _kv(js, KeyValueConfig(bucket=wire.BUCKET_POLICY, history=5, replicas=replicas))
     await _kv(js, KeyValueConfig(bucket=wire.BUCKET_CONTROL, history=1, replicas=replicas))
+    # who holds which weight blob ([weights] peers): entries nobody touched for a day are dropped
+    await _kv(js, KeyValueConfig(bucket=wire.BUCKET_PEERS, history=1, ttl=24 * 3600.0, replicas=replicas))
 
 
 def _same_stream(have: StreamConfig, want: StreamConfig) -> bool:

@@ -260,8 +260,24 @@ class WeightsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     store: str = ""
     s3_endpoint: str = ""  # S3 API endpoint URL (MinIO, Ceph, R2); "" = AWS or $AWS_ENDPOINT_URL
     s3_region: str = ""  # "" = $AWS_REGION / $AWS_DEFAULT_REGION, else us-east-1
+    # Peers (rlboost/weights/peers.py, docs/concepts/versions.md): each worker serves the blobs
+    # its cache holds verified to the others, and pulls from them before the store
+    peers: bool = False
+    peer_host: str = "127.0.0.1"  # address the peer server binds; any non-loopback one needs a token
+    peer_port: int = 0  # 0 = a free port (advertised in the rb-peers KV bucket)
+    peer_advertise: str = ""  # host the other workers reach this one at; "" = peer_host (required for 0.0.0.0 / ::)
+    peer_token_env: str = "RLBOOST_PEER_TOKEN"  # environment variable holding the peers' shared bearer token
+    peer_max_serving: int = 4  # blobs served at once; more requests are answered 503 (tried elsewhere)
+    peer_tries: int = 3  # holders asked per round for one blob before claiming it from the store
+    peer_wait_s: float = 30.0  # a blob nobody can serve for this long is read from the store directly
 
     def __post_init__(self) -> None:
+        _check(0 <= self.peer_port <= 65535, "weights.peer_port", "must be in [0, 65535]")
+        _check(self.peer_max_serving >= 1, "weights.peer_max_serving", "must be >= 1")
+        _check(self.peer_tries >= 1, "weights.peer_tries", "must be >= 1")
+        _check(self.peer_wait_s >= 0, "weights.peer_wait_s", "must be >= 0")
+        _check(self.peer_advertise or self.peer_host not in ("0.0.0.0", "::", ""), "weights.peer_advertise",
+               f"peer_host {self.peer_host!r} binds every interface: say which address the others reach this worker at")
         _check(0 < self.delta_max_ratio <= 1, "weights.delta_max_ratio", "must be in (0, 1]")
         _check(self.full_every >= 1, "weights.full_every", "must be >= 1")
         _check(self.keep_versions >= 1, "weights.keep_versions", "must be >= 1")
@@ -287,9 +303,14 @@ class WeightsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return {"url": self.store, "s3_endpoint": self.s3_endpoint, "s3_region": self.s3_region}
 
     def store_env(self) -> dict[str, str]:
-        """The store's keys as RLBOOST_WEIGHTS__* variables, for a process this one starts."""
-        return {f"RLBOOST_WEIGHTS__{k.upper()}": v for k, v in
-                (("store", self.store), ("s3_endpoint", self.s3_endpoint), ("s3_region", self.s3_region)) if v}
+        """The store's keys (and the peers' when they are on) as RLBOOST_WEIGHTS__* variables, for
+        a process this one starts."""
+        env = {f"RLBOOST_WEIGHTS__{k.upper()}": v for k, v in
+               (("store", self.store), ("s3_endpoint", self.s3_endpoint), ("s3_region", self.s3_region)) if v}
+        if self.peers:
+            env.update({f"RLBOOST_WEIGHTS__{k.upper()}": str(getattr(self, k)).lower() if k == "peers" else
+                        str(getattr(self, k)) for k in self.__struct_fields__ if k == "peers" or k.startswith("peer_")})
+        return env
 
 
 OFF_POLICY = ("none", "tis", "decoupled")  # algorithm.off_policy

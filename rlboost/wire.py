@@ -198,6 +198,16 @@ def weights_manifest_key(version: int) -> str:
     return f"manifests/v{version:012d}.json"
 
 
+# Peers (rlboost/weights/peers.py): workers serve each other the blobs they hold verified; who
+# holds which blob, and who is fetching it from the store, is one KV entry per blob.
+BUCKET_PEERS = "rb-peers"
+
+
+def peer_blob_key(sha256_hex: str) -> str:
+    """The blob's entry in BUCKET_PEERS (holders and the origin claim: `peers.BlobHolders`)."""
+    return f"blob.{sha256_hex}"
+
+
 _S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _BLOB_PATH = re.compile(r"[A-Za-z0-9._/-]+")
 

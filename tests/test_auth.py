@@ -115,6 +115,14 @@ async def test_worker_does_its_job(trainer, worker):
     await (await trainer.key_value(wire.BUCKET_POLICY)).put(wire.WEIGHTS_POINTER_KEY, b"7")
     entry = await (await js.key_value(wire.BUCKET_POLICY)).get(wire.WEIGHTS_POINTER_KEY)
     assert entry.value == b"7"
+    # the peers directory ([weights] peers): advertise a blob, claim another (compare-and-set writes)
+    from rlboost.weights.peers import PeerNetwork, open_peers_bucket
+
+    peers = PeerNetwork(await open_peers_bucket(js), "spot-w1")
+    peers.url = "http://127.0.0.1:1"
+    await peers.advertise("a" * 64)
+    assert (await peers.state("a" * 64)).holders == {"spot-w1": peers.url}
+    assert await peers.claim("b" * 64) and (await peers.state("b" * 64)).claim == "spot-w1"
     # joining is safe: provisioning an already provisioned server needs no forbidden call
     await bus.provision(js, pools=(POOL,))
     await nc.flush()

@@ -13,6 +13,7 @@ from rlboost.config import ConfigError, Settings, apply_overrides, parse_overrid
 from rlboost.logs import get_logger
 from rlboost.services import resolve_urls
 from rlboost.weights import VersionPointer, WeightCache, open_store
+from rlboost.weights.peers import peer_cache
 from rlboost.weights.source import StoreWeights, WeightSource
 from workers.counters import Counters
 from workers.engines import EngineError, engine_from_settings
@@ -79,6 +80,9 @@ async def weight_source(s: Settings, js, worker_id: str) -> WeightSource | None:
         return None
     store = await open_store(js=js, **s.weights.store_options())
     root = Path(s.worker.cache_dir or Path(s.services.data_dir).expanduser() / "weight-cache") / worker_id
+    if s.weights.peers:  # serve verified blobs to the other workers, pull from them first
+        cache, server = await peer_cache(root, store, js, worker_id, s.weights)
+        return StoreWeights(cache, wait_s=5.0, server=server)
     return StoreWeights(WeightCache(root, store), wait_s=5.0)
 
 
@@ -124,7 +128,7 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
             if prefetcher:
                 await asyncio.gather(prefetcher, return_exceptions=True)
             if weights:
-                weights.close()
+                await weights.aclose()
             await engine.close()
 
 

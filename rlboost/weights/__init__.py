@@ -8,6 +8,7 @@ pulled into a verified local cache.
 - `publisher`: trainer side (snapshot or delta, the version pointer, GC that keeps delta bases);
 - `pointer`: the latest published version in the `rb-policy` KV bucket;
 - `cache`: worker side (cheapest path to a version, reconstruct, verify, fall back to a snapshot);
+- `peers`, `peerhttp`: workers serve each other the blobs they hold verified, the store last;
 - `safetensors_io`: zero-copy reading of a verified version directory;
 - `source`: `WeightSource` ("version -> folder an engine loads"; `StoreWeights`, `EmulatedWeights`);
 - `errors`: the store's errors, under `rlboost.errors.RlboostError`.

@@ -15,7 +15,9 @@ next path is tried, down to the version's own snapshot when it has one. Nothing 
 `versions/` unverified, and only `versions/` dirs are handed to engines.
 
 Missing shards and blobs are fetched in parallel; an unreachable store is retried with back-off
-until a deadline, then reported clearly. Reading is safetensors only, zero-copy, never pickle.
+until a deadline, then reported clearly. With `peers` (rlboost/weights/peers.py) a blob is taken
+from another worker that holds it verified before the store, and hashed all the same. Reading is
+safetensors only, zero-copy, never pickle.
 """
 
 from __future__ import annotations
@@ -26,15 +28,16 @@ import hashlib
 import os
 import queue
 import random
+import re
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from rlboost import wire
 from rlboost.logs import get_logger
@@ -51,6 +54,7 @@ from rlboost.weights.errors import (
     VersionUnavailable,
 )
 from rlboost.weights.manifest import Manifest, ShardEntry, check_shard_id
+from rlboost.weights.peerhttp import PeerBusy, PeerError
 from rlboost.weights.publisher import published_versions
 from rlboost.weights.rebuild import BaseFiles, rebuild
 from rlboost.weights.safetensors_io import RECONSTRUCTED_GLOB, load_tensors
@@ -58,10 +62,13 @@ from rlboost.weights.safetensors_io import RECONSTRUCTED_GLOB, load_tensors
 if TYPE_CHECKING:
     import torch
 
+    from rlboost.weights.peers import PeerNetwork
+
 log = get_logger(component="weights")
 
 __all__ = ["WeightCache", "VerifiedVersion", "CacheStats"]
 
+_SHA_HEX = re.compile(r"[0-9a-f]{64}")
 MAX_CHAIN = 64  # deltas a pull replays at most; the publisher's full_every keeps chains far shorter
 
 
@@ -76,6 +83,11 @@ class CacheStats:
     paths_refused: int = 0  # a way to a version that failed verification (another was tried)
     fetch_s: float = 0.0  # wall time fetching shards and blobs (hashing them as they arrive)
     rebuild_s: float = 0.0  # wall time replaying deltas, verifying and writing rebuilt versions
+    # where the bytes came from (received, accepted or not): the origin store, or peers
+    origin_bytes: int = 0
+    peer_bytes: int = 0
+    peer_blobs: int = 0  # blobs taken from a peer, verified
+    peer_rejected: int = 0  # copies a peer served that failed verification (another source was tried)
 
 
 @dataclass(frozen=True)
@@ -100,9 +112,12 @@ class WeightCache:
     """
 
     def __init__(self, root: str | os.PathLike[str], store: BlobStore, *, parallel: int = 4,
-                 retry_deadline_s: float = 60.0, corrupt_retries: int = 3, keep_versions: int = 3) -> None:
+                 retry_deadline_s: float = 60.0, corrupt_retries: int = 3, keep_versions: int = 3,
+                 peers: PeerNetwork | None = None) -> None:
         self.root = Path(root)
         self.store = store
+        # other workers' caches as sources ahead of the store (rlboost/weights/peers.py); None: the store only
+        self.peers = peers
         # versions kept on disk after each pull (0: keep all): a version rebuilt from deltas is a
         # full copy, so an unpruned cache grows by a model per version
         self.keep_versions = keep_versions
@@ -285,6 +300,8 @@ class WeightCache:
     async def _fetch_all(self, blobs: list[tuple[ShardEntry, bool]]) -> None:
         """Fetch (shard or delta blob, is_delta) pairs the cache lacks, in parallel. One fetch
         failing stops the others: no fetch outlives the ensure() that started it."""
+        if self.peers is not None:  # workers pulling the same version at once claim different blobs first
+            blobs = random.sample(blobs, len(blobs))
         await _all_or_none([asyncio.create_task(self._ensure_shard(s, delta)) for s, delta in blobs])
 
     # -- paths
@@ -489,6 +506,8 @@ class WeightCache:
             digest = await asyncio.to_thread(_file_sha256, path)
             if digest == shard.sha256:
                 self._verified[shard.sha256] = ident
+                if self.peers is not None:  # e.g. a restarted worker's cache: servable again
+                    await self.peers.advertise(shard.sha256)
                 return True
         self._refuse(shard, f"cached copy is {'corrupt' if st.st_size == shard.size else 'truncated'}", st.st_size)
         path.unlink(missing_ok=True)
@@ -507,54 +526,142 @@ class WeightCache:
             return await self._retrying(f"shard {shard.sha256[:12]}", lambda: self._fetch(shard, False, verify=False))
 
     async def _fetch(self, shard: ShardEntry, delta: bool, verify: bool = True) -> Path:
-        """Stream the shard into a temp file through a worker thread that hashes and writes
-        each chunk as it comes (hashlib and file writes release the GIL, so this overlaps with
-        receiving; the event loop only hands over references). Only a file of the right size
-        and hash is renamed into the cache; refused copies are fetched again, up to a limit.
-        `verify=False` (`_receive`): the right size is enough, the tmp/ file itself is returned."""
+        """Receive a blob: from peers first when the cache has them (`rlboost.weights.peers`),
+        from the origin store otherwise. `verify=False` (`_receive`): the right size is enough
+        for the origin's bytes (the caller checks them), and the tmp/ file itself is returned."""
+        if self.peers is not None:
+            return await self._fetch_peered(shard, delta, verify)
+        return await self._fetch_origin(shard, delta, verify)
+
+    async def _fetch_origin(self, shard: ShardEntry, delta: bool, verify: bool = True) -> Path:
+        """From the store, refused copies fetched again up to `corrupt_retries` times."""
         key = (wire.weights_delta_key if delta else wire.weights_shard_key)(shard.sha256)
-        loop = asyncio.get_running_loop()
         for _attempt in range(self.corrupt_retries):
-            tmp = self.tmp_dir / f"{shard.sha256}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part"
-            chunks_q: queue.SimpleQueue[Buffer | None] = queue.SimpleQueue()
-            sink = loop.run_in_executor(self._pool, _hash_to_file, tmp, chunks_q, verify)
-            n = 0
             try:
-                try:
-                    async with contextlib.aclosing(self.store.read(key)) as chunks:
-                        async for chunk in chunks:
-                            n += len(chunk)
-                            if n > shard.size:
-                                break  # longer than the manifest says: corrupt, stop reading
-                            chunks_q.put(chunk)
-                finally:
-                    chunks_q.put(None)
-                    written, digest = await sink
+                path = await self._take(self.store.read(key), shard, delta, verify, hashing=verify, source="origin")
             except ObjectMissing:
-                tmp.unlink(missing_ok=True)
                 raise VersionUnavailable(f"shard {shard.sha256} is gone from {self.store.location} "
                                          f"(its version was garbage-collected?)") from None
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            if n == written == shard.size and not verify:
-                self.stats.bytes_fetched += n
-                self.stats.shards_fetched += 1
-                return tmp  # unverified: never in shards/
-            if n == written == shard.size and digest == shard.sha256:
-                path = self._shard_path(shard.sha256, delta)
-                os.replace(tmp, path)
-                st = path.stat()
-                self._verified[shard.sha256] = (st.st_ino, st.st_size, st.st_mtime_ns)
-                self.stats.bytes_fetched += n
-                self.stats.delta_bytes_fetched += n if delta else 0
-                self.stats.shards_fetched += 1
+            if path is not None:
                 return path
-            tmp.unlink(missing_ok=True)
-            reason = "truncated" if n < shard.size else "too long" if n > shard.size else "hash mismatch"
-            self._refuse(shard, f"received copy {reason}", n)
         raise ShardCorrupt(f"shard {shard.sha256} from {self.store.location} failed verification "
                            f"{self.corrupt_retries} times; refusing to load it")
+
+    async def _fetch_peered(self, shard: ShardEntry, delta: bool, verify: bool) -> Path:
+        """Holders first (random order, up to `peers.tries` a round; a busy one is asked again
+        later, one that fails or lies is not asked again), else claim the blob and fetch it from
+        the origin for everyone, else wait for whoever claimed it; past `peers.wait_s`, the
+        origin. Every byte from a peer is hashed, whatever `verify` says: a peer is not trusted."""
+        peers, sha = self.peers, shard.sha256
+        bad: set[str] = {peers.peer_id}
+        deadline = time.monotonic() + peers.wait_s
+        claimed = False
+        while time.monotonic() < deadline:
+            st = await peers.state(sha)
+            holders = [(h, url) for h, url in st.holders.items() if h not in bad]
+            random.shuffle(holders)
+            busy = False
+            for h, url in holders[:peers.tries]:
+                try:
+                    path = await self._take(peers.read(url, sha), shard, delta, verify, hashing=True, source="peer")
+                except PeerBusy:
+                    busy = True
+                    continue
+                except PeerError as e:
+                    bad.add(h)
+                    log.info("peer could not serve a blob; trying the next source", blob=sha[:12], peer=h, error=str(e))
+                    continue
+                if path is None:
+                    bad.add(h)
+                    self.stats.peer_rejected += 1
+                    log.warning("peer served a blob that failed verification; not asked again for it",
+                                blob=sha[:12], peer=h, url=url)
+                    continue
+                self.stats.peer_blobs += 1
+                if verify:
+                    await peers.advertise(sha)
+                return path
+            if verify and peers.live_claim(st):  # its claimant is fetching it: wait as long as it is alive
+                deadline = max(deadline, time.monotonic() + peers.claim_stale_s)
+            if busy or (verify and peers.live_claim(st)):  # a holder, or a holder soon: wait a little
+                await asyncio.sleep(0.05 + random.random() * 0.2)
+                continue
+            if not verify:  # a base snapshot's shard (not kept, so never served): the origin
+                break
+            if await peers.claim(sha, exclude=bad):
+                claimed = True
+                break
+            await asyncio.sleep(0.05 + random.random() * 0.1)  # lost the race to claim it: look again
+        if not claimed:
+            return await self._fetch_origin(shard, delta, verify)
+        async with peers.claimed(sha):
+            path = await self._fetch_origin(shard, delta, verify)
+        await peers.advertise(sha)  # the claim ends here: the waiters take it from us
+        return path
+
+    async def _take(self, source_chunks: AsyncIterator[Buffer], shard: ShardEntry, delta: bool, verify: bool,
+                    hashing: bool, source: str) -> Path | None:
+        """Stream one copy of the blob into a temp file through a worker thread that hashes and
+        writes each chunk as it comes (hashlib and file writes release the GIL, so this overlaps
+        with receiving; the event loop only hands over references). Only a file of the right
+        size (and hash, if `hashing`) is kept: renamed into the cache (`verify`) or returned as
+        the tmp/ file itself (not `verify`). None: the copy was refused (counted and logged).
+        `source` ("origin" or "peer") names the counter of the bytes received."""
+        loop = asyncio.get_running_loop()
+        tmp = self.tmp_dir / f"{shard.sha256}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part"
+        chunks_q: queue.SimpleQueue[Buffer | None] = queue.SimpleQueue()
+        sink = loop.run_in_executor(self._pool, _hash_to_file, tmp, chunks_q, hashing)
+        n = 0
+        try:
+            try:
+                async with contextlib.aclosing(source_chunks) as chunks:
+                    async for chunk in chunks:
+                        n += len(chunk)
+                        if n > shard.size:
+                            break  # longer than the manifest says: corrupt, stop reading
+                        chunks_q.put(chunk)
+            finally:
+                chunks_q.put(None)
+                if source == "peer":
+                    self.stats.peer_bytes += n
+                else:
+                    self.stats.origin_bytes += n
+                written, digest = await sink
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if n == written == shard.size and (not hashing or digest == shard.sha256):
+            self.stats.bytes_fetched += n
+            self.stats.shards_fetched += 1
+            if not verify:
+                return tmp  # never in shards/
+            path = self._shard_path(shard.sha256, delta)
+            os.replace(tmp, path)
+            st = path.stat()
+            self._verified[shard.sha256] = (st.st_ino, st.st_size, st.st_mtime_ns)
+            self.stats.delta_bytes_fetched += n if delta else 0
+            return path
+        tmp.unlink(missing_ok=True)
+        reason = "truncated" if n < shard.size else "too long" if n > shard.size else "hash mismatch"
+        self._refuse(shard, f"received copy {reason}", n)
+        return None
+
+    def open_verified(self, sha: str) -> BinaryIO | None:
+        """A blob (shard or delta) this process hashed itself, opened for reading, if the file is
+        still exactly the one it hashed (inode, size, mtime); else None. What a `PeerServer`
+        serves: nothing unverified ever leaves this cache."""
+        if not _SHA_HEX.fullmatch(sha):
+            return None
+        for delta in (False, True):
+            try:
+                f = open(self._shard_path(sha, delta), "rb")  # noqa: SIM115 - the caller closes it
+            except (FileNotFoundError, StoreError):
+                continue
+            st = os.fstat(f.fileno())
+            if self._verified.get(sha) == (st.st_ino, st.st_size, st.st_mtime_ns):
+                return f
+            f.close()
+        return None
 
     async def _retrying(self, what: str, op: Callable[[], Awaitable[Any]]) -> Any:
         """Retry StoreUnavailable with exponential back-off (jittered, capped at 5 s) until
@@ -649,6 +756,8 @@ class WeightCache:
             if sha not in live and sha not in self._inflight:
                 p.unlink(missing_ok=True)
                 self._verified.pop(sha, None)
+                if self.peers is not None:
+                    self.peers.withdraw_soon(sha)
         return dropped
 
 

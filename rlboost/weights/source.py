@@ -22,6 +22,7 @@ from rlboost.logs import get_logger
 from rlboost.weights.cache import WeightCache
 from rlboost.weights.errors import StoreError
 from rlboost.weights.manifest import Manifest
+from rlboost.weights.peerhttp import PeerServer
 from rlboost.weights.pointer import VersionPointer
 
 log = get_logger(component="weights")
@@ -58,14 +59,20 @@ class WeightSource(abc.ABC):
     def close(self) -> None:
         return None
 
+    async def aclose(self) -> None:
+        """`close()`, and whatever this source serves (a peer server) is taken down first."""
+        self.close()
+
 
 class StoreWeights(WeightSource):
     """The weight store through a local cache. `wait_s`: how long `path()` waits for a version
-    whose manifest is not in the store yet (the trainer may still be uploading it)."""
+    whose manifest is not in the store yet (the trainer may still be uploading it). `server`:
+    this worker's peer server over `cache` (`[weights] peers`), closed with the source."""
 
-    def __init__(self, cache: WeightCache, *, wait_s: float = 5.0) -> None:
+    def __init__(self, cache: WeightCache, *, wait_s: float = 5.0, server: PeerServer | None = None) -> None:
         self.cache = cache
         self.wait_s = wait_s
+        self.server = server
 
     async def path(self, version: int) -> Path:
         t0, fetched = time.monotonic(), self.cache.stats.bytes_fetched
@@ -95,6 +102,13 @@ class StoreWeights(WeightSource):
 
     def close(self) -> None:
         self.cache.close()
+
+    async def aclose(self) -> None:
+        if self.cache.peers is not None:  # withdraw the adverts before the server goes
+            await self.cache.peers.close()
+        if self.server is not None:
+            await self.server.close()
+        self.close()
 
 
 class EmulatedWeights(WeightSource):
