@@ -1,6 +1,8 @@
-"""`rlboost bench chaos --episodes`: calculator episodes (tool calls run inline) on real worker
-processes, SIGKILL and SIGTERM aimed at workers while they generate a model turn and while they
-run a tool call, and every result checked against an undisturbed run.
+"""`rlboost bench chaos --episodes`: calculator episodes on real worker processes, SIGKILL and SIGTERM aimed at workers while they generate a model turn and while they run a tool call, and every result checked against an undisturbed run.
+
+Tool calls run inline in the generation workers, or with `--env-pool` on environment worker
+processes (`env.inline = false`, workers/env_worker.py): then the tool-call actions hit the
+environment workers.
 
 The workers run the scripted engine (workers/engines/scripted.py: a deterministic policy that
 solves the calculator's problems with its tool, seeded logprobs), so an undisturbed run is
@@ -12,7 +14,9 @@ Each chaos action picks its moment from the checkpoint store: `kill-gen` waits f
 whose model turn is under way (tokens past its fenced state) and SIGKILLs the worker that holds
 it; `kill-tool` waits for an episode whose pending tool call has started; `term` SIGTERMs the
 holder of either (notice: the worker finishes the tool call or flushes the turn and hands the
-episode back). A replacement worker starts after each.
+episode back). With `--env-pool` the tool calls are the environment workers': `kill-tool`
+SIGKILLs and `term-env` SIGTERMs the environment worker running one, `term` SIGTERMs a
+generation worker during a turn. A replacement of the same kind starts after each.
 
 What is measured:
 - completed / lost / duplicated: results per episode in RB_RESULTS;
@@ -160,8 +164,9 @@ async def reference(reqs: list[wire.RolloutRequest], rows: list[dict], log: str)
 
 
 async def serve(nats_url: str, redis_url: str, pool: str, worker_id: str, rows_file: str, token_s: float,
-                counters: str, k: int) -> None:
-    """One worker process: the scripted engine, calculator episodes inline, crash-proof counters."""
+                counters: str, k: int, inline: bool = True) -> None:
+    """One worker process: the scripted engine, calculator episodes (tools inline, or sent to the
+    environment pool), crash-proof counters."""
     from workers.counters import Counters
     from workers.engines.scripted import ScriptedEngine
     from workers.worker import RolloutWorker
@@ -173,31 +178,50 @@ async def serve(nats_url: str, redis_url: str, pool: str, worker_id: str, rows_f
                               heartbeat_s=0.2)
     async with open_clients(nats_url, redis_url, f"chaos-episodes-{worker_id}") as c:
         worker = RolloutWorker(settings, engine, c, worker_id=worker_id, counters=Counters(counters),
-                               env=EnvSettings(ref=ENV_REF, inline=True))
+                               env=EnvSettings(ref=ENV_REF, inline=inline))
         worker.install_signal_handlers()
         await worker.run()
         await worker.settled()
 
 
+async def serve_env(nats_url: str, redis_url: str, worker_id: str, counters: str) -> None:
+    """One environment worker process: the counting calculator's tool calls."""
+    from workers.counters import Counters
+    from workers.env_worker import EnvWorker
+
+    settings = WorkerSettings(ack_wait_s=3.0, lease_ttl_s=1.5, heartbeat_s=0.2, drain_grace_s=10.0)
+    async with open_clients(nats_url, redis_url, f"chaos-episodes-{worker_id}") as c:
+        worker = EnvWorker(settings, EnvSettings(ref=ENV_REF, inline=False), c, worker_id=worker_id,
+                           counters=Counters(counters), tokenizer=tokenizer())
+        worker.install_signal_handlers()
+        await worker.run()
+
+
 class Fleet:
-    def __init__(self, nats_url: str, redis_url: str, workdir: Path, rows_file: Path, token_s: float, k: int):
+    def __init__(self, nats_url: str, redis_url: str, workdir: Path, rows_file: Path, token_s: float, k: int,
+                 env_pool: bool = False):
         self.args = (nats_url, redis_url, POOL)
         self.workdir, self.rows_file, self.token_s, self.k = workdir, rows_file, token_s, k
+        self.env_pool = env_pool
         self.procs: dict[str, subprocess.Popen] = {}
         self.fate: dict[str, str] = {}
+        self.kind: dict[str, str] = {}  # gen | env
 
-    def start(self) -> str:
-        wid = f"ep-w{len(self.procs)}"
+    def start(self, kind: str = "gen") -> str:
+        wid = f"ep-{'w' if kind == 'gen' else 'e'}{len(self.procs)}"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RLBOOST_LOG_JSON": "1",
                "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                               os.environ.get("PYTHONPATH", "")])}
         log = open(self.workdir / f"{wid}.log", "w")
-        self.procs[wid] = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.chaos_episodes", "serve", *self.args, wid, str(self.rows_file),
-             str(self.token_s), str(self.counters(wid)), str(self.k)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        if kind == "gen":
+            cmd = ["serve", *self.args, wid, str(self.rows_file), str(self.token_s), str(self.counters(wid)),
+                   str(self.k), "pool" if self.env_pool else "inline"]
+        else:
+            cmd = ["serve-env", *self.args[:2], wid, str(self.counters(wid))]
+        self.procs[wid] = subprocess.Popen([sys.executable, "-m", "benchmarks.chaos_episodes", *cmd],
+                                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         log.close()
-        self.fate[wid] = "running"
+        self.fate[wid], self.kind[wid] = "running", kind
         return wid
 
     def counters(self, wid: str) -> Path:
@@ -209,12 +233,13 @@ class Fleet:
         path = self.counters(wid)
         return read_counters(path)["generated"] if path.exists() else 0
 
-    def live(self) -> list[str]:
-        return [w for w, p in self.procs.items() if p.poll() is None and self.fate[w] == "running"]
+    def live(self, kind: str = "gen") -> list[str]:
+        return [w for w, p in self.procs.items() if p.poll() is None and self.fate[w] == "running"
+                and self.kind[w] == kind]
 
-    def ready(self) -> list[str]:
+    def ready(self, kind: str = "gen") -> list[str]:
         """Live workers that have opened their counters (past their imports: seconds on a loaded box)."""
-        return [w for w in self.live() if self.counters(w).exists()]
+        return [w for w in self.live(kind) if self.counters(w).exists()]
 
     def signal(self, wid: str, sig: signal.Signals) -> None:
         self.fate[wid] = "killed" if sig == signal.SIGKILL else "terminated"
@@ -273,7 +298,9 @@ async def run(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Pat
     log = str(workdir / "tool-calls.log")
     reqs = await make_requests(step, rows, log, a.tool_s)
     ref = await reference(reqs, rows, str(workdir / "reference-calls.log"))
-    fleet = Fleet(nats_url, redis_url, workdir, rows_file, a.token_s, a.k)
+    pool_mode = getattr(a, "env_pool", False)
+    fleet = Fleet(nats_url, redis_url, workdir, rows_file, a.token_s, a.k, env_pool=pool_mode)
+    env_workers = getattr(a, "env_workers", 2) if pool_mode else 0
     actions: list[dict] = []
     running_at_kill = 0  # for the record: pending calls started, of the episodes a killed worker held, per kill
     held_at_kill = 0
@@ -281,8 +308,11 @@ async def run(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Pat
         try:
             for _ in range(a.workers):
                 fleet.start()
+            for _ in range(env_workers):
+                fleet.start("env")
             deadline = time.time() + a.timeout
-            while len(fleet.ready()) < a.workers and time.time() < deadline:
+            while ((len(fleet.ready()) < a.workers or len(fleet.ready("env")) < env_workers)
+                   and time.time() < deadline):
                 await asyncio.sleep(0.1)  # the episodes start when the workers are up
             acks = [await c.js.publish_async(wire.request_subject(POOL), wire.encode(r),
                                              headers={wire.HDR_MSG_ID: r.request_id}) for r in reqs]
@@ -301,20 +331,22 @@ async def run(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Pat
                     pass
                 if time.time() < next_action or len(done) >= len(reqs) * a.chaos_until or len(actions) >= a.actions:
                     continue
-                live = fleet.ready()
-                if len(live) < 2:
-                    continue  # keep a worker serving beside the victim
                 if not plan:
-                    plan = ["kill-gen", "kill-tool", "term"]
+                    plan = ["kill-gen", "kill-tool", "term"] + (["term-env"] if pool_mode else [])
                     rng.shuffle(plan)
                 kind = plan[-1]
-                phase = "tool" if kind == "kill-tool" else "gen" if kind == "kill-gen" else rng.choice(["gen", "tool"])
+                phase = ("tool" if kind in ("kill-tool", "term-env") else "gen" if kind == "kill-gen" or pool_mode
+                         else rng.choice(["gen", "tool"]))
+                victims = "env" if pool_mode and phase == "tool" else "gen"
+                live = fleet.ready(victims)
+                if len(live) < 2:
+                    continue  # keep a worker of its kind serving beside the victim
                 hit = await _target(c, reqs, done, log, phase, live)
                 if hit is None:
                     continue  # try again on the next turn of the loop
                 plan.pop()
                 rid, wid = hit
-                if kind == "term":
+                if kind in ("term", "term-env"):
                     fleet.signal(wid, signal.SIGTERM)
                 else:
                     fleet.signal(wid, signal.SIGKILL)
@@ -329,7 +361,7 @@ async def run(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: Pat
                             running_at_kill += sum(1 for p in state.pending if p.key in started)
                 actions.append({"kind": kind, "phase": phase, "worker": wid, "request": rid,
                                 "t": round(time.time() - t0, 3)})
-                fleet.start()
+                fleet.start(victims)
                 next_action = time.time() + rng.uniform(0.5, 1.5) * a.every
             elapsed = time.time() - t0
             await sub.unsubscribe()
@@ -382,7 +414,8 @@ def analyse(reqs, rows, ref, results, log_runs: list[tuple[str, int]], fleet: Fl
         "lost": sum(1 for q in reqs if not by_rid.get(q.request_id)),
         "duplicated": sum(len(v) - 1 for v in by_rid.values()), "mismatched": mismatched,
         "kills_during_generation": kinds["kill-gen"], "kills_during_tool_call": kinds["kill-tool"],
-        "terms": kinds["term"], "workers_started": len(fleet.procs),
+        "terms": kinds["term"], "terms_of_env_workers": kinds["term-env"], "env_pool": fleet.env_pool,
+        "workers_started": len(fleet.procs),
         "tool_calls_expected": expected, "tool_call_keys": len(keys), "tool_calls_run": sum(ran.values()),
         "tool_calls_rerun": sum(n - 1 for n in ran.values()), "tool_calls_rerun_after_kill": after_kill,
         "tool_calls_rerun_unexplained": unexplained, "tool_calls_running_at_kill": running_at_kill,
@@ -410,7 +443,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--episodes")
     g.add_argument("--tool-s", type=float, default=0.4, help="episodes: seconds each tool call takes")
     g.add_argument("--token-s", type=float, default=0.02, help="episodes: seconds per scripted engine step")
-    g.add_argument("--actions", type=int, default=6, help="episodes: chaos actions at most (kill-gen, kill-tool, term)")
+    g.add_argument("--actions", type=int, default=6,
+                   help="episodes: chaos actions at most (kill-gen, kill-tool, term; term-env with --env-pool)")
+    g.add_argument("--env-pool", action="store_true",
+                   help="episodes: tool calls on environment worker processes (env.inline = false)")
+    g.add_argument("--env-workers", type=int, default=2, help="episodes, --env-pool: environment workers")
 
 
 def bench(a: argparse.Namespace, s: Settings) -> int:
@@ -420,8 +457,10 @@ def bench(a: argparse.Namespace, s: Settings) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="rlboost-chaos-episodes-"))
     with running_services(s.services) as (nats_url, redis_url):
         out = asyncio.run(run(a, nats_url, redis_url, workdir))
-    print(f"{out['episodes']} episodes, {out['kills_during_generation']} SIGKILL during generation, "
-          f"{out['kills_during_tool_call']} during a tool call, {out['terms']} SIGTERM in {out['seconds']} s: "
+    where = " (tools on the environment pool)" if out["env_pool"] else ""
+    print(f"{out['episodes']} episodes{where}, {out['kills_during_generation']} SIGKILL during generation, "
+          f"{out['kills_during_tool_call']} during a tool call, {out['terms']} + {out['terms_of_env_workers']} "
+          f"SIGTERM in {out['seconds']} s: "
           f"completed {out['completed']}, lost {out['lost']}, duplicated {out['duplicated']}, mismatched "
           f"{out['mismatched']}; tool calls {out['tool_calls_run']} for {out['tool_call_keys']} keys (re-run "
           f"{out['tool_calls_rerun']}: {out['tool_calls_rerun_after_kill']} after a SIGKILL during the call, "
@@ -434,5 +473,8 @@ def bench(a: argparse.Namespace, s: Settings) -> int:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
-    nats, redis, pool, wid, rows_file, token_s, counters, k = sys.argv[2:10]
-    asyncio.run(serve(nats, redis, pool, wid, rows_file, float(token_s), counters, int(k)))
+    nats, redis, pool, wid, rows_file, token_s, counters, k, where = sys.argv[2:11]
+    asyncio.run(serve(nats, redis, pool, wid, rows_file, float(token_s), counters, int(k), inline=where == "inline"))
+elif __name__ == "__main__" and sys.argv[1:2] == ["serve-env"]:
+    nats, redis, wid, counters = sys.argv[2:6]
+    asyncio.run(serve_env(nats, redis, wid, counters))

@@ -194,3 +194,25 @@ async def test_an_environment_worker_stopped_during_a_tool_call(clients, gen_wor
     assert gen.counters.get("generated") == gen.counters.get("checkpointed")  # no token made twice
     runners = {c.worker_id for r in got.values() for c in r.episode.calls}
     assert "envstop-second" in runners and ("envstop-first" in runners or sig == signal.SIGKILL)
+
+
+@pytest.mark.slow
+async def test_bench_chaos_episodes_on_the_environment_pool_keeps_every_invariant(nats_url, redis_url, js, tmp_path):
+    """`rlboost bench chaos --episodes --env-pool` in small: an environment worker SIGKILLed
+    during a tool call, another SIGTERMed during one, a generation worker SIGKILLed during a
+    turn: every episode completes once, token-identical to an undisturbed run, each tool call
+    run once per key but the one a SIGKILL interrupted, 0 tokens regenerated but at most K per
+    episode the killed generation worker held."""
+    import argparse
+
+    from benchmarks import chaos_episodes
+
+    # seed 4: the actions are kill-tool (an env worker), term-env, kill-gen, in that order
+    a = argparse.Namespace(episodes=8, workers=2, k=8, every=0.5, chaos_until=0.95, timeout=150.0, seed=4,
+                           tool_s=0.5, token_s=0.02, actions=3, env_pool=True, env_workers=2)
+    out = await chaos_episodes.run(a, nats_url, redis_url, tmp_path)
+    assert out["ok"], out
+    assert out["completed"] == 8 and out["tool_call_keys"] == out["tool_calls_expected"] > 8
+    kinds = [x["kind"] for x in out["actions"]]
+    assert kinds[:1] == ["kill-tool"] and out["actions"][0]["worker"].startswith("ep-e"), out["actions"]
+    assert out["tool_calls_rerun"] == out["tool_calls_rerun_after_kill"] <= out["tool_calls_running_at_kill"]
