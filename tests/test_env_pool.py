@@ -80,7 +80,7 @@ async def env_worker(clients):
 
 
 async def test_tool_calls_run_on_the_environment_pool_and_each_transcript_is_the_undisturbed_one(
-        clients, gen_worker, env_worker, tmp_path):
+        clients, gen_worker, env_worker, tmp_path, nats_url, capsys):
     js, step, pool = clients.js, 701, "envpool"
     rows = calculator.rows("train", 6, seed=11)
     log = str(tmp_path / "calls.log")
@@ -103,6 +103,21 @@ async def test_tool_calls_run_on_the_environment_pool_and_each_transcript_is_the
     assert gen.counters.get("to_env_pool") == tool_turns == env.counters.get("tool_phases")
     assert env.counters.get("sent_back") == tool_turns == env.counters.get("tool_calls")
     assert gen.counters.get("results") == len(rows)
+    # replay: each env turn appended and each call run by the environment worker, its claims shown
+    import argparse
+    import json
+
+    from rlboost import replay
+
+    rid = reqs[0].request_id
+    capsys.readouterr()
+    assert await replay.run(nats_url, argparse.Namespace(request=rid, step=step, json=True)) == 0
+    turns = json.loads(capsys.readouterr().out)["turns"]
+    env_turns = [t for t in turns if t["kind"] == "env"]
+    assert env_turns and all({p["worker"] for p in t["appended_by"]} == {env.worker_id} for t in env_turns)
+    assert {c["worker"] for t in env_turns for c in t["calls"]} == {env.worker_id}
+    events = [(e["kind"], e["worker"]) for t in turns for e in t.get("events", [])]
+    assert ("claim", env.worker_id) in events and ("release", gen.worker_id) in events
 
 
 async def test_a_slow_tool_holds_no_generation_slot_nor_lease(clients, gen_worker, env_worker, tmp_path):
