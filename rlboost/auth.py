@@ -86,14 +86,16 @@ def worker_permissions(pools: list[str] | tuple[str, ...] = ("*",)) -> dict[str,
     consumers and moves poison messages (rlboost/pool_client.py).
 
     It sends episodes to its pools' environment lanes (`env.inline = false`) but never serves
-    one: the environment lane's consumer is the env role's, refused here even where `*` would
-    cover it."""
+    one: the environment lane's consumer is the env role's (it may only look it up, as
+    `bus.provision` does), refused here even where `*` would cover it."""
     rq = wire.STREAM_REQUESTS
     allow = [
         "rb.tok.>", "rb.res.>", "rb.evt.>", "rb.dlq.>",  # token chunks, results, lease events, DLQ
         f"$KV.{wire.BUCKET_WORKERS}.>",  # own heartbeat in the registry
         "$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.INFO.*",  # look-ups, read only
         "$JS.FC.>",  # flow-control replies of ordered consumers (KV watch)
+        # the environment lane's consumer: looked up (read only) by `bus.provision(pools=...)`
+        f"$JS.API.CONSUMER.INFO.{rq}.{wire.ENV_CONSUMER}",
     ]
     for pool in pools:
         durables = (wire.consumer_name(pool), wire.resume_consumer_name(pool)) if pool != "*" else ("*",)
