@@ -137,7 +137,8 @@ def test_compose_matches_embedded_mode():
         s = settings_from(e)
         assert s.services.nats_url.startswith("nats://nats:") and s.services.redis_url.startswith("redis://redis:")
         assert s.services.nats_user == role and s.services.redis_user == role
-        assert s.services.nats_password == s.services.redis_password == env[f"RLBOOST_SERVICES__AUTH__{role.upper()}_PASSWORD"]
+        secret = env[f"RLBOOST_SERVICES__AUTH__{role.upper()}_PASSWORD"]
+        assert s.services.nats_password == s.services.redis_password == secret
         assert s.metrics.port > 0 and s.metrics.bind == "0.0.0.0"
         assert getattr(Settings().services.auth, f"{role}_user") == role  # the role's user name in the server configs
     cmd = interpolate(svc["worker"]["command"], env).split()
@@ -291,8 +292,8 @@ def test_k8s_env_worker_on_cpu_spot_with_drain():
     the env identity, the drain within the grace, ready once /metrics answers."""
     d = by_kind("Deployment")["rlboost-env-worker"]
     spec = d["spec"]["template"]["spec"]
-    assert {t["key"] for t in spec["tolerations"]} == {t["key"] for t in by_kind("Deployment")["rlboost-worker"]["spec"][
-        "template"]["spec"]["tolerations"]}
+    worker = by_kind("Deployment")["rlboost-worker"]["spec"]["template"]["spec"]
+    assert {t["key"] for t in spec["tolerations"]} == {t["key"] for t in worker["tolerations"]}  # spot, as the workers
     (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert {(m["key"], m["operator"]) for m in term["matchExpressions"]} >= {("nvidia.com/gpu.present", "DoesNotExist")}
     (c,) = spec["containers"]
