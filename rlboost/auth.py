@@ -1,6 +1,6 @@
 """Who may do what on the wire: per-role NATS permissions and Redis ACLs, generated from Settings.
 
-Two roles (`services.auth` in rlboost/config.py):
+Three roles (`services.auth` in rlboost/config.py):
 
 - **trainer** (the trainer and the manager): everything. It provisions streams, consumers and
   buckets, publishes fresh requests and policy versions, reads results.
@@ -13,6 +13,14 @@ Two roles (`services.auth` in rlboost/config.py):
   messages), put to `rb-policy`/`rb-control` or write weights. In Redis it reads checkpoint keys
   and runs the checkpoint scripts by EVALSHA (the trainer loads them); no EVAL/SCRIPT, DEL,
   KEYS/SCAN. What it can still do, and why the trainer does not trust it: docs/guides/security.md.
+  It may send episodes to its pools' environment lanes (`env.inline = false`), never take from one.
+- **env** (environment workers, `workers/env_worker.py`, CPU machines that run episodes' tool
+  calls): the environment lane's one consumer (`rb-env`: info, pull, ack), its pools' resume
+  lanes (where an episode goes back), token chunks, lease events, dead letters and error
+  results; in Redis the worker's checkpoint commands (claim, put_episode, append_env, release,
+  renew, finish are the same scripts). Nothing else: no fresh lane and no environment lane (it
+  takes episodes, it does not inject them), no registry heartbeat, no `rb-policy`/`rb-control`,
+  no weights (it runs no model), no stream or consumer configuration, no KV or object writes.
 
 A role is on when it has a password or a public nkey; the role's password is also its Redis ACL
 password (one secret per role). Nothing here holds a secret: passwords come from the settings
@@ -43,13 +51,15 @@ from rlboost.config import AuthSettings, ServicesSettings, load_settings
 # own RLBOOST_* names, so one `.env` / Kubernetes Secret feeds servers and clients alike.
 ENV_TRAINER_PASSWORD = "RLBOOST_SERVICES__AUTH__TRAINER_PASSWORD"
 ENV_WORKER_PASSWORD = "RLBOOST_SERVICES__AUTH__WORKER_PASSWORD"
+ENV_ENV_PASSWORD = "RLBOOST_SERVICES__AUTH__ENV_PASSWORD"  # the env role's (environment workers')
 
 # Streams a worker reads through ephemeral consumers / direct gets, never writes.
 READ_ONLY_STREAMS = (f"KV_{wire.BUCKET_POLICY}", f"KV_{wire.BUCKET_CONTROL}", f"OBJ_{wire.BUCKET_WEIGHTS}")
 
 
 def roles_configured(auth: AuthSettings) -> bool:
-    return bool(auth.trainer_password or auth.trainer_nkey or auth.worker_password or auth.worker_nkey)
+    return bool(auth.trainer_password or auth.trainer_nkey or auth.worker_password or auth.worker_nkey
+                or auth.env_password or auth.env_nkey)
 
 
 def worker_pools(auth: AuthSettings) -> list[str]:
@@ -73,7 +83,11 @@ def worker_permissions(pools: list[str] | tuple[str, ...] = ("*",)) -> dict[str,
     consumer on the requests stream is a pool consumer). The worker may use its pools'
     consumers (info, pull, ack) but never create, update or delete one (that would let it set
     `max_deliver` to 1), nor delete a stream message by sequence: the trainer provisions the
-    consumers and moves poison messages (rlboost/pool_client.py)."""
+    consumers and moves poison messages (rlboost/pool_client.py).
+
+    It sends episodes to its pools' environment lanes (`env.inline = false`) but never serves
+    one: the environment lane's consumer is the env role's (it may only look it up, as
+    `bus.provision` does), refused here even where `*` would cover it."""
     rq = wire.STREAM_REQUESTS
     allow = [
         "rb.tok.>", "rb.res.>", "rb.evt.>", "rb.dlq.>",  # token chunks, results, lease events, DLQ
@@ -81,10 +95,13 @@ def worker_permissions(pools: list[str] | tuple[str, ...] = ("*",)) -> dict[str,
         f"$KV.{wire.BUCKET_PEERS}.>",  # the weight blobs it serves to its peers, its origin claims
         "$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.INFO.*",  # look-ups, read only
         "$JS.FC.>",  # flow-control replies of ordered consumers (KV watch)
+        # the environment lane's consumer: looked up (read only) by `bus.provision(pools=...)`
+        f"$JS.API.CONSUMER.INFO.{rq}.{wire.ENV_CONSUMER}",
     ]
     for pool in pools:
         durables = (wire.consumer_name(pool), wire.resume_consumer_name(pool)) if pool != "*" else ("*",)
         allow.append(wire.resume_subject(pool))  # hand-offs: the resume lane only (`rb.req.*.resume`)
+        allow.append(wire.env_subject(pool))  # episodes to their tools (`rb.req.*.env`)
         for durable in durables:
             allow += [
                 f"$JS.API.CONSUMER.INFO.{rq}.{durable}",
@@ -98,13 +115,9 @@ def worker_permissions(pools: list[str] | tuple[str, ...] = ("*",)) -> dict[str,
             f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
             f"$JS.API.CONSUMER.DELETE.{stream}.>",
         ]
-    deny = [
-        "rb.req.*",  # the fresh lane: only the trainer/manager injects prompts
-        "$JS.API.STREAM.CREATE.>", "$JS.API.STREAM.UPDATE.>", "$JS.API.STREAM.DELETE.>",
-        "$JS.API.STREAM.PURGE.>", "$JS.API.STREAM.RESTORE.>", "$JS.API.ACCOUNT.>",
-        "$JS.API.STREAM.MSG.DELETE.>",  # deleting queued requests by sequence
-        f"$JS.API.CONSUMER.CREATE.{rq}", f"$JS.API.CONSUMER.CREATE.{rq}.>",  # (re)configuring the pool consumers
-        f"$JS.API.CONSUMER.DURABLE.CREATE.{rq}.>", f"$JS.API.CONSUMER.DELETE.{rq}.>",
+    env = wire.ENV_CONSUMER  # the env role's: no generation worker pulls from or acks on it
+    deny = _rollout_deny() + [
+        f"$JS.API.CONSUMER.MSG.NEXT.{rq}.{env}", f"$JS.ACK.{rq}.{env}.>",
         f"$KV.{wire.BUCKET_POLICY}.>", f"$KV.{wire.BUCKET_CONTROL}.>", f"$O.{wire.BUCKET_WEIGHTS}.>",
     ]
     return {
@@ -112,6 +125,54 @@ def worker_permissions(pools: list[str] | tuple[str, ...] = ("*",)) -> dict[str,
         # replies (JetStream API, pulls, KV/object reads); no advisories: poison is the trainer's
         "subscribe": {"allow": ["_INBOX.>"]},
     }
+
+
+def env_permissions(pools: list[str] | tuple[str, ...] = ("*",)) -> dict[str, Any]:
+    """NATS publish/subscribe allow and deny lists of the env role (`rlboost env-worker`).
+
+    Exactly what workers/env_worker.py does: look the streams and the `rb-env` consumer up
+    (`bus.provision_or_wait`, `bus.join_pool`: reads only), pull from `rb-env` and ack / nak /
+    extend, publish token chunks of the environment's tokens, lease events, dead letters and
+    `error` results, and send each episode back to its pool's resume lane (`pools` narrows
+    those; `*` = any). The environment lane serves every pool through one consumer, so an
+    episode of a pool not in `pools` could be taken but not sent back: list them all.
+
+    Refused besides the generation worker's refusals (`_rollout_deny`): the environment lane
+    itself (only a generation worker hands an episode to its tools), every KV and object-store
+    write (no heartbeat: the trainer counts generation workers), and, by not being allowed,
+    any other consumer, any KV or object-store read (no policy pointer, no weights)."""
+    rq, env = wire.STREAM_REQUESTS, wire.ENV_CONSUMER
+    allow = [
+        "rb.tok.>", "rb.res.>", "rb.evt.>", "rb.dlq.>",  # env tokens, error results, lease events, DLQ
+        "$JS.API.INFO", "$JS.API.STREAM.INFO.*",  # look-ups, read only (waiting for the trainer to provision)
+        f"$JS.API.CONSUMER.INFO.{rq}.{env}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{rq}.{env}",
+        f"$JS.ACK.{rq}.{env}.>",  # ack / nak / in-progress (long tool calls) / term
+    ]
+    allow += [wire.resume_subject(pool) for pool in pools]  # the episode back to its generation workers
+    deny = _rollout_deny() + [
+        wire.env_subject("*"),  # the environment lane: generation workers hand episodes to it
+        "$KV.>", "$O.>",  # no KV or object-store writes at all (registry, policy, control, weights)
+    ]
+    return {
+        "publish": {"allow": _dedup(allow), "deny": deny},
+        "subscribe": {"allow": ["_INBOX.>"]},  # replies of the JetStream API and of its pulls
+    }
+
+
+def _rollout_deny() -> list[str]:
+    """Refused to both rollout roles (worker, env), whatever their allow lists say: the fresh
+    lane, any stream configuration, deleting messages by sequence, (re)configuring a consumer
+    on the requests stream (that would let it set `max_deliver` to 1)."""
+    rq = wire.STREAM_REQUESTS
+    return [
+        "rb.req.*",  # the fresh lane: only the trainer/manager injects prompts
+        "$JS.API.STREAM.CREATE.>", "$JS.API.STREAM.UPDATE.>", "$JS.API.STREAM.DELETE.>",
+        "$JS.API.STREAM.PURGE.>", "$JS.API.STREAM.RESTORE.>", "$JS.API.ACCOUNT.>",
+        "$JS.API.STREAM.MSG.DELETE.>",  # deleting queued requests by sequence
+        f"$JS.API.CONSUMER.CREATE.{rq}", f"$JS.API.CONSUMER.CREATE.{rq}.>",  # (re)configuring the pool consumers
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{rq}.>", f"$JS.API.CONSUMER.DELETE.{rq}.>",
+    ]
 
 
 def _dedup(items: list[str]) -> list[str]:
@@ -157,7 +218,8 @@ def render_nats_conf(services: ServicesSettings, *, env_refs: bool = False, list
     line when empty (the embedded mode passes -a/-p/-sd)."""
     a = services.auth
     if not (roles_configured(a) or env_refs):
-        raise ValueError("no roles configured: set services.auth.trainer_password / worker_password (or nkeys)")
+        raise ValueError("no roles configured: set services.auth.trainer_password / worker_password / env_password "
+                         "(or nkeys)")
     out = ["# Generated by rlboost.auth: per-role users and permissions. Do not edit by hand."]
     if listen:
         out.append(f"listen: {_q(listen)}")
@@ -174,6 +236,7 @@ def render_nats_conf(services: ServicesSettings, *, env_refs: bool = False, list
     roles = (
         (a.trainer_user, a.trainer_password, a.trainer_nkey, ENV_TRAINER_PASSWORD, trainer_permissions()),
         (a.worker_user, a.worker_password, a.worker_nkey, ENV_WORKER_PASSWORD, worker_permissions(worker_pools(a))),
+        (a.env_user, a.env_password, a.env_nkey, ENV_ENV_PASSWORD, env_permissions(worker_pools(a))),
     )
     for user, password, nkey, env_name, perms in roles:
         if not (password or nkey or env_refs):
@@ -203,6 +266,10 @@ WORKER_REDIS_COMMANDS = (
     "time", "ttl",  # the claim's epoch clock (fencing that survives a store restart), the :tok TTL check
 )
 WORKER_REDIS_RULES = "resetkeys ~rb:* resetchannels -@all " + " ".join(f"+{c}" for c in WORKER_REDIS_COMMANDS)
+# An environment worker runs the same scripts (claim, put_episode, append_env, renew, release,
+# finish) with its own permissions, so it needs the same commands: Redis cannot tell a script's
+# writes apart, and it may not run any other Lua.
+ENV_REDIS_RULES = WORKER_REDIS_RULES
 TRAINER_REDIS_RULES = "~* &* +@all"
 REDIS_MAX_VALUE = "8mb"  # proto-max-bulk-len: no client writes a bigger value (a checkpoint: 1M tokens)
 
@@ -213,6 +280,7 @@ def render_redis_acl(auth: AuthSettings, *, env_refs: bool = False) -> str:
     for user, password, env_name, rules in (
         (auth.trainer_user, auth.trainer_password, ENV_TRAINER_PASSWORD, TRAINER_REDIS_RULES),
         (auth.worker_user, auth.worker_password, ENV_WORKER_PASSWORD, WORKER_REDIS_RULES),
+        (auth.env_user, auth.env_password, ENV_ENV_PASSWORD, ENV_REDIS_RULES),
     ):
         if env_refs:
             lines.append(f"user {user} on >${{{env_name}}} {rules}")
@@ -233,6 +301,7 @@ def render_redis_start(auth: AuthSettings) -> str:
         "set -eu\n"
         f': "${{{ENV_TRAINER_PASSWORD}:?set it (see infra/.env.example)}}"\n'
         f': "${{{ENV_WORKER_PASSWORD}:?set it (see infra/.env.example)}}"\n'
+        f': "${{{ENV_ENV_PASSWORD}:?set it (see infra/.env.example)}}"\n'
         "umask 077\n"
         'ACL="${REDIS_ACL_FILE:-/tmp/users.acl}"\n'
         'cat > "$ACL" <<EOF\n'

@@ -45,7 +45,10 @@ class AuthSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     worker_user: str = "worker"  # rollout workers: consume requests, publish tokens/results/events
     worker_password: str = ""
     worker_nkey: str = ""
-    worker_pools: str = "*"  # comma-separated pools the worker identity may serve; * = any
+    worker_pools: str = "*"  # comma-separated pools the worker and env identities may serve; * = any
+    env_user: str = "env"  # environment workers (`rlboost env-worker`): take tool calls, append results under a lease
+    env_password: str = ""
+    env_nkey: str = ""
     tls_cert: str = ""  # server TLS certificate and key (PEM); empty = plain TCP
     tls_key: str = ""
     tls_ca: str = ""  # CA of client certificates: set to require mutual TLS

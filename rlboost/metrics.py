@@ -229,19 +229,26 @@ def observe_worker(pool: str, *, inflight: int, slots: int, policy_version: int,
     POLICY_VERSION.labels("worker").set(policy_version)
 
 
+ENV_LANE_POOL = "*"  # the pool label of the environment lane's gauges: every pool's lane, one consumer
+
+
 async def poll_queue_pending(js, pools: tuple[str, ...], stop: asyncio.Event, interval_s: float = 5.0) -> None:
-    """Manager/trainer side: set rlboost_queue_pending_requests from the pools' consumers."""
+    """Manager/trainer side: set rlboost_queue_pending_requests from the pools' consumers, and
+    from the environment lane's (`lane="env"`, `pool="*"`: one consumer serves every pool's
+    lane, so it is read once, not per pool; what keda.yaml may scale env workers on)."""
     from rlboost import wire
 
+    lanes = [(pool, lane, name) for pool in pools
+             for lane, name in (("fresh", wire.consumer_name(pool)), ("resume", wire.resume_consumer_name(pool)))]
+    lanes.append((ENV_LANE_POOL, "env", wire.ENV_CONSUMER))
     while not stop.is_set():
-        for pool in pools:
-            for lane, name in (("fresh", wire.consumer_name(pool)), ("resume", wire.resume_consumer_name(pool))):
-                try:
-                    info = await js.consumer_info(wire.STREAM_REQUESTS, name)
-                except Exception:
-                    continue
-                QUEUE_PENDING.labels(pool, lane).set(info.num_pending or 0)
-                QUEUE_ACK_PENDING.labels(pool, lane).set(info.num_ack_pending or 0)
+        for pool, lane, name in lanes:
+            try:
+                info = await js.consumer_info(wire.STREAM_REQUESTS, name)
+            except Exception:  # not provisioned (yet), the server away for a moment: the next poll
+                continue
+            QUEUE_PENDING.labels(pool, lane).set(info.num_pending or 0)
+            QUEUE_ACK_PENDING.labels(pool, lane).set(info.num_ack_pending or 0)
         try:
             await asyncio.wait_for(stop.wait(), timeout=interval_s)
         except (TimeoutError, asyncio.TimeoutError):

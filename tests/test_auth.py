@@ -1,4 +1,5 @@
-"""Per-role identities on real servers: a worker can do its job and nothing it should not.
+"""Per-role identities on real servers: a worker, and an environment worker (the env role), can
+do its job and nothing it should not.
 
 The servers are started by `EmbeddedServices` on free ports with roles configured, i.e. with
 the nats-server config and Redis ACL file that rlboost/auth.py generates (the same rules the
@@ -25,14 +26,15 @@ from rlboost.checkpoint import CheckpointStore
 from rlboost.config import AuthSettings, ServicesSettings
 from rlboost.services import EmbeddedServices, resolve_urls
 
-TRAINER_PW, WORKER_PW = "trainer-s3cret", "worker:s3cret@/%"  # URL-special characters survive
+TRAINER_PW, WORKER_PW, ENV_PW = "trainer-s3cret", "worker:s3cret@/%", "env#s3cret?&"  # URL-special characters survive
 POOL = "spot"
 
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     s = ServicesSettings(data_dir=str(tmp_path_factory.mktemp("rlboost-auth")),
-                         auth=AuthSettings(trainer_password=TRAINER_PW, worker_password=WORKER_PW, worker_pools=POOL))
+                         auth=AuthSettings(trainer_password=TRAINER_PW, worker_password=WORKER_PW, env_password=ENV_PW,
+                                           worker_pools=POOL))
     svc = EmbeddedServices(s)
     st, started = svc.up()
     assert started
@@ -59,12 +61,19 @@ class Errors:
 
     async def wait_for(self, subject: str, timeout: float = 3.0) -> str:
         want = f'permissions violation for publish to "{subject.lower()}"'
+        return await self.wait_for_text(want, timeout)
+
+    async def wait_for_text(self, want: str, timeout: float = 3.0) -> str:
+        want = want.lower()
         for _ in range(int(timeout / 0.05)):
             hit = [e for e in self.seen if want in e]
             if hit:
                 return hit[0]
             await asyncio.sleep(0.05)
-        raise AssertionError(f"no permissions violation for {subject}; errors seen: {self.seen}")
+        raise AssertionError(f"no {want!r}; errors seen: {self.seen}")
+
+    def refusals(self) -> list[str]:
+        return [e for e in self.seen if "permission" in e]
 
 
 @pytest_asyncio.fixture
@@ -86,12 +95,23 @@ async def worker(secured, trainer):
     await nc.close()
 
 
+@pytest_asyncio.fixture
+async def env_identity(secured, trainer):
+    """A connection with the env role's identity (an environment worker's)."""
+    _, st = secured
+    errors = Errors()
+    nc = await bus.connect(nats_url(st, "env", ENV_PW), name="test-env-worker", error_cb=errors)
+    yield nc, nc.jetstream(), errors
+    await nc.close()
+
+
 def test_generated_files_are_private(secured):
     svc, _ = secured
     for name in ("nats.conf", "users.acl"):
         mode = stat.S_IMODE((Path(svc.data_dir) / name).stat().st_mode)
         assert mode == 0o600, (name, oct(mode))
     assert WORKER_PW in (Path(svc.data_dir) / "nats.conf").read_text()
+    assert ENV_PW in (Path(svc.data_dir) / "users.acl").read_text()
 
 
 async def test_worker_does_its_job(trainer, worker):
@@ -104,9 +124,10 @@ async def test_worker_does_its_job(trainer, worker):
     (msg,) = await sub.fetch(1, timeout=5)
     assert wire.decode(wire.RolloutRequest, msg.data).request_id == req.request_id
     await msg.in_progress()
-    # publish: tokens, results, events, a hand-off to the resume lane; then ack
+    # publish: tokens, results, events, a hand-off to the resume lane, an episode to the environment
+    # lane (env.inline = false); then ack
     for subject in (wire.token_subject(1, req.request_id), wire.result_subject(1), wire.event_subject(1, req.request_id),
-                    wire.resume_subject(POOL), wire.dlq_subject(wire.STREAM_REQUESTS)):
+                    wire.resume_subject(POOL), wire.dlq_subject(wire.STREAM_REQUESTS), wire.env_subject(POOL)):
         ack = await js.publish(subject, b"x", timeout=5)
         assert ack.seq > 0, subject
     await msg.ack()
@@ -131,7 +152,7 @@ async def test_worker_does_its_job(trainer, worker):
 
 FORBIDDEN = ["fresh-lane", "delete-stream", "purge-stream", "policy-put", "other-pool", "delete-by-sequence",
              "consumer-update", "consumer-durable-update", "consumer-delete", "other-pool-resume", "control-put",
-             "weights-put"]
+             "weights-put", "other-pool-env", "env-consumer"]
 
 
 @pytest.mark.slow
@@ -151,6 +172,8 @@ async def test_worker_is_refused(trainer, worker, case):
         "other-pool-resume": (wire.resume_subject("reserved"), b"injected hand-off"),
         "control-put": (f"$KV.{wire.BUCKET_CONTROL}.{wire.CONTROL_ALL}", b"drain"),
         "weights-put": (f"$O.{wire.BUCKET_WEIGHTS}.M.x", b"{}"),
+        "other-pool-env": (wire.env_subject("reserved"), b"injected episode"),
+        "env-consumer": (f"$JS.API.CONSUMER.MSG.NEXT.{rq}.{wire.ENV_CONSUMER}", b'{"batch": 1}'),  # the env role's
     }
     if case in raw:
         subject, payload = raw[case]
@@ -187,6 +210,227 @@ async def test_worker_is_refused(trainer, worker, case):
         assert entry is None or entry.value != b"999"
     info = await trainer.consumer_info(rq, durable)  # the pool consumer is there, unchanged
     assert info.config.max_deliver == wire.ConsumerSpec().max_deliver
+
+
+# ---------------------------------------------------------------- the env role (environment workers)
+
+
+async def test_env_identity_does_its_job(trainer, worker, env_identity):
+    """What workers/env_worker.py does on NATS, as the env identity: wait for the provisioned
+    servers and join `rb-env` (reads only), take the episode a generation worker identity
+    handed to its pool's environment lane, extend and ack it, publish environment token chunks,
+    a lease event, a dead letter, an error result and the episode back to its pool's resume
+    lane. No permission violation on either identity."""
+    await trainer.purge_stream(wire.STREAM_REQUESTS)  # other tests' messages: this one's lane starts empty
+    wnc, wjs, werrors = worker
+    nc, js, errors = env_identity
+    assert await bus.provision_or_wait(js)  # as open_clients(wait_provisioned=True): nothing to create
+    spec = wire.ConsumerSpec()
+    assert await bus.join_pool(js, wire.ENV_CONSUMER, spec, configs=[bus.env_consumer_config(spec)]) is not None
+    rid = f"env-auth-{uuid.uuid4().hex[:8]}"
+    await wjs.publish(wire.env_subject(POOL), b"episode", headers={wire.HDR_MSG_ID: wire.env_handoff_msg_id(rid, 1)})
+    sub = await js.pull_subscribe_bind(durable=wire.ENV_CONSUMER, stream=wire.STREAM_REQUESTS)
+    (msg,) = await sub.fetch(1, timeout=5)
+    assert msg.data == b"episode" and wire.env_lane_pool(msg.subject) == POOL
+    await msg.in_progress()  # a long tool call extends ack_wait
+    for subject in (wire.token_subject(1, "env-w1"), wire.event_subject(1, rid), wire.dlq_subject(wire.STREAM_REQUESTS),
+                    wire.result_subject(1)):
+        assert (await js.publish(subject, b"x", timeout=5)).seq > 0, subject
+    back = await js.publish(wire.resume_subject(POOL), msg.data, timeout=5,
+                            headers={wire.HDR_MSG_ID: wire.env_return_msg_id(rid, 1, False)})
+    await msg.ack()
+    await nc.flush()
+    await wnc.flush()
+    assert not errors.refusals() and not werrors.refusals(), (errors.seen, werrors.seen)
+    # the episode is on its pool's resume lane, for the generation workers; the env lane is empty
+    got = await trainer.get_msg(wire.STREAM_REQUESTS, back.seq)
+    assert got.subject == wire.resume_subject(POOL) and got.data == b"episode"
+    assert (await trainer.consumer_info(wire.STREAM_REQUESTS, wire.ENV_CONSUMER)).num_pending == 0
+
+
+async def test_env_identity_runs_the_checkpoint_scripts(secured):
+    """An episode's tool phase in Redis: a generation worker (worker identity) records a model
+    turn and lets go; the env identity claims it (inherit), renews, appends the tool's tokens
+    and the state after them, releases; claims again and finishes (an `error` result's path).
+    What it may not do: test_redis_refuses_rollout_identities."""
+    _, st = secured
+    admin = CheckpointStore(redis_url(st, "trainer", TRAINER_PW))
+    assert await admin.load_scripts()
+    gen = CheckpointStore(redis_url(st, "worker", WORKER_PW))
+    env = CheckpointStore(redis_url(st, "env", ENV_PW))
+    rid = f"env-acl-{uuid.uuid4().hex[:8]}"
+    try:
+        assert not await env.load_scripts()  # EVALSHA only: the trainer loads them
+        c = await gen.claim(rid, "spot-gen", 0, ttl_s=10.0, weights="w0", episode=True)
+        assert await gen.append(rid, "spot-gen", c.epoch, 0, [5, 6, 7], [-0.1] * 3, 10.0) == 3
+        await gen.put_episode(rid, "spot-gen", c.epoch, wire.EpisodeState(turn=1, at=3), 10.0)
+        assert await gen.release(rid, c.epoch)
+        e = await env.claim(rid, "env-1", 0, ttl_s=10.0, episode=True, inherit=True)
+        assert e.epoch > c.epoch and e.token_ids == [5, 6, 7] and e.episode.at == 3
+        await env.renew(rid, "env-1", e.epoch, 10.0)
+        assert await env.append_env(rid, "env-1", e.epoch, 3, [8, 9], wire.EpisodeState(turn=1, at=5), 10.0) == 5
+        await env.put_episode(rid, "env-1", e.epoch, wire.EpisodeState(turn=1, at=5), 10.0)
+        assert (await env.episode(rid)).at == 5
+        assert await env.release(rid, e.epoch)
+        again = await env.claim(rid, "env-1", 0, ttl_s=10.0, episode=True, inherit=True)
+        await env.finish(rid, again.epoch, 5)
+        assert (await admin.read(rid))[0] == [5, 6, 7, 8, 9]
+    finally:
+        for store in (admin, gen, env):
+            await store.close()
+
+
+ENV_FORBIDDEN = ["fresh-lane", "env-lane", "pool-consumer", "resume-consumer", "env-consumer-update",
+                 "consumer-create", "consumer-delete", "delete-by-sequence", "delete-stream", "registry-put",
+                 "policy-read", "policy-put", "control-put", "weights-read", "weights-put"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ENV_FORBIDDEN)
+async def test_env_identity_is_refused(trainer, env_identity, case):
+    """What an environment worker's credential may not do: inject prompts or episodes, serve the
+    generation lanes, (re)configure or add consumers, delete streams or messages, heartbeat,
+    read or move the policy pointer, read or write weights. Refused by the server, and nothing
+    happened."""
+    nc, js, errors = env_identity
+    rq, env = wire.STREAM_REQUESTS, wire.ENV_CONSUMER
+    update = (b'{"stream_name": "RB_REQUESTS", "config": {"durable_name": "rb-env", "ack_policy": "explicit", '
+              b'"max_deliver": 1, "filter_subject": "rb.req.*.env"}}')
+    raw = {  # sent raw where the call is a plain publish or a JetStream API request
+        "env-lane": (wire.env_subject(POOL), b"injected episode"),
+        "pool-consumer": (f"$JS.API.CONSUMER.MSG.NEXT.{rq}.{wire.consumer_name(POOL)}", b'{"batch": 1}'),
+        "resume-consumer": (f"$JS.API.CONSUMER.MSG.NEXT.{rq}.{wire.resume_consumer_name(POOL)}", b'{"batch": 1}'),
+        "env-consumer-update": (f"$JS.API.CONSUMER.CREATE.{rq}.{env}", update),
+        "consumer-create": (f"$JS.API.CONSUMER.DURABLE.CREATE.{rq}.rb-env-shadow", update.replace(b'"rb-env"',
+                                                                                                   b'"rb-env-shadow"')),
+        "consumer-delete": (f"$JS.API.CONSUMER.DELETE.{rq}.{env}", b""),
+        "delete-by-sequence": (f"$JS.API.STREAM.MSG.DELETE.{rq}", b'{"seq": 1}'),
+        "policy-read": (f"$JS.API.DIRECT.GET.KV_{wire.BUCKET_POLICY}.$KV.{wire.BUCKET_POLICY}.{wire.WEIGHTS_POINTER_KEY}",
+                        b""),
+        "control-put": (f"$KV.{wire.BUCKET_CONTROL}.{wire.CONTROL_ALL}", b"drain"),
+        "weights-put": (f"$O.{wire.BUCKET_WEIGHTS}.M.x", b"{}"),
+    }
+    before = (await trainer.stream_info(rq)).state.messages
+    if case in raw:
+        subject, payload = raw[case]
+        await nc.publish(subject, payload)
+    elif case == "fresh-lane":
+        subject = wire.request_subject(POOL)
+        with pytest.raises(Exception):
+            await js.publish(subject, b"injected prompt", timeout=1)
+    elif case == "delete-stream":
+        subject = f"$JS.API.STREAM.DELETE.{wire.STREAM_TOKENS}"
+        with pytest.raises(Exception):
+            await js.delete_stream(wire.STREAM_TOKENS)
+    elif case == "registry-put":  # no heartbeat: the trainer counts generation workers only
+        subject = f"$KV.{wire.BUCKET_WORKERS}.env-1"
+        kv = await js.key_value(wire.BUCKET_WORKERS)
+        with pytest.raises(Exception):
+            await kv.put("env-1", b"hb")
+    elif case == "policy-put":
+        subject = f"$KV.{wire.BUCKET_POLICY}.{wire.WEIGHTS_POINTER_KEY}"
+        kv = await js.key_value(wire.BUCKET_POLICY)
+        with pytest.raises(Exception):
+            await kv.put(wire.WEIGHTS_POINTER_KEY, b"999")
+    else:  # weights-read: the trainer put an object; the env identity cannot read it
+        subject = f"$JS.API.STREAM.MSG.GET.OBJ_{wire.BUCKET_WEIGHTS}"
+        await (await trainer.create_object_store(wire.BUCKET_WEIGHTS)).put("probe", b"weights")
+        store = await js.object_store(wire.BUCKET_WEIGHTS)  # stream info: a look-up it may make
+        with pytest.raises(Exception):
+            await store.get("probe")
+    await nc.flush()
+    await errors.wait_for(subject)
+    # and nothing happened: no message was added, the streams are there, the env consumer unchanged, alone
+    assert (await trainer.stream_info(rq)).state.messages == before
+    for name in (wire.STREAM_TOKENS, rq):
+        assert (await trainer.stream_info(name)).config.name == name
+    info = await trainer.consumer_info(rq, env)
+    assert info.config.max_deliver == wire.ConsumerSpec().max_deliver and info.config.filter_subject == wire.ENV_FILTER
+    assert "rb-env-shadow" not in {c.name for c in await trainer.consumers_info(rq)}
+    if case == "policy-put":
+        try:
+            entry = await (await trainer.key_value(wire.BUCKET_POLICY)).get(wire.WEIGHTS_POINTER_KEY)
+        except nats.js.errors.KeyNotFoundError:
+            entry = None
+        assert entry is None or entry.value != b"999"
+
+
+def test_env_permissions_shape():
+    perms = auth.env_permissions(["spot"])
+    allow, deny = perms["publish"]["allow"], perms["publish"]["deny"]
+    lanes = [s for s in allow if s.startswith("rb.req.")]
+    assert lanes == ["rb.req.spot.resume"]  # its pools' resume lanes: no fresh lane, no environment lane
+    assert {"rb.req.*", "rb.req.*.env", "$KV.>", "$O.>"} <= set(deny)
+    rb_env = [s for s in allow if ".rb-env" in s]
+    assert rb_env == ["$JS.API.CONSUMER.INFO.RB_REQUESTS.rb-env", "$JS.API.CONSUMER.MSG.NEXT.RB_REQUESTS.rb-env",
+                      "$JS.ACK.RB_REQUESTS.rb-env.>"]
+    reads = ("CONSUMER.CREATE", "DIRECT.GET", "MSG.GET", "$KV", "$O.")  # no consumer of its own, no KV/object read
+    assert not [s for s in allow if any(r in s for r in reads)]
+    # the worker's refusals are the env role's too
+    assert set(auth.worker_permissions()["publish"]["deny"]) >= set(deny) - {"rb.req.*.env", "$KV.>", "$O.>"}
+    conf = auth.render_nats_conf(ServicesSettings(auth=AuthSettings(env_password="p")))
+    assert 'user: "env"' in conf and 'user: "worker"' not in conf  # a role is on with its password alone
+    assert "user env on >p " in auth.render_redis_acl(AuthSettings(env_password="p"))
+
+
+@pytest.mark.slow
+async def test_episodes_run_on_the_environment_pool_under_their_identities(secured, trainer, tmp_path):
+    """The environment pool end to end with per-role identities: a generation worker (worker
+    identity, `env.inline = false`) hands every tool call to its pool's environment lane, an
+    environment worker (env identity) runs them and sends each episode back, the trainer
+    identity collects and verifies the results. Neither rollout identity meets a refusal."""
+    import episode_env
+    from helpers import step_results
+
+    from rlboost.clients import open_clients
+    from rlboost.config import EnvSettings, WorkerSettings
+    from rlboost.envs import calculator
+    from rlboost.pool_client import PoolClient
+    from workers.counters import Counters
+    from workers.engines.scripted import ScriptedEngine
+    from workers.env_worker import EnvWorker
+    from workers.worker import RolloutWorker
+
+    _, st = secured
+    await trainer.purge_stream(wire.STREAM_REQUESTS)
+    step = 41
+    rows = calculator.rows("train", 3, seed=41)
+    log = str(tmp_path / "calls.log")
+    reqs = await episode_env.requests(step, rows, log, max_turns=6, max_turn_tokens=64,
+                                      run=f"envid{uuid.uuid4().hex[:6]}")
+    werrors, eerrors = Errors(), Errors()
+    env_settings = EnvSettings(ref=episode_env.ENV_REF, inline=False)
+    # the pools' consumer settings as provisioned (the rollout identities may not reconfigure them)
+    async with open_clients(nats_url(st, "worker", WORKER_PW), redis_url(st, "worker", WORKER_PW), "test-gen-id",
+                            wait_provisioned=True, nats_options={"error_cb": werrors}) as wc, \
+            open_clients(nats_url(st, "env", ENV_PW), redis_url(st, "env", ENV_PW), "test-env-id",
+                         wait_provisioned=True, nats_options={"error_cb": eerrors}) as ec, \
+            open_clients(nats_url(st, "trainer", TRAINER_PW), redis_url(st, "trainer", TRAINER_PW), "test-trainer-id",
+                         pools=(POOL,)) as tc:
+        gen = RolloutWorker(WorkerSettings(pool=POOL, slots=4, checkpoint_tokens=4, heartbeat_s=0.2),
+                            ScriptedEngine(episode_env.tokenizer(), episode_env.solver(rows)), wc,
+                            worker_id=f"{POOL}-gen-id", counters=Counters(), env=env_settings)
+        env = EnvWorker(WorkerSettings(heartbeat_s=0.2), env_settings, ec, worker_id="env-id-1", counters=Counters(),
+                        tokenizer=episode_env.tokenizer())
+        tasks = [asyncio.create_task(gen.run()), asyncio.create_task(env.run())]
+        try:
+            manager = PoolClient(tc, POOL)
+            await manager.publish_step(reqs)
+            got = await step_results(tc.js, step, len(reqs), timeout=60)
+        finally:
+            gen.request_drain("test over")
+            env.request_drain("test over")
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await gen.settled()
+        assert sorted(got) == sorted(r.request_id for r in reqs)
+        by_id = {r.request_id: r for r in reqs}
+        for r in got.values():
+            assert await manager.verify_result(step, r, by_id[r.request_id]) == ""
+            assert r.episode.calls and {c.worker_id for c in r.episode.calls} == {env.worker_id}
+    tool_turns = sum(len(row["steps"]) for row in rows)
+    assert env.counters.get("tool_calls") == tool_turns
+    assert env.counters.get("sent_back") == gen.counters.get("to_env_pool") > 0
+    assert not werrors.refusals() and not eerrors.refusals(), (werrors.seen, eerrors.seen)
 
 
 async def test_wrong_password_is_a_clear_error(secured):
@@ -253,15 +497,17 @@ async def test_redis_acl(secured):
     ("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "SET", "proto-max-bulk-len", "1gb"), ("DEBUG", "SLEEP", 0),
     ("SET", "rb:{x}:tok", "64MiB"), ("SET", "not-a-checkpoint", "1"), ("OBJECT", "ENCODING", "{tok}"),
 ])
-async def test_redis_refuses_the_worker(secured, command):
-    """What a stolen worker credential may not do in Redis; the checkpoint it aimed at survives."""
+@pytest.mark.parametrize("who", ["worker", "env"])
+async def test_redis_refuses_rollout_identities(secured, command, who):
+    """What a stolen worker (or environment worker) credential may not do in Redis; the
+    checkpoint it aimed at survives."""
     _, st = secured
     trainer_store = CheckpointStore(redis_url(st, "trainer", TRAINER_PW))
     await trainer_store.load_scripts()
     rid = f"probe-{uuid.uuid4().hex[:8]}"
     c = await trainer_store.claim(rid, "w1", policy_version=0, ttl_s=10.0)
     await trainer_store.append(rid, "w1", c.epoch, 0, [5, 6], [-0.1, -0.2], 10.0)
-    worker = aioredis.from_url(redis_url(st, "worker", WORKER_PW))
+    worker = aioredis.from_url(redis_url(st, who, {"worker": WORKER_PW, "env": ENV_PW}[who]))
     args = [wire.ckpt_tokens_key(rid) if a == "{tok}" else b"x" * (64 << 20) if a == "64MiB" else a for a in command]
     try:
         with pytest.raises((redis.exceptions.NoPermissionError, redis.exceptions.ConnectionError,
@@ -282,6 +528,10 @@ def test_worker_permissions_shape():
     assert "rb.req.spot.resume" in allow and "rb.req.spot" not in allow and "rb.req.*" in deny
     assert not [s for s in allow if s.startswith(("$JS.API.STREAM.DELETE", "$JS.API.STREAM.UPDATE", "$KV.rb-policy"))]
     assert perms["subscribe"]["allow"][0] == "_INBOX.>"
+    assert "rb.req.spot.env" in allow and "rb.req.*.env" in auth.worker_permissions()["publish"]["allow"]
+    # `*` covers every consumer of the requests stream: the environment lane's is denied by name
+    assert "$JS.API.CONSUMER.MSG.NEXT.RB_REQUESTS.*" in auth.worker_permissions()["publish"]["allow"]
+    assert "$JS.API.CONSUMER.MSG.NEXT.RB_REQUESTS.rb-env" in auth.worker_permissions()["publish"]["deny"]
     with pytest.raises(wire.WireError):
         auth.worker_pools(AuthSettings(worker_pools="spot,bad.pool"))
 
@@ -386,6 +636,10 @@ async def test_a_default_worker_serves_over_mutual_tls(tls_default, tmp_path):
     await nc.publish(f"$KV.{wire.BUCKET_POLICY}.{wire.WEIGHTS_POINTER_KEY}", b"999")
     await nc.flush()
     await errors.wait_for(f"$KV.{wire.BUCKET_POLICY}.{wire.WEIGHTS_POINTER_KEY}")
+    # any pool (`*`) is every generation lane, not the environment lane's consumer (the env role's)
+    await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{wire.STREAM_REQUESTS}.{wire.ENV_CONSUMER}", b'{"batch": 1}')
+    await nc.flush()
+    await errors.wait_for(f"$JS.API.CONSUMER.MSG.NEXT.{wire.STREAM_REQUESTS}.{wire.ENV_CONSUMER}")
     await nc.close()
     env = {**os.environ, "RLBOOST_NATS_URL": plain, "RLBOOST_REDIS_URL": f"redis://127.0.0.1:{st.redis_port}/0",
            "RLBOOST_SERVICES__NATS_NKEY_SEED": seed,
@@ -476,6 +730,43 @@ async def test_a_worker_with_other_settings_waits_for_and_serves_its_pool(secure
     assert log.count("waiting for the trainer to provision the streams") == 1, log[-3000:]
     assert log.count("waiting for the trainer to provision this pool") == 1, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.slow
+async def test_an_env_worker_process_with_the_env_identity_serves_metrics_and_drains(secured, trainer, tmp_path):
+    """`rlboost env-worker` as compose/k8s start it: the env identity from RLBOOST_SERVICES__*,
+    plain URLs, a metrics port. It joins `rb-env` with no refusal, serves /metrics (the health
+    check and readiness probe) and leaves on SIGTERM (a preemption notice) with exit 0."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from rlboost.services import free_port
+
+    _, st = secured
+    port = free_port()
+    env = {**os.environ, "RLBOOST_NATS_URL": f"nats://127.0.0.1:{st.nats_port}",
+           "RLBOOST_REDIS_URL": f"redis://127.0.0.1:{st.redis_port}/0",
+           "RLBOOST_SERVICES__NATS_USER": "env", "RLBOOST_SERVICES__NATS_PASSWORD": ENV_PW,
+           "RLBOOST_SERVICES__REDIS_USER": "env", "RLBOOST_SERVICES__REDIS_PASSWORD": ENV_PW,
+           "RLBOOST_METRICS__PORT": str(port), "OMP_NUM_THREADS": "1"}
+    path = tmp_path / "env-worker.log"
+    with open(path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "env-worker", "--worker-id", "env-proc-1"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        await _wait_for_line(path, "environment worker started", proc)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            assert r.status == 200 and b"process_cpu_seconds_total" in r.read()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = path.read_text(errors="replace")
+    assert "environment worker stopped" in log and "ermission" not in log and "Traceback" not in log, log[-3000:]
 
 
 async def test_a_forged_result_cannot_pre_empt_the_genuine_one(secured, trainer):

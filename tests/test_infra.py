@@ -86,10 +86,10 @@ def test_generated_auth_files_are_current():
 
 def test_no_secrets_in_files():
     env = env_example()
-    assert set(env) >= {auth.ENV_TRAINER_PASSWORD, auth.ENV_WORKER_PASSWORD}
+    assert set(env) >= {auth.ENV_TRAINER_PASSWORD, auth.ENV_WORKER_PASSWORD, auth.ENV_ENV_PASSWORD}
     texts = {p: p.read_text() for p in [*INFRA.rglob("*.yaml"), *INFRA.rglob("*.conf"), INFRA / "compose.yaml"]}
     for p, text in texts.items():
-        for example in (env[auth.ENV_TRAINER_PASSWORD], env[auth.ENV_WORKER_PASSWORD]):
+        for example in (env[auth.ENV_TRAINER_PASSWORD], env[auth.ENV_WORKER_PASSWORD], env[auth.ENV_ENV_PASSWORD]):
             assert example not in text, p
         assert "password: \"" not in text, p  # nats.conf: only $ENV references
     assert not [d for d in k8s_docs() if d["kind"] == "Secret"], "Secrets are created by hand, never committed"
@@ -102,7 +102,7 @@ def test_no_secrets_in_files():
 def test_compose_services_and_scaling():
     c = compose()
     svc = c["services"]
-    assert set(svc) >= {"nats", "redis", "trainer", "worker"}
+    assert set(svc) >= {"nats", "redis", "trainer", "worker", "env-worker"}
     for name in svc:
         assert "healthcheck" in svc[name], f"{name} has no health check"
     # NATS: JetStream on a persistent volume, the config file mounted
@@ -111,40 +111,55 @@ def test_compose_services_and_scaling():
     assert any(v.split(":")[0] in c["volumes"] and v.split(":")[1] == "/data" for v in vols)
     assert svc["nats"]["command"] == ["-c", "/etc/nats/nats.conf"]
     assert "store_dir" in (INFRA / "nats" / "nats.conf").read_text()
-    # one image from infra/Dockerfile for trainer and worker
-    for name in ("trainer", "worker"):
+    # one image from infra/Dockerfile for trainer, worker and env-worker
+    for name in ("trainer", "worker", "env-worker"):
         assert svc[name]["build"]["dockerfile"] == "infra/Dockerfile"
         assert (INFRA / svc[name]["build"]["context"] / svc[name]["build"]["dockerfile"]).resolve() == INFRA / "Dockerfile"
-    # scalable worker: nothing that pins one instance
-    w = svc["worker"]
-    assert "container_name" not in w and "ports" not in w
-    assert all(not v.startswith("/") for v in w.get("volumes", []))  # no host paths
-    assert w["stop_signal"] == "SIGTERM"
+    # scalable workers: nothing that pins one instance
+    for name in ("worker", "env-worker"):
+        w = svc[name]
+        assert "container_name" not in w and "ports" not in w, name
+        assert all(not v.startswith("/") for v in w.get("volumes", [])), name  # no host paths
+        assert w["stop_signal"] == "SIGTERM", name
+        assert "/metrics" in " ".join(w["healthcheck"]["test"]), name  # it serves them (RLBOOST_METRICS__PORT)
+    # the server secrets: every role's password reaches NATS and Redis
+    for name in ("nats", "redis"):
+        assert set(svc[name]["environment"]) >= {auth.ENV_TRAINER_PASSWORD, auth.ENV_WORKER_PASSWORD,
+                                                 auth.ENV_ENV_PASSWORD}, name
 
 
 def test_compose_matches_embedded_mode():
     """Same settings (RLBOOST_* of rlboost/config.py) and the same commands as the embedded mode."""
     env = env_example()
     svc = compose()["services"]
-    for name, role in (("trainer", "trainer"), ("worker", "worker")):
+    for name, role in (("trainer", "trainer"), ("worker", "worker"), ("env-worker", "env")):
         e = {k: interpolate(str(v), env) for k, v in svc[name]["environment"].items()}
         s = settings_from(e)
         assert s.services.nats_url.startswith("nats://nats:") and s.services.redis_url.startswith("redis://redis:")
         assert s.services.nats_user == role and s.services.redis_user == role
-        assert s.services.nats_password == env[f"RLBOOST_SERVICES__AUTH__{role.upper()}_PASSWORD"]
+        secret = env[f"RLBOOST_SERVICES__AUTH__{role.upper()}_PASSWORD"]
+        assert s.services.nats_password == s.services.redis_password == secret
         assert s.metrics.port > 0 and s.metrics.bind == "0.0.0.0"
+        assert getattr(Settings().services.auth, f"{role}_user") == role  # the role's user name in the server configs
     cmd = interpolate(svc["worker"]["command"], env).split()
     assert cmd[:2] == ["rlboost", "worker"]
     a = cmd[2:]
     assert a[a.index("--pool") + 1] == env["RLBOOST_WORKER__POOL"] and a[a.index("--engine") + 1] in ("emulated", "torch", "vllm")
     from rlboost.cli import COMMANDS
 
-    assert "worker" in COMMANDS and "run" in COMMANDS
+    assert "worker" in COMMANDS and "run" in COMMANDS and "env-worker" in COMMANDS
     assert interpolate(svc["trainer"]["command"], env).split()[:2] == ["rlboost", "run"]
-    # the worker's drain fits inside the stop grace period
-    grace = float(svc["worker"]["stop_grace_period"].rstrip("s"))
-    drain = settings_from({k: interpolate(str(v), env) for k, v in svc["worker"]["environment"].items()}).worker.drain_grace_s
-    assert grace >= drain + 5
+    ecmd = interpolate(svc["env-worker"]["command"], env).split()
+    assert ecmd[:2] == ["rlboost", "env-worker"] and ecmd[ecmd.index("--model-dir") + 1] == a[a.index("--model-dir") + 1]
+    # the workers' drain fits inside the stop grace period
+    for name in ("worker", "env-worker"):
+        grace = float(svc[name]["stop_grace_period"].rstrip("s"))
+        drain = settings_from({k: interpolate(str(v), env) for k, v in svc[name]["environment"].items()}).worker.drain_grace_s
+        assert grace >= drain + 5, name
+    # the generation workers hand tool calls to the env-worker service when .env says so
+    ws = settings_from({k: interpolate(str(v), {**env, "RLBOOST_ENV__INLINE": "false"})
+                        for k, v in svc["worker"]["environment"].items()})
+    assert ws.env.inline is False
     # every ${VAR} without a default is in .env.example
     text = (INFRA / "compose.yaml").read_text()
     for m in _VAR.finditer(text):
@@ -244,7 +259,7 @@ def test_k8s_references_resolve():
             for e in c.get("env", []):
                 ref = e.get("valueFrom", {}).get("secretKeyRef")
                 if ref:
-                    assert ref["name"] == "rlboost-auth" and ref["key"] in (auth.ENV_TRAINER_PASSWORD, auth.ENV_WORKER_PASSWORD)
+                    assert ref["name"] == "rlboost-auth" and ref["key"] in PASSWORDS
     # the scripts and configs the containers run are the generated ones
     assert "nats.conf" in configmaps["rlboost-nats-config"]["data"]
     assert "start-redis.sh" in configmaps["rlboost-redis-start"]["data"]
@@ -272,8 +287,47 @@ def test_k8s_worker_on_spot_with_drain():
     assert settings_from(_env(t["containers"][0])).services.nats_user == "trainer"
 
 
+def test_k8s_env_worker_on_cpu_spot_with_drain():
+    """The environment workers: CPU nodes (no GPU asked for, GPU nodes ruled out), spot allowed,
+    the env identity, the drain within the grace, ready once /metrics answers."""
+    d = by_kind("Deployment")["rlboost-env-worker"]
+    spec = d["spec"]["template"]["spec"]
+    worker = by_kind("Deployment")["rlboost-worker"]["spec"]["template"]["spec"]
+    assert {t["key"] for t in spec["tolerations"]} == {t["key"] for t in worker["tolerations"]}  # spot, as the workers
+    (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert {(m["key"], m["operator"]) for m in term["matchExpressions"]} >= {("nvidia.com/gpu.present", "DoesNotExist")}
+    (c,) = spec["containers"]
+    assert c["command"][:2] == ["rlboost", "env-worker"]
+    assert "nvidia.com/gpu" not in str(c.get("resources", {}))
+    s = settings_from(_env(c))
+    assert s.services.nats_user == "env" and s.services.redis_user == "env"
+    keys = {e["valueFrom"]["secretKeyRef"]["key"] for e in c["env"] if "valueFrom" in e}
+    assert keys == {auth.ENV_ENV_PASSWORD}  # its own secret, not the worker's
+    assert "kill -TERM 1" in " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
+    assert spec["terminationGracePeriodSeconds"] >= s.worker.drain_grace_s + 10
+    assert c["readinessProbe"]["httpGet"]["path"] == "/metrics" and s.metrics.port == c["ports"][0]["containerPort"]
+    for name in ("nats", "redis"):  # the servers know the env role's password
+        (server,) = by_kind("StatefulSet")[name]["spec"]["template"]["spec"]["containers"]
+        assert auth.ENV_ENV_PASSWORD in _env(server), name
+
+
+def test_k8s_keda_scales_env_workers_on_the_environment_lane():
+    so = by_kind("ScaledObject")["rlboost-env-worker"]
+    assert so["spec"]["scaleTargetRef"]["name"] == "rlboost-env-worker" in by_kind("Deployment")
+    (t,) = so["spec"]["triggers"]
+    m = t["metadata"]
+    assert t["type"] == "nats-jetstream" and m["consumer"] == wire.ENV_CONSUMER and m["stream"] == wire.STREAM_REQUESTS
+    worker_so = by_kind("ScaledObject")["rlboost-worker"]
+    same = next(w for w in worker_so["spec"]["triggers"] if w["type"] == "nats-jetstream")  # the same NATS
+    assert (m["natsServerMonitoringEndpoint"], m["account"]) == (same["metadata"]["natsServerMonitoringEndpoint"],
+                                                                 same["metadata"]["account"])
+    (c,) = by_kind("Deployment")["rlboost-env-worker"]["spec"]["template"]["spec"]["containers"]
+    assert int(m["lagThreshold"]) == settings_from(_env(c)).env.pool_slots  # one env worker per episodes it runs at once
+    assert so["spec"]["minReplicaCount"] == 0 < so["spec"]["maxReplicaCount"]
+
+
 def test_k8s_keda_scales_workers_on_the_pool_consumers():
-    (so,) = by_kind("ScaledObject").values()
+    so = by_kind("ScaledObject")["rlboost-worker"]
     assert so["spec"]["scaleTargetRef"]["name"] == "rlboost-worker"
     assert so["spec"]["scaleTargetRef"]["name"] in by_kind("Deployment")
     worker_cmd = by_kind("Deployment")["rlboost-worker"]["spec"]["template"]["spec"]["containers"][0]["command"]
@@ -327,7 +381,8 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-PASSWORDS = {auth.ENV_TRAINER_PASSWORD: "t-infra-pw", auth.ENV_WORKER_PASSWORD: "w-infra-pw"}
+PASSWORDS = {auth.ENV_TRAINER_PASSWORD: "t-infra-pw", auth.ENV_WORKER_PASSWORD: "w-infra-pw",
+             auth.ENV_ENV_PASSWORD: "e-infra-pw"}
 
 
 async def test_committed_nats_conf_runs(tmp_path):
@@ -359,6 +414,21 @@ async def test_committed_nats_conf_runs(tmp_path):
             await asyncio.sleep(0.05)
         assert errors and "permissions violation" in errors[0]
         await wk.close()
+        env_errors: list[str] = []
+
+        async def env_cb(e: Exception) -> None:
+            env_errors.append(str(e).lower())
+
+        ev = await bus.connect(f"nats://env:e-infra-pw@127.0.0.1:{port}", error_cb=env_cb)
+        assert (await ev.jetstream().publish(wire.resume_subject("spot"), b"back")).seq > 0
+        await ev.publish(wire.env_subject("spot"), b"nope")  # the env lane is the generation workers'
+        await ev.flush()
+        for _ in range(60):
+            if env_errors:
+                break
+            await asyncio.sleep(0.05)
+        assert env_errors and "permissions violation" in env_errors[0] and "rb.req.spot.env" in env_errors[0]
+        await ev.close()
         await tr.close()
         with pytest.raises(ConnectionError, match="refused the credentials"):
             await bus.connect(f"nats://worker:t-infra-pw@127.0.0.1:{port}")
@@ -383,6 +453,11 @@ def test_committed_redis_start_script_runs(tmp_path):
         with pytest.raises(redis.exceptions.NoPermissionError):
             w.flushall()
         w.close()
+        e = redis.Redis(port=port, username="env", password="e-infra-pw")
+        assert e.append("rb:{x}:tok", b"1234") == 12
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            e.set("not-a-checkpoint", b"1")
+        e.close()
         with pytest.raises(redis.exceptions.AuthenticationError):
             redis.Redis(port=port, username="worker", password="t-infra-pw").ping()
         t = redis.Redis(port=port, username="trainer", password="t-infra-pw")
@@ -493,7 +568,7 @@ def test_k8s_cluster_sentinel_watches_the_primary():
 def test_k8s_cluster_clients_know_every_node():
     sts = _cluster("StatefulSet")
     nats, sentinel = sts["nats"], sts["redis-sentinel"]
-    for name in ("rlboost-trainer", "rlboost-worker"):
+    for name in ("rlboost-trainer", "rlboost-worker", "rlboost-env-worker"):
         (c,) = _cluster("Deployment")[name]["spec"]["template"]["spec"]["containers"]
         s = settings_from(_env(c))
         assert s.services.nats_replicas == nats["spec"]["replicas"]
@@ -535,7 +610,9 @@ def test_compose_cluster_override():
     assert "sentinel monitor rb redis 6379 1" in " ".join(svc["redis-sentinel"]["entrypoint"])
     for k in ("redis-replica", "redis-sentinel", "nats-2", "nats-3"):
         assert "healthcheck" in svc[k] and svc[k]["restart"] == "unless-stopped", k
-    for name in ("trainer", "worker"):
+    for k in ("nats-2", "nats-3", "redis-replica"):  # the generated configs name every role's password
+        assert set(svc[k]["environment"]) >= set(PASSWORDS), k
+    for name in ("trainer", "worker", "env-worker"):
         e = {**base[name]["environment"], **over["services"][name]["environment"]}
         s = settings_from({k: interpolate(str(v), env) for k, v in e.items()})
         assert sorted(s.services.nats_url.split(",")) == sorted(f"nats://{n}:4222" for n in nodes)

@@ -78,3 +78,34 @@ def test_counter_sync_turns_snapshots_into_increments(endpoint):
 def test_second_start_is_idempotent(endpoint):
     port = int(endpoint.split(":")[2].split("/")[0])
     assert metrics.start_metrics_server(0) == port
+
+
+async def test_queue_pending_reads_the_environment_lane_once(js, endpoint):
+    """The trainer's poller sets the env lane's backlog from the one `rb-env` consumer (every
+    pool's lane), labelled pool="*" (what keda.yaml's env-worker trigger counts), beside each
+    pool's fresh and resume lanes."""
+    import asyncio
+
+    from rlboost import bus, wire
+
+    await bus.provision(js, pools=("spot", "gpu"))  # two pools' lanes, one environment consumer
+    for pool, n in (("spot", 2), ("gpu", 3)):
+        for i in range(n):
+            await js.publish(wire.env_subject(pool), f"{pool}-{i}".encode())
+    await js.publish(wire.request_subject("spot"), b"fresh")
+    stop = asyncio.Event()
+    poller = asyncio.create_task(metrics.poll_queue_pending(js, ("spot", "gpu"), stop, interval_s=0.05))
+    try:
+        for _ in range(100):  # until the first poll is in
+            text = scrape(endpoint)
+            if 'lane="env"' in text:
+                break
+            await asyncio.sleep(0.05)
+        assert sample(text, "rlboost_queue_pending_requests", pool=metrics.ENV_LANE_POOL, lane="env") == 5
+        assert sample(text, "rlboost_queue_ack_pending_requests", pool=metrics.ENV_LANE_POOL, lane="env") == 0
+        assert sample(text, "rlboost_queue_pending_requests", pool="spot", lane="fresh") == 1
+        assert sample(text, "rlboost_queue_pending_requests", pool="gpu", lane="resume") == 0
+        assert not [line for line in text.splitlines() if 'lane="env"' in line and 'pool="spot"' in line]
+    finally:
+        stop.set()
+        await poller

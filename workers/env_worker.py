@@ -41,7 +41,7 @@ from typing import TypeVar
 import redis.exceptions
 from nats.aio.msg import Msg
 
-from rlboost import bus, episodes, wire
+from rlboost import bus, episodes, metrics, wire
 from rlboost.checkpoint import AlreadyFinished, CorruptCheckpoint, LeaseHeld, LeaseLost
 from rlboost.checkpoint import pack as checkpoint_pack
 from rlboost.clients import Clients
@@ -333,6 +333,9 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
     nats_url, redis_url = resolve_urls(s.services)
     async with open_clients(nats_url, redis_url, f"rlboost-env-worker-{worker_id}", settings=s,
                             wait_provisioned=True, nats_options=WORKER_NATS_OPTIONS) as c:
+        if s.metrics.port:  # as workers/main.py: what compose's health check and k8s's readiness probe read
+            port = metrics.start_metrics_server(s.metrics.port, s.metrics.bind)
+            get_logger(worker_id=worker_id).info("metrics served", url=f"http://{s.metrics.bind}:{port}/metrics")
         worker = EnvWorker(s.worker, s.env, c, worker_id=worker_id, counters=counters)
         worker.install_signal_handlers()
         watchdog = asyncio.create_task(_exit_after_grace(worker))
