@@ -75,6 +75,7 @@ class EnvWorker:
         self.drain_reason = ""
         self.serving: dict[asyncio.Task, tuple[Msg, list]] = {}  # task -> (message, [request id, epoch] once claimed)
         self._slot_freed = asyncio.Event()
+        self._sending: set[asyncio.Task] = set()  # token chunks and lease events on their way
 
     def request_drain(self, reason: str) -> None:
         if not self.draining.is_set():
@@ -110,7 +111,7 @@ class EnvWorker:
                     task.cancel()
                 await asyncio.gather(*late, return_exceptions=True)
             keep_alive.cancel()
-            await asyncio.gather(keep_alive, return_exceptions=True)
+            await asyncio.gather(keep_alive, *self._sending, return_exceptions=True)
             self.log.info("environment worker stopped", reason=self.drain_reason, **self.counters.snapshot())
 
     async def _feed(self, sub) -> None:
@@ -294,12 +295,18 @@ class EnvWorker:
 
     async def _publish(self, subject: str, data: bytes, msg_id: str) -> None:
         """Token chunks and lease events: what replay reads, not the durability path (the
-        checkpoint is): a failure is logged, never raised."""
-        (out,) = await bus.publish_batch(self.c.js, [(subject, data, {wire.HDR_MSG_ID: msg_id})],
-                                         ack_timeout_s=self.cfg.publish_timeout_s,
-                                         deadline_s=self.cfg.publish_timeout_s)
-        if not out.ok:
-            self.log.warning("publish failed", subject=subject, error=str(out.error))
+        checkpoint is). Sent in the background: an episode does not wait for their acks (a
+        round trip each, per tool phase); a failure is logged, never raised."""
+        async def send() -> None:
+            (out,) = await bus.publish_batch(self.c.js, [(subject, data, {wire.HDR_MSG_ID: msg_id})],
+                                             ack_timeout_s=self.cfg.publish_timeout_s,
+                                             deadline_s=self.cfg.publish_timeout_s)
+            if not out.ok:
+                self.log.warning("publish failed", subject=subject, error=str(out.error))
+
+        task = asyncio.create_task(send())
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def _retrying(self, op: Callable[[], Awaitable[T]]) -> T:
         """The store unreachable for a moment: back off and retry (the message stays in progress)."""
