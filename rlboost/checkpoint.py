@@ -214,16 +214,22 @@ return 1
 _RENEW = """
 local meta, lease = KEYS[1], KEYS[2]
 local ttl = tonumber(ARGV[2])
-if redis.call('HGET', meta, 'epoch') ~= ARGV[1] then return -1 end
-if redis.call('HGET', meta, 'finished') == '1' then return -3 end
+local m = redis.call('HMGET', meta, 'epoch', 'finished', 'released')
+if m[1] ~= ARGV[1] then return -1 end
+if m[2] == '1' then return -3 end
+if m[3] == ARGV[1] then return -1 end  -- released: a late renewal must not take the lease back
 redis.call('SET', lease, ARGV[3] .. ' ' .. ARGV[1], 'PX', ttl)
 return 1
 """
 
+# A release also marks its epoch released: a renewal of that epoch still in flight (a heartbeat
+# racing the hand-off) would otherwise set the lease again, and the next claimer would wait out
+# a whole TTL for a holder that has let go.
 _RELEASE = """
 local meta, lease = KEYS[1], KEYS[2]
 if redis.call('HGET', meta, 'epoch') ~= ARGV[1] then return -1 end
 redis.call('PEXPIRE', lease, 0)  -- deletes it; the worker identity has no DEL
+redis.call('HSET', meta, 'released', ARGV[1])
 return 1
 """
 

@@ -79,6 +79,17 @@ async def test_renew_keeps_the_lease_alive(store, rid):
         await store.claim(rid, "w2", 0, ttl_s=5)
 
 
+async def test_a_renewal_after_a_release_does_not_take_the_lease_back(store, rid):
+    """A heartbeat's renewal racing a hand-off arrives after the release: refused (the lease is
+    lost to that epoch), so the next claimer does not wait out a TTL for a holder that let go."""
+    c = await store.claim(rid, "w1", 0, ttl_s=30)
+    assert await store.release(rid, c.epoch)
+    with pytest.raises(LeaseLost):
+        await store.renew(rid, "w1", c.epoch, ttl_s=30)
+    nxt = await store.claim(rid, "w2", 0, ttl_s=30)  # at once, not after 30 s
+    await store.renew(rid, "w2", nxt.epoch, ttl_s=30)  # the new epoch renews as ever
+
+
 async def test_append_must_continue_where_the_checkpoint_ends(store, rid):
     c = await store.claim(rid, "w1", 0, ttl_s=5)
     await store.append(rid, "w1", c.epoch, 0, [1, 2], [0.0, 0.0], ttl_s=5)

@@ -145,6 +145,11 @@ class EnvWorker:
                 self.serving[task] = (msg, [])
                 task.add_done_callback(self._done)
 
+    def _lease_of_current_task(self) -> list:
+        """[request id, epoch] of the lease the running `_serve` holds (empty: none to renew)."""
+        entry = self.serving.get(asyncio.current_task())  # type: ignore[arg-type]
+        return entry[1] if entry is not None else []
+
     def _done(self, task: asyncio.Task) -> None:
         self.serving.pop(task, None)
         self._slot_freed.set()
@@ -192,7 +197,7 @@ class EnvWorker:
                     await msg.nak(delay=max(0.05, e.retry_after_s))
                 return
             epoch = claim.epoch
-            self.serving[asyncio.current_task()][1][:] = [rid, epoch]  # type: ignore[index]
+            self._lease_of_current_task()[:] = [rid, epoch]  # the keep-alive renews it from now on
             await self._event(req, epoch, "claim", len(claim.token_ids), "environment worker")
             state = claim.episode
             if state is not None and _phase(state) == "tools":
@@ -247,6 +252,7 @@ class EnvWorker:
                          state: wire.EpisodeState | None, at: int) -> None:
         """Release, send to the pool's resume lane (one id per tool phase), then ack."""
         rid = req.request_id
+        self._lease_of_current_task().clear()  # first: the keep-alive no longer renews it
         await self._retrying(lambda: self.c.store.release(rid, epoch))
         turn, done = (state.turn, state.done) if state is not None else (0, False)
         (out,) = await bus.publish_batch(self.c.js, [(wire.resume_subject(pool), msg.data,
@@ -264,6 +270,7 @@ class EnvWorker:
         await self._event(req, epoch, "release", at, f"tools done: {pool} resume lane")
 
     async def _hand_back(self, msg: Msg, rid: str, epoch: int, delay: float = 0.0) -> None:
+        self._lease_of_current_task().clear()
         with contextlib.suppress(Exception):
             if epoch:
                 await self.c.store.release(rid, epoch)

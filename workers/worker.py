@@ -749,19 +749,18 @@ class RolloutWorker:
         then ack (as a hand-off): a crash in between leaves the request's message to come back,
         and its claim finds the calls pending and sends the episode again."""
         rid = a.req.request_id
+        self._forget(a)  # first: no heartbeat renews (or extends) what is being let go
         try:
             released = await self._retrying(lambda: self.c.store.release(rid, a.epoch))
         except Exception as e:
             released = False
             self.log.warning("could not release for the environment pool", request_id=rid, error=repr(e))
         if not released:  # fenced out (or the store refused): the message comes back, or is someone else's
-            self._forget(a)
             return
         (out,) = await bus.publish_batch(
             self.c.js, [(wire.env_subject(self.handoff_pool), a.msg.data,
                          {wire.HDR_MSG_ID: wire.env_handoff_msg_id(rid, a.epoch)})],
             ack_timeout_s=self.cfg.publish_timeout_s, deadline_s=self.cfg.publish_timeout_s * 2)
-        self._forget(a)
         if not out.ok:  # released, not sent: the next claim finds the calls pending and sends it again
             self.log.warning("could not send to the environment pool", request_id=rid, error=str(out.error))
             with contextlib.suppress(Exception):
