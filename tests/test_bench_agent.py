@@ -1,5 +1,5 @@
-"""`rlboost bench agent` end to end on its own servers: both arms finish every episode solved,
-no tool call runs twice, and the figures it reports are there."""
+"""`rlboost bench agent` end to end on its own servers: every arm (held, parked, the environment
+pool) finishes every episode solved, no tool call runs twice, and the figures it reports are there."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import pytest
 
 
 @pytest.mark.slow
-def test_bench_agent_runs_both_arms_and_every_episode_is_solved(tmp_path):
+def test_bench_agent_runs_every_arm_and_every_episode_is_solved(tmp_path):
     p = subprocess.run([sys.executable, "-m", "rlboost.cli", "--data-dir", str(tmp_path / "data"), "bench", "agent",
                         "--episodes", "8", "--slots", "4", "--tool-median", "0.05"],
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    for arm in ("held", "parked"):
+    for arm in ("held", "parked", "pool"):
         assert out[arm]["finished"] == out[arm]["solved"] == 8 and out[arm]["tool_calls_run_twice"] == 0
-        assert out[arm]["tool_calls"] >= 8 and 0 < out[arm]["slot_use"] <= 8 / 4  # parked: the batch may run over its slots
-    assert out["speedup"] > 0
+        assert out[arm]["tool_calls"] >= 8 and 0 < out[arm]["slot_use"] <= 8 / 4  # the batch may run over its slots
+        assert out[arm]["engine_step_s"] > 0
+    assert out["parked_speedup"] > 0 and out["pool_speedup"] > 0
