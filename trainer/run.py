@@ -221,6 +221,9 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
         await seeding.start(timeout_s=90.0)
     if s.env.ref and not s.env.inline:
         fleet.start_env_workers(s.env.env_workers)
+        if not s.env.env_workers:
+            log.warning("env.inline = false and env.env_workers = 0: tool calls wait on the environment lane for "
+                        "environment workers this run does not start (rlboost env-worker)")
     if rs.policy != "colocated" and rs.workers:
         await fleet.start_workers(rs.workers, orchestrator.manager)
     if not resumed.from_checkpoint:
