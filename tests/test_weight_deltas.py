@@ -88,6 +88,16 @@ async def manifest(store: BlobStore, v: int) -> Manifest:
 # ---------------------------------------------------------------- encodings
 
 
+def round_trip(old: torch.Tensor, new: torch.Tensor) -> str:
+    """Encode `new` against `old`, decode it both ways (a copy, in place): bit for bit `new`."""
+    enc, count, payload = deltas.encode(old, new)
+    for inplace in (False, True):
+        base = deltas.bits(old).copy()
+        got = deltas.decode(base, enc, count, payload, new.numel(), new.element_size(), inplace=inplace)
+        assert np.array_equal(got, deltas.bits(new)), (new.dtype, enc, inplace)
+    return enc
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.bool])
 def test_every_encoding_round_trips_bit_exactly(dtype):
     g = torch.Generator().manual_seed(1)
@@ -97,14 +107,66 @@ def test_every_encoding_round_trips_bit_exactly(dtype):
         new = old.clone()
         idx = torch.randperm(old.numel(), generator=g)[:int(frac * old.numel())]
         new[idx] = (torch.randn(idx.numel(), generator=g) * 10).to(dtype) if dtype != torch.bool else ~old[idx]
-        enc, count, payload = deltas.encode(old, new)
-        seen.add(enc)
-        got = deltas.decode(deltas.bits(old), enc, count, payload, new.numel(), new.element_size())
-        assert np.array_equal(got, deltas.bits(new)), (dtype, frac, enc)
+        seen.add(round_trip(old, new))
     enc, count, payload = deltas.encode(None, old)  # no base: raw
     assert enc == "raw" and np.array_equal(deltas.decode(None, enc, count, payload, old.numel(),
                                                          old.element_size()), deltas.bits(old))
-    assert "same" in seen and seen & {"sparse", "xor"}
+    assert "same" in seen and "sparse2" in seen and seen & {"xor", "raw"}
+
+
+def ulp_steps(dtype: torch.dtype, n: int, scale: float, lr: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trainer's step as the publisher sees it: fp32 masters moved by lr, cast. Their magnitudes
+    spread over 8 octaves below `scale` (the small ones change most: a band)."""
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=g) * scale * 2 ** (-8 * torch.rand(n, generator=g))
+    return master.to(dtype), (master + torch.randn(n, generator=g).sign() * lr).to(dtype)
+
+
+# lr: about 1% of a typical element's ULP; fp16's scale keeps most elements above its subnormals
+@pytest.mark.parametrize("dtype, scale, lr", [(torch.bfloat16, 0.02, 1e-6), (torch.float16, 1.0, 1e-6),
+                                              (torch.float32, 0.02, 1e-11)])
+def test_one_ulp_steps_rank_the_small_elements_and_cost_less_than_the_old_format(dtype, scale, lr):
+    old, new = ulp_steps(dtype, 1 << 16, scale, lr, seed=2)
+    assert round_trip(old, new) == "sparse2"
+    enc, count, payload = deltas.encode(old, new)
+    raw = deltas._unzstd(payload, (0, len(payload) * 1000))
+    threshold, _shift, in_band, _ = deltas._HEADER.unpack_from(raw)
+    assert threshold and 0 < in_band < count  # the band holds some changes, the rest are by position
+    # the format before (uint32 gaps and XORs, byte planes) of the same change is bigger
+    ob, nb = deltas.bits(old), deltas.bits(new)
+    idx = np.flatnonzero(ob != nb)
+    legacy = deltas._zstd(deltas._planes((np.diff(idx, prepend=-1) - 1).astype(np.uint32)) + deltas._planes((ob ^ nb)[idx]))
+    assert len(payload) < 0.9 * len(legacy)
+    assert np.array_equal(deltas.decode(ob.copy(), "sparse", count, legacy, old.numel(), old.element_size()), nb)
+
+
+def test_adversarial_tensors_round_trip_bit_exactly():
+    g = torch.Generator().manual_seed(3)
+    pattern = torch.randint(-32768, 32768, (8192,), generator=g, dtype=torch.int32).to(torch.int16)
+    old = pattern.view(torch.bfloat16)  # every bit pattern: NaNs (several payloads), +-inf, -0.0, subnormals
+    assert old.isnan().any()
+    specials = torch.tensor([0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF, 0x8000, 0x0000, 0x0001, 0x7F7F],
+                            dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    old = torch.cat([old, specials])
+    new = old.clone()
+    new.view(torch.int16)[::13] ^= torch.tensor(0x7FFF, dtype=torch.int16)  # jumps across NaN, inf, sign, zero
+    new.view(torch.int16)[-len(specials):] = specials.view(torch.int16).flip(0)  # NaN <-> inf <-> 0 ...
+    assert round_trip(old, new) == "sparse2"
+    assert round_trip(old, old.clone()) == "same"
+    assert round_trip(old, (new.view(torch.int16) + 1).view(torch.bfloat16)) in ("raw", "xor")  # all changed
+    one = old.clone()
+    one.view(torch.int16)[-1] += 1  # a single change, the last element
+    assert round_trip(old, one) == "sparse2"
+    wide = torch.zeros(3 << 20, dtype=torch.bfloat16)  # gaps past 2**16 and 2**21: 3- and 4-byte varints
+    far = wide.clone()
+    far[[0, 70_000, (3 << 20) - 1]] = 1.0
+    assert round_trip(wide, far) == "sparse2"
+    assert np.array_equal(deltas._unvarints(deltas._varints(np.array([0, 127, 128, 1 << 21, (1 << 35) - 1])), 5),
+                          [0, 127, 128, 1 << 21, (1 << 35) - 1])
+
+
+def sparse2(header: tuple[int, int, int, int], positions: bytes, diffs: bytes) -> bytes:
+    return deltas._zstd(deltas._HEADER.pack(*header) + positions + diffs)
 
 
 def test_a_hostile_payload_is_refused_not_allocated():
@@ -112,18 +174,69 @@ def test_a_hostile_payload_is_refused_not_allocated():
     new = old.clone()
     new[::100] = 1
     enc, count, payload = deltas.encode(old, new)
+    assert enc == "sparse2"
     base = deltas.bits(old)
     with pytest.raises(DeltaCorrupt):  # claims more elements than the tensor has
-        deltas.decode(base, "sparse", 10**9, payload, 1000, 2)
+        deltas.decode(base, "sparse2", 10**9, payload, 1000, 2)
     with pytest.raises(DeltaCorrupt):  # not zstd
         deltas.decode(base, enc, count, b"\x28\xb5\x2f\xfd garbage", 1000, 2)
     bomb = deltas._zstd(bytes(64 << 20))  # inflates far past the 2,000 bytes a raw tensor may have
     with pytest.raises(DeltaCorrupt, match="more than"):
         deltas.decode(None, "raw", 0, bomb, 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="more than"):  # nor past what `count` positions and values can take
+        deltas.decode(base, "sparse2", count, bomb, 1000, 2)
     far = deltas._zstd(np.array([5000] * count, np.uint32).tobytes() + bytes(2 * count))
-    with pytest.raises(DeltaCorrupt, match="past the end"):
+    with pytest.raises(DeltaCorrupt, match="past the end"):  # the old format still checked
         deltas.decode(base, "sparse", count, far, 1000, 2)
+    ones, zeros = bytes([1] * 10), bytes(20)
+    with pytest.raises(DeltaCorrupt, match="past the end of the tensor"):
+        deltas.decode(base, "sparse2", 10, sparse2((0, 0, 0, 11), bytes([0x7F] * 9) + b"\x90\x07", zeros), 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="header"):  # more changes in the band than in all
+        deltas.decode(base, "sparse2", 10, sparse2((1 << 7, 7, 11, 10), ones, zeros), 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="header"):  # a threshold wider than the element
+        deltas.decode(base, "sparse2", 10, sparse2((1 << 20, 7, 5, 10), ones, zeros), 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="header"):  # varint bytes that do not add up
+        deltas.decode(base, "sparse2", 10, sparse2((0, 0, 0, 11), ones, zeros), 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="do not parse"):  # a position never ends
+        deltas.decode(base, "sparse2", 10, sparse2((0, 0, 0, 10), bytes([0x81] * 10), zeros), 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="more than 5 bytes"):
+        deltas.decode(base, "sparse2", 3, sparse2((0, 0, 0, 9), bytes([0x80] * 6) + b"\x01\x01\x01", zeros[:6]),
+                      1000, 2)
+    # the band of a zero tensor is all of it (magnitude 0 < 1 << 7): 1000 members, rank 1000 is past it
+    with pytest.raises(DeltaCorrupt, match="past the end of its band"):
+        deltas.decode(base, "sparse2", 1, sparse2((1 << 7, 7, 1, 2), b"\xe8\x07", zeros[:2]), 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="unknown delta encoding"):
+        deltas.decode(base, "sparse3", count, payload, 1000, 2)
     assert issubclass(DeltaCorrupt, ShardCorrupt) and issubclass(DeltaCorrupt, RlboostError)
+
+
+async def test_a_reader_of_the_format_before_refuses_a_sparse2_delta_clearly(tmp_path, monkeypatch):
+    """The manifest names each tensor's encoding; a build that does not know one refuses the
+    version at the door instead of misreading its bytes. The reader before sparse2, as it was
+    committed, against a manifest this publisher writes."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = subprocess.run(["git", "show", "24c90b5:rlboost/weights/manifest.py"], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parent).stdout
+    (tmp_path / "old_manifest.py").write_text(src)
+    spec = importlib.util.spec_from_file_location("old_manifest", tmp_path / "old_manifest.py")
+    old = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "old_manifest", old)  # msgspec resolves its annotations through it
+    spec.loader.exec_module(old)
+    assert "sparse2" not in old.ENCODINGS
+    store = FileBlobStore(tmp_path / "store", create=True)
+    await publish_chain(WeightPublisher(store), Policy(seed=8, lr=1e-6), range(0, 2))
+    data = await store.read_all(wire.weights_manifest_key(1))
+    assert any(t.enc == "sparse2" for t in Manifest.decode(data).delta.tensors)
+    with pytest.raises(StoreError, match="unknown tensor or encoding"):
+        old.Manifest.decode(data)
+    m1 = Manifest.decode(data)  # and this build names what it does not know
+    later = msgspec.structs.replace(m1.delta, tensors=[msgspec.structs.replace(t, enc="sparse3") for t in m1.delta.tensors])
+    with pytest.raises(StoreError, match="'sparse3' is unknown to this build"):
+        Manifest.decode(msgspec.structs.replace(m1, delta=later).encode())
 
 
 # ---------------------------------------------------------------- acceptance
