@@ -157,12 +157,13 @@ def test_adversarial_tensors_round_trip_bit_exactly():
     one = old.clone()
     one.view(torch.int16)[-1] += 1  # a single change, the last element
     assert round_trip(old, one) == "sparse2"
-    wide = torch.zeros(3 << 20, dtype=torch.bfloat16)  # gaps past 2**16 and 2**21: 3- and 4-byte varints
+    wide = torch.zeros(3 << 20, dtype=torch.bfloat16)  # gaps past 255, 2**16 and 2**21: escaped
     far = wide.clone()
     far[[0, 70_000, (3 << 20) - 1]] = 1.0
     assert round_trip(wide, far) == "sparse2"
-    assert np.array_equal(deltas._unvarints(deltas._varints(np.array([0, 127, 128, 1 << 21, (1 << 35) - 1])), 5),
-                          [0, 127, 128, 1 << 21, (1 << 35) - 1])
+    gaps = np.array([0, 254, 255, 256, 70_000, (1 << 32) - 1], np.int64)
+    packed, escapes = deltas._gaps(gaps)
+    assert escapes == 4 and np.array_equal(deltas._ungaps(packed, gaps.size, escapes), gaps)
 
 
 def sparse2(header: tuple[int, int, int, int], positions: bytes, diffs: bytes) -> bytes:
@@ -189,22 +190,21 @@ def test_a_hostile_payload_is_refused_not_allocated():
     with pytest.raises(DeltaCorrupt, match="past the end"):  # the old format still checked
         deltas.decode(base, "sparse", count, far, 1000, 2)
     ones, zeros = bytes([1] * 10), bytes(20)
+    escape = deltas._planes(np.array([5000], np.uint32))  # a gap of 255 + 5000
     with pytest.raises(DeltaCorrupt, match="past the end of the tensor"):
-        deltas.decode(base, "sparse2", 10, sparse2((0, 0, 0, 11), bytes([0x7F] * 9) + b"\x90\x07", zeros), 1000, 2)
+        deltas.decode(base, "sparse2", 10, sparse2((0, 0, 0, 1), bytes([254] * 9 + [255]) + escape, zeros), 1000, 2)
     with pytest.raises(DeltaCorrupt, match="header"):  # more changes in the band than in all
-        deltas.decode(base, "sparse2", 10, sparse2((1 << 7, 7, 11, 10), ones, zeros), 1000, 2)
+        deltas.decode(base, "sparse2", 10, sparse2((1 << 7, 7, 11, 0), ones, zeros), 1000, 2)
     with pytest.raises(DeltaCorrupt, match="header"):  # a threshold wider than the element
-        deltas.decode(base, "sparse2", 10, sparse2((1 << 20, 7, 5, 10), ones, zeros), 1000, 2)
-    with pytest.raises(DeltaCorrupt, match="header"):  # varint bytes that do not add up
-        deltas.decode(base, "sparse2", 10, sparse2((0, 0, 0, 11), ones, zeros), 1000, 2)
-    with pytest.raises(DeltaCorrupt, match="do not parse"):  # a position never ends
-        deltas.decode(base, "sparse2", 10, sparse2((0, 0, 0, 10), bytes([0x81] * 10), zeros), 1000, 2)
-    with pytest.raises(DeltaCorrupt, match="more than 5 bytes"):
-        deltas.decode(base, "sparse2", 3, sparse2((0, 0, 0, 9), bytes([0x80] * 6) + b"\x01\x01\x01", zeros[:6]),
-                      1000, 2)
+        deltas.decode(base, "sparse2", 10, sparse2((1 << 20, 7, 5, 0), ones, zeros), 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="header"):  # an escape the bytes do not hold
+        deltas.decode(base, "sparse2", 10, sparse2((0, 0, 0, 1), ones, zeros), 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="escapes"):  # an escape the header does not count
+        deltas.decode(base, "sparse2", 10, sparse2((0, 0, 0, 0), bytes([1] * 9 + [255]), zeros), 1000, 2)
     # the band of a zero tensor is all of it (magnitude 0 < 1 << 7): 1000 members, rank 1000 is past it
+    rank = deltas._planes(np.array([1000 - 255], np.uint32))
     with pytest.raises(DeltaCorrupt, match="past the end of its band"):
-        deltas.decode(base, "sparse2", 1, sparse2((1 << 7, 7, 1, 2), b"\xe8\x07", zeros[:2]), 1000, 2)
+        deltas.decode(base, "sparse2", 1, sparse2((1 << 7, 7, 1, 1), b"\xff" + rank, zeros[:2]), 1000, 2)
     with pytest.raises(DeltaCorrupt, match="unknown delta encoding"):
         deltas.decode(base, "sparse3", count, payload, 1000, 2)
     assert issubclass(DeltaCorrupt, ShardCorrupt) and issubclass(DeltaCorrupt, RlboostError)
