@@ -103,7 +103,7 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
     store = await JetStreamBlobStore.open(js, bucket)
     rng = random.Random(a.seed)
     try:
-        pub = WeightPublisher(store, full_every=a.full_every, keep_versions=a.steps + 1)
+        pub = WeightPublisher(store, full_every=a.full_every, keep_versions=a.steps + 1, delta_band=a.delta_band)
         follower = WeightCache(work / f"follower-{lr}", store)
         sd = await asyncio.to_thread(trainer.state_dict)
         rep = await pub.publish(sd, 0)
@@ -229,6 +229,8 @@ def main(argv: list[str], s: Settings) -> int:
                    help="late joiners and plain snapshot pulls timed alternately, each from an empty cache "
                         "(the medians are reported)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--delta-band", action="store_true",
+                   help="rank small-magnitude elements apart in the deltas: smaller, slower to replay")
     g = p.add_argument_group("--model-fleet: the fleet-join model only (benchmarks/fleet_join.py), no GRPO run")
     g.add_argument("--model-fleet", action="store_true")
     g.add_argument("--link-gbps", type=float, default=Bandwidth.link_gbps)

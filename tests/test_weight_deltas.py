@@ -89,13 +89,18 @@ async def manifest(store: BlobStore, v: int) -> Manifest:
 
 
 def round_trip(old: torch.Tensor, new: torch.Tensor) -> str:
-    """Encode `new` against `old`, decode it both ways (a copy, in place): bit for bit `new`."""
-    enc, count, payload = deltas.encode(old, new)
-    for inplace in (False, True):
-        base = deltas.bits(old).copy()
-        got = deltas.decode(base, enc, count, payload, new.numel(), new.element_size(), inplace=inplace)
-        assert np.array_equal(got, deltas.bits(new)), (new.dtype, enc, inplace)
-    return enc
+    """Encode `new` against `old` with and without the band, decode it both ways (a copy, in
+    place): bit for bit `new`. Returns the encoding chosen (the same either way)."""
+    encs = set()
+    for band in (False, True):
+        enc, count, payload = deltas.encode(old, new, band=band)
+        encs.add(enc)
+        for inplace in (False, True):
+            base = deltas.bits(old).copy()
+            got = deltas.decode(base, enc, count, payload, new.numel(), new.element_size(), inplace=inplace)
+            assert np.array_equal(got, deltas.bits(new)), (new.dtype, enc, band, inplace)
+    assert len(encs) == 1
+    return encs.pop()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.bool])
@@ -125,18 +130,22 @@ def ulp_steps(dtype: torch.dtype, n: int, scale: float, lr: float, seed: int) ->
 # lr: about 1% of a typical element's ULP; fp16's scale keeps most elements above its subnormals
 @pytest.mark.parametrize("dtype, scale, lr", [(torch.bfloat16, 0.02, 1e-6), (torch.float16, 1.0, 1e-6),
                                               (torch.float32, 0.02, 1e-11)])
-def test_one_ulp_steps_rank_the_small_elements_and_cost_less_than_the_old_format(dtype, scale, lr):
+def test_one_ulp_steps_cost_less_than_the_old_format_and_less_still_with_the_band(dtype, scale, lr):
     old, new = ulp_steps(dtype, 1 << 16, scale, lr, seed=2)
     assert round_trip(old, new) == "sparse2"
-    enc, count, payload = deltas.encode(old, new)
-    raw = deltas._unzstd(payload, (0, len(payload) * 1000))
-    threshold, _shift, in_band, _ = deltas._HEADER.unpack_from(raw)
-    assert threshold and 0 < in_band < count  # the band holds some changes, the rest are by position
-    # the format before (uint32 gaps and XORs, byte planes) of the same change is bigger
+    sizes = {}
+    for band in (False, True):
+        enc, count, payload = deltas.encode(old, new, band=band)
+        raw = deltas._unzstd(payload, (0, len(payload) * 1000))
+        threshold, _shift, in_band, _ = deltas._HEADER.unpack_from(raw)
+        assert (threshold and 0 < in_band < count) if band else threshold == in_band == 0
+        sizes[band] = len(payload)
+    assert sizes[True] < sizes[False]  # ranking the small elements apart pays on such steps
+    # the format before (uint32 gaps and XORs, byte planes) of the same change is bigger; it is still read
     ob, nb = deltas.bits(old), deltas.bits(new)
     idx = np.flatnonzero(ob != nb)
     legacy = deltas._zstd(deltas._planes((np.diff(idx, prepend=-1) - 1).astype(np.uint32)) + deltas._planes((ob ^ nb)[idx]))
-    assert len(payload) < 0.9 * len(legacy)
+    assert sizes[False] < 0.9 * len(legacy)
     assert np.array_equal(deltas.decode(ob.copy(), "sparse", count, legacy, old.numel(), old.element_size()), nb)
 
 
