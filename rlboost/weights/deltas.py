@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     import torch
 
 ZSTD_LEVEL = 3  # fast; higher levels buy a few % at several times the publish time
+SPARSE2_ZSTD_LEVEL = 9  # its payload is small: 2% fewer bytes than level 3 at about the same time (19: 4%, 4x)
 _BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -117,10 +118,10 @@ def _xor_planes(x: np.ndarray, b: bytes | memoryview) -> np.ndarray:
     return x
 
 
-def _zstd(data: bytes) -> bytes:
+def _zstd(data: bytes, level: int = 0) -> bytes:
     import zstandard
 
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+    return zstandard.ZstdCompressor(level=level or ZSTD_LEVEL).compress(data)
 
 
 def _unzstd(payload: bytes | memoryview, expect: int | tuple[int, int]) -> bytes:
@@ -227,7 +228,7 @@ def _sparse2(ob: np.ndarray, nb: np.ndarray, changed: np.ndarray, dtype_name: st
     signed = _SIGNED[nb.itemsize]
     diffs = _zigzag(nb.view(signed)[idx] - ob.view(signed)[idx])  # wraps: exact for any bit patterns
     pos, escapes = _gaps(gaps)
-    return _zstd(_HEADER.pack(threshold, shift, ranks.size, escapes) + pos + _planes(diffs))
+    return _zstd(_HEADER.pack(threshold, shift, ranks.size, escapes) + pos + _planes(diffs), SPARSE2_ZSTD_LEVEL)
 
 
 def encode(old: torch.Tensor | None, new: torch.Tensor, *, band: bool = False) -> tuple[str, int, bytes]:
