@@ -487,3 +487,17 @@ async def test_a_base_snapshot_damaged_in_transit_is_received_again(tmp_path):
     assert_exact((await cache.ensure(2)).load_tensors(), truth[2])
     assert damaged == [key] and cache.stats.shards_refused == 1 and cache.stats.paths_refused == 0
     assert not list(cache.tmp_dir.iterdir())
+
+
+async def test_the_delta_band_setting_gives_smaller_deltas_that_rebuild_bit_exactly(tmp_path):
+    from rlboost.config import WeightsSettings
+
+    sizes = {}
+    for band in (False, True):
+        store = FileBlobStore(tmp_path / f"store-{band}", create=True)
+        pub = WeightPublisher(store, **WeightsSettings(delta_band=band).publisher_options())
+        truth = await publish_chain(pub, Policy(seed=5, lr=1e-6), range(0, 4))
+        late = WeightCache(tmp_path / f"late-{band}", store)  # the snapshot + 3 deltas replayed
+        assert_exact((await late.ensure(3)).load_tensors(), truth[3])
+        sizes[band] = sum([(await manifest(store, v)).delta.bytes for v in (1, 2, 3)])
+    assert sizes[True] < sizes[False]
