@@ -307,6 +307,26 @@ async def test_a_corrupt_delta_is_refused_and_the_worker_recovers_through_a_snap
     assert cache.stats.paths_refused >= 1
 
 
+async def test_a_late_joiner_whose_delta_rotted_loads_nothing_and_leaves_nothing(tmp_path):
+    """The delta blobs are fetched alongside the base snapshot's shards: one failing fails the
+    pull, after the shards' fetches are done, with no replay and nothing left in tmp/."""
+    store = FileBlobStore(tmp_path / "store", create=True)
+    truth = await publish_chain(WeightPublisher(store, full_every=3), Policy(seed=2), range(0, 3))
+    m2 = await manifest(store, 2)
+    blob = tmp_path / "store" / wire.weights_delta_key(m2.delta.blobs[0].sha256)
+    good = blob.read_bytes()
+    data = bytearray(good)
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    late = WeightCache(tmp_path / "late", store, corrupt_retries=2)
+    with pytest.raises(ShardCorrupt, match="failed verification"):
+        await late.ensure(2)
+    assert late.cached_versions() == [] and late.stats.reconstructed == 0
+    assert not list(late.tmp_dir.iterdir()) and not list(late.shards_dir.iterdir())
+    blob.write_bytes(good)  # the store repaired: the same cache pulls it
+    assert_exact((await late.ensure(2)).load_tensors(), truth[2])
+
+
 async def test_a_lying_hash_is_refused_and_the_worker_recovers_through_a_snapshot(tmp_path):
     store = FileBlobStore(tmp_path / "store", create=True)
     pub = WeightPublisher(store, full_every=3)
