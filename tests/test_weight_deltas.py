@@ -308,8 +308,8 @@ async def test_a_corrupt_delta_is_refused_and_the_worker_recovers_through_a_snap
 
 
 async def test_a_late_joiner_whose_delta_rotted_loads_nothing_and_leaves_nothing(tmp_path):
-    """The delta blobs are fetched alongside the base snapshot's shards: one failing fails the
-    pull, after the shards' fetches are done, with no replay and nothing left in tmp/."""
+    """The only path is the v0 snapshot + two deltas, one of them rotted in the store: the pull
+    fails clearly, with no replay and nothing left in tmp/ or shards/; repaired, it succeeds."""
     store = FileBlobStore(tmp_path / "store", create=True)
     truth = await publish_chain(WeightPublisher(store, full_every=3), Policy(seed=2), range(0, 3))
     m2 = await manifest(store, 2)

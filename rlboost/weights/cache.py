@@ -153,13 +153,12 @@ class WeightCache:
             for cost, cached, start, chain in await self._paths(manifest):
                 try:
                     t0 = time.perf_counter()
-                    blobs = [(b, True) for m in chain for b in m.delta.blobs]  # small
+                    await self._fetch_all([(b, True) for m in chain for b in m.delta.blobs])  # small
                     if cached:
-                        await self._fetch_all(blobs)
                         self.stats.fetch_s += time.perf_counter() - t0
                         await self._rebuild(start, chain, None)
                     else:
-                        await self._from_snapshot(start, chain, t0, blobs)
+                        await self._from_snapshot(start, chain, t0)
                     return VerifiedVersion(version, self._vdir(version), manifest)
                 except (ShardCorrupt, VersionUnavailable) as e:  # DeltaCorrupt is a ShardCorrupt
                     self.stats.paths_refused += 1
@@ -171,18 +170,16 @@ class WeightCache:
             raise VersionUnavailable(f"weights version {version}: no snapshot and no cached base to "
                                      f"rebuild it from in {self.store.location}")
 
-    async def _from_snapshot(self, start: Manifest, chain: list[Manifest], t0: float,
-                             blobs: list[tuple[ShardEntry, bool]]) -> None:
+    async def _from_snapshot(self, start: Manifest, chain: list[Manifest], t0: float) -> None:
         if chain:
-            return await self._from_base_snapshot(start, chain, t0, blobs)
+            return await self._from_base_snapshot(start, chain, t0)
         try:  # the target is this snapshot: its shards, each verified, linked into its version dir
             await self._fetch_all([(s, False) for s in start.shards])
         finally:
             self.stats.fetch_s += time.perf_counter() - t0
         await asyncio.to_thread(self._link_version, start)  # ensure() holds this version's lock
 
-    async def _from_base_snapshot(self, start: Manifest, chain: list[Manifest], t0: float,
-                                  blobs: list[tuple[ShardEntry, bool]]) -> None:
+    async def _from_base_snapshot(self, start: Manifest, chain: list[Manifest], t0: float) -> None:
         """A snapshot that is only a base (a late joiner's nearest snapshot; the target is a delta
         version after it). The shards the cache lacks are received into tmp/ as they come, neither
         hashed nor kept, while the deltas are replayed on each tensor whose shard is in (the
@@ -190,8 +187,7 @@ class WeightCache:
         byte used, so hashing the base too would only say which part was bad: that is done only
         on a mismatch. A damaged shard is received again (up to `corrupt_retries`); with none
         damaged, the delta is (DeltaCorrupt, the next path is tried). This saves a SHA-256 pass
-        over a whole version, about a tenth of a late joiner's CPU. The delta blobs (`blobs`) are
-        fetched alongside the shards, not before them: the replay waits for them, the download not."""
+        over a whole version, about a tenth of a late joiner's CPU."""
         held: dict[str, tuple[Path, list]] = {}  # sha -> (an unverified copy in tmp/, its `_copies` entry)
         try:
             for _attempt in range(self.corrupt_retries):
@@ -224,20 +220,13 @@ class WeightCache:
                     return held[sha][0] if sha in held else self._shard_path(sha)
 
                 fetches = [asyncio.create_task(one(sh)) for sh in start.shards]
-                deltas_in = asyncio.create_task(self._fetch_all(blobs))
-
-                async def replay() -> None:
-                    await deltas_in
-                    await self._rebuild(start, chain, shard_file)
-
-                rebuild = asyncio.create_task(replay())
+                rebuild = asyncio.create_task(self._rebuild(start, chain, shard_file))
                 try:
                     await _all_or_none(fetches)
                 except BaseException:
-                    deltas_in.cancel()  # no fetch outlives the pull; a replay not started never starts
                     for event in ready.values():  # the rebuild thread gives up on what never came
                         event.set()
-                    await asyncio.gather(deltas_in, rebuild, return_exceptions=True)
+                    await asyncio.gather(rebuild, return_exceptions=True)
                     raise
                 finally:
                     self.stats.fetch_s += time.perf_counter() - t0
