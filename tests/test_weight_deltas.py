@@ -144,7 +144,8 @@ def test_one_ulp_steps_cost_less_than_the_old_format_and_less_still_with_the_ban
     # the format before (uint32 gaps and XORs, byte planes) of the same change is bigger; it is still read
     ob, nb = deltas.bits(old), deltas.bits(new)
     idx = np.flatnonzero(ob != nb)
-    legacy = deltas._zstd(deltas._planes((np.diff(idx, prepend=-1) - 1).astype(np.uint32)) + deltas._planes((ob ^ nb)[idx]))
+    gaps = (np.diff(idx, prepend=-1) - 1).astype(np.uint32)
+    legacy = deltas._zstd(deltas._planes(gaps) + deltas._planes((ob ^ nb)[idx]))
     assert sizes[False] < 0.9 * len(legacy)
     assert np.array_equal(deltas.decode(ob.copy(), "sparse", count, legacy, old.numel(), old.element_size()), nb)
 
@@ -243,7 +244,8 @@ async def test_a_reader_of_the_format_before_refuses_a_sparse2_delta_clearly(tmp
     with pytest.raises(StoreError, match="unknown tensor or encoding"):
         old.Manifest.decode(data)
     m1 = Manifest.decode(data)  # and this build names what it does not know
-    later = msgspec.structs.replace(m1.delta, tensors=[msgspec.structs.replace(t, enc="sparse3") for t in m1.delta.tensors])
+    later = msgspec.structs.replace(m1.delta, tensors=[msgspec.structs.replace(t, enc="sparse3")
+                                                       for t in m1.delta.tensors])
     with pytest.raises(StoreError, match="'sparse3' is unknown to this build"):
         Manifest.decode(msgspec.structs.replace(m1, delta=later).encode())
 

@@ -216,10 +216,10 @@ def _sparse2(ob: np.ndarray, nb: np.ndarray, changed: np.ndarray, dtype_name: st
     mag = _magnitude(ob)
     threshold = 0 if shift is None or not band else _threshold(mag, changed, shift)
     if threshold:
-        band = _band(mag, threshold, shift)
-        ranks = np.flatnonzero(changed[band])
+        members = _band(mag, threshold, shift)
+        ranks = np.flatnonzero(changed[members])
         rest = np.flatnonzero(changed & (mag >= threshold))
-        idx = np.concatenate([band[ranks], rest])
+        idx = np.concatenate([members[ranks], rest])
         gaps = np.concatenate([np.diff(ranks, prepend=-1) - 1, np.diff(rest, prepend=-1) - 1])
     else:
         shift, ranks = 0, np.zeros(0, np.int64)
