@@ -19,6 +19,10 @@ provisions the newest version (nearest snapshot + the deltas since, verified).
 - delta_bytes_ratio: median bytes of a delta version / bytes of the full version, at the first lr
 - mb_per_s: the late joiner's effective rate = full version bytes / provisioning seconds, the median
   of `--late-trials` late joiners (each from an empty cache; every trial's rate is in the JSON)
+- snapshot_pull_mb_per_s: the same for a plain pull of the v0 snapshot (the same bytes, an empty
+  cache, nothing to replay), `--late-trials` of them interleaved with the late joiners
+- late_joiner_vs_snapshot: the two medians' ratio (what replaying the deltas on arrival costs)
+- publish_s_median: the trainer's publish time per version (encoding the delta, uploading it)
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
     store = await JetStreamBlobStore.open(js, bucket)
     rng = random.Random(a.seed)
     try:
-        pub = WeightPublisher(store, full_every=a.full_every, keep_versions=a.steps + 1)
+        pub = WeightPublisher(store, full_every=a.full_every, keep_versions=a.steps + 1, delta_band=a.delta_band)
         follower = WeightCache(work / f"follower-{lr}", store)
         sd = await asyncio.to_thread(trainer.state_dict)
         rep = await pub.publish(sd, 0)
@@ -129,8 +133,14 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
             print(f"lr {lr:g} step {step}: {steps[-1]}", flush=True)
         follower.close()
 
-        trials = []
-        for trial in range(a.late_trials):  # late joiners one after another, each from an empty cache
+        # late joiners and plain snapshot pulls, interleaved trial by trial (the one going first
+        # alternates) so both see the same box: each from an empty cache, the late joiner provisioning
+        # the newest version (the nearest snapshot + the deltas since), the other only the v0 snapshot
+        # (the same full version's bytes, nothing to replay)
+        trials, snaps = [], []
+
+        async def late_trial(trial: int) -> None:
+            nonlocal exact
             late = WeightCache(work / f"late-{lr}-{trial}", store)
             t = time.perf_counter()
             vv = await late.ensure(a.steps)
@@ -139,12 +149,21 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
             exact = exact and all(np.array_equal(deltas.bits(got[k]), deltas.bits(v)) for k, v in sd.items())
             late.close()
             await asyncio.to_thread(shutil.rmtree, work / f"late-{lr}-{trial}")
+
+        async def snapshot_trial(trial: int) -> None:
+            snap = WeightCache(work / f"snap-{lr}-{trial}", store)
+            t = time.perf_counter()
+            await snap.ensure(0)
+            snaps.append(time.perf_counter() - t)
+            snap.close()
+            await asyncio.to_thread(shutil.rmtree, work / f"snap-{lr}-{trial}")
+
+        for trial in range(a.late_trials):
+            for one in ((late_trial, snapshot_trial) if trial % 2 == 0 else (snapshot_trial, late_trial)):
+                await one(trial)
         late_s, late_stats = sorted(trials, key=lambda x: x[0])[len(trials) // 2]  # the median trial
-        snap = WeightCache(work / f"snap-{lr}", store)  # an empty cache pulling a snapshot version
-        t = time.perf_counter()
-        await snap.ensure(0)
-        snap_s = time.perf_counter() - t
-        snap.close()
+        snap_s = statistics.median(snaps)
+        late_rate, snap_rate = full_bytes / MB / late_s, full_bytes / MB / snap_s
         ratios = [s["delta_bytes"] / full_bytes for s in steps if s["delta_bytes"]]
         return {"lr": lr, "params": sum(t.numel() for t in sd.values()), "dtype": rep.dtype,
                 "full_bytes": full_bytes, "delta_bytes_ratio": round(statistics.median(ratios), 4) if ratios else None,
@@ -153,8 +172,11 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
                 "late_joiner_fetch_s": round(late_stats.fetch_s, 3),
                 "late_joiner_rebuild_s": round(late_stats.rebuild_s, 3),
                 "late_joiner_trials_mb_per_s": [round(full_bytes / MB / s, 1) for s, _ in trials],
-                "late_joiner_mb_per_s": round(full_bytes / MB / late_s, 1),
-                "snapshot_pull_mb_per_s": round(full_bytes / MB / snap_s, 1), "steps": steps}
+                "late_joiner_mb_per_s": round(late_rate, 1),
+                "snapshot_pull_trials_mb_per_s": [round(full_bytes / MB / s, 1) for s in snaps],
+                "snapshot_pull_mb_per_s": round(snap_rate, 1),
+                "late_joiner_vs_snapshot": round(late_rate / snap_rate, 3),
+                "publish_s_median": statistics.median(s["publish_s"] for s in steps), "steps": steps}
     finally:
         await engine.close()
         try:
@@ -178,6 +200,9 @@ async def run(nats_url: str, a: argparse.Namespace, work: Path) -> dict:
     return {
         "delta_bytes_ratio": first["delta_bytes_ratio"],
         "mb_per_s": first["late_joiner_mb_per_s"],
+        "snapshot_pull_mb_per_s": first["snapshot_pull_mb_per_s"],
+        "late_joiner_vs_snapshot": first["late_joiner_vs_snapshot"],
+        "publish_s_median": first["publish_s_median"],
         "lr": first["lr"],
         "bit_exact": all(r["bit_exact"] for r in per_lr),
         "params": first["params"],
@@ -201,8 +226,11 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--publish-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--full-every", type=int, default=10, help="a snapshot every N versions")
     p.add_argument("--late-trials", type=int, default=5,
-                   help="late joiners timed one after another, each from an empty cache (the median is reported)")
+                   help="late joiners and plain snapshot pulls timed alternately, each from an empty cache "
+                        "(the medians are reported)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--delta-band", action="store_true",
+                   help="rank small-magnitude elements apart in the deltas: smaller, slower to replay")
     g = p.add_argument_group("--model-fleet: the fleet-join model only (benchmarks/fleet_join.py), no GRPO run")
     g.add_argument("--model-fleet", action="store_true")
     g.add_argument("--link-gbps", type=float, default=Bandwidth.link_gbps)

@@ -256,6 +256,9 @@ class WeightsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     deltas: bool = True  # store a version as a sparse delta against the previous one when it pays
     delta_max_ratio: float = 0.5  # a delta pays when its bytes are at most this fraction of the full version
     full_every: int = 10  # a full snapshot at least every N versions (bounds a late joiner's replay)
+    # rank the small-magnitude elements apart in a delta: about a fifth fewer bytes at small lr,
+    # but every replayed version costs a pass over every element (rlboost/weights/deltas.py)
+    delta_band: bool = False
     keep_versions: int = 3  # GC keeps the newest N versions, plus every version they need
     # where versions live: "" = the embedded JetStream Object Store; "s3://bucket/prefix" = an
     # S3-compatible bucket (pip install 'rlboost[s3]'; credentials from AWS_ACCESS_KEY_ID etc.);
@@ -299,7 +302,7 @@ class WeightsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def publisher_options(self) -> dict:
         return {"deltas": self.deltas, "delta_max_ratio": self.delta_max_ratio, "full_every": self.full_every,
-                "keep_versions": self.keep_versions}
+                "delta_band": self.delta_band, "keep_versions": self.keep_versions}
 
     def store_options(self) -> dict:
         """`rlboost.weights.open_store` keyword arguments for the configured backend."""

@@ -88,6 +88,21 @@ async def manifest(store: BlobStore, v: int) -> Manifest:
 # ---------------------------------------------------------------- encodings
 
 
+def round_trip(old: torch.Tensor, new: torch.Tensor) -> str:
+    """Encode `new` against `old` with and without the band, decode it both ways (a copy, in
+    place): bit for bit `new`. Returns the encoding chosen (the same either way)."""
+    encs = set()
+    for band in (False, True):
+        enc, count, payload = deltas.encode(old, new, band=band)
+        encs.add(enc)
+        for inplace in (False, True):
+            base = deltas.bits(old).copy()
+            got = deltas.decode(base, enc, count, payload, new.numel(), new.element_size(), inplace=inplace)
+            assert np.array_equal(got, deltas.bits(new)), (new.dtype, enc, band, inplace)
+    assert len(encs) == 1
+    return encs.pop()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.bool])
 def test_every_encoding_round_trips_bit_exactly(dtype):
     g = torch.Generator().manual_seed(1)
@@ -97,14 +112,72 @@ def test_every_encoding_round_trips_bit_exactly(dtype):
         new = old.clone()
         idx = torch.randperm(old.numel(), generator=g)[:int(frac * old.numel())]
         new[idx] = (torch.randn(idx.numel(), generator=g) * 10).to(dtype) if dtype != torch.bool else ~old[idx]
-        enc, count, payload = deltas.encode(old, new)
-        seen.add(enc)
-        got = deltas.decode(deltas.bits(old), enc, count, payload, new.numel(), new.element_size())
-        assert np.array_equal(got, deltas.bits(new)), (dtype, frac, enc)
+        seen.add(round_trip(old, new))
     enc, count, payload = deltas.encode(None, old)  # no base: raw
     assert enc == "raw" and np.array_equal(deltas.decode(None, enc, count, payload, old.numel(),
                                                          old.element_size()), deltas.bits(old))
-    assert "same" in seen and seen & {"sparse", "xor"}
+    assert "same" in seen and "sparse2" in seen and seen & {"xor", "raw"}
+
+
+def ulp_steps(dtype: torch.dtype, n: int, scale: float, lr: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trainer's step as the publisher sees it: fp32 masters moved by lr, cast. Their magnitudes
+    spread over 8 octaves below `scale` (the small ones change most: a band)."""
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=g) * scale * 2 ** (-8 * torch.rand(n, generator=g))
+    return master.to(dtype), (master + torch.randn(n, generator=g).sign() * lr).to(dtype)
+
+
+# lr: about 1% of a typical element's ULP; fp16's scale keeps most elements above its subnormals
+@pytest.mark.parametrize("dtype, scale, lr", [(torch.bfloat16, 0.02, 1e-6), (torch.float16, 1.0, 1e-6),
+                                              (torch.float32, 0.02, 1e-11)])
+def test_one_ulp_steps_cost_less_than_the_old_format_and_less_still_with_the_band(dtype, scale, lr):
+    old, new = ulp_steps(dtype, 1 << 16, scale, lr, seed=2)
+    assert round_trip(old, new) == "sparse2"
+    sizes = {}
+    for band in (False, True):
+        enc, count, payload = deltas.encode(old, new, band=band)
+        raw = deltas._unzstd(payload, (0, len(payload) * 1000))
+        threshold, _shift, in_band, _ = deltas._HEADER.unpack_from(raw)
+        assert (threshold and 0 < in_band < count) if band else threshold == in_band == 0
+        sizes[band] = len(payload)
+    assert sizes[True] < sizes[False]  # ranking the small elements apart pays on such steps
+    # the format before (uint32 gaps and XORs, byte planes) of the same change is bigger; it is still read
+    ob, nb = deltas.bits(old), deltas.bits(new)
+    idx = np.flatnonzero(ob != nb)
+    gaps = (np.diff(idx, prepend=-1) - 1).astype(np.uint32)
+    legacy = deltas._zstd(deltas._planes(gaps) + deltas._planes((ob ^ nb)[idx]))
+    assert sizes[False] < 0.9 * len(legacy)
+    assert np.array_equal(deltas.decode(ob.copy(), "sparse", count, legacy, old.numel(), old.element_size()), nb)
+
+
+def test_adversarial_tensors_round_trip_bit_exactly():
+    g = torch.Generator().manual_seed(3)
+    pattern = torch.randint(-32768, 32768, (8192,), generator=g, dtype=torch.int32).to(torch.int16)
+    old = pattern.view(torch.bfloat16)  # every bit pattern: NaNs (several payloads), +-inf, -0.0, subnormals
+    assert old.isnan().any()
+    specials = torch.tensor([0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF, 0x8000, 0x0000, 0x0001, 0x7F7F],
+                            dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    old = torch.cat([old, specials])
+    new = old.clone()
+    new.view(torch.int16)[::13] ^= torch.tensor(0x7FFF, dtype=torch.int16)  # jumps across NaN, inf, sign, zero
+    new.view(torch.int16)[-len(specials):] = specials.view(torch.int16).flip(0)  # NaN <-> inf <-> 0 ...
+    assert round_trip(old, new) == "sparse2"
+    assert round_trip(old, old.clone()) == "same"
+    assert round_trip(old, (new.view(torch.int16) + 1).view(torch.bfloat16)) in ("raw", "xor")  # all changed
+    one = old.clone()
+    one.view(torch.int16)[-1] += 1  # a single change, the last element
+    assert round_trip(old, one) == "sparse2"
+    wide = torch.zeros(3 << 20, dtype=torch.bfloat16)  # gaps past 255, 2**16 and 2**21: escaped
+    far = wide.clone()
+    far[[0, 70_000, (3 << 20) - 1]] = 1.0
+    assert round_trip(wide, far) == "sparse2"
+    gaps = np.array([0, 254, 255, 256, 70_000, (1 << 32) - 1], np.int64)
+    packed, escapes = deltas._gaps(gaps)
+    assert escapes == 4 and np.array_equal(deltas._ungaps(packed, gaps.size, escapes), gaps)
+
+
+def sparse2(header: tuple[int, int, int, int], positions: bytes, diffs: bytes) -> bytes:
+    return deltas._zstd(deltas._HEADER.pack(*header) + positions + diffs)
 
 
 def test_a_hostile_payload_is_refused_not_allocated():
@@ -112,18 +185,60 @@ def test_a_hostile_payload_is_refused_not_allocated():
     new = old.clone()
     new[::100] = 1
     enc, count, payload = deltas.encode(old, new)
+    assert enc == "sparse2"
     base = deltas.bits(old)
     with pytest.raises(DeltaCorrupt):  # claims more elements than the tensor has
-        deltas.decode(base, "sparse", 10**9, payload, 1000, 2)
+        deltas.decode(base, "sparse2", 10**9, payload, 1000, 2)
     with pytest.raises(DeltaCorrupt):  # not zstd
         deltas.decode(base, enc, count, b"\x28\xb5\x2f\xfd garbage", 1000, 2)
     bomb = deltas._zstd(bytes(64 << 20))  # inflates far past the 2,000 bytes a raw tensor may have
     with pytest.raises(DeltaCorrupt, match="more than"):
         deltas.decode(None, "raw", 0, bomb, 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="more than"):  # nor past what `count` positions and values can take
+        deltas.decode(base, "sparse2", count, bomb, 1000, 2)
     far = deltas._zstd(np.array([5000] * count, np.uint32).tobytes() + bytes(2 * count))
-    with pytest.raises(DeltaCorrupt, match="past the end"):
+    with pytest.raises(DeltaCorrupt, match="past the end"):  # the old format still checked
         deltas.decode(base, "sparse", count, far, 1000, 2)
+    ones, zeros = bytes([1] * 10), bytes(20)
+    escape = deltas._planes(np.array([5000], np.uint32))  # a gap of 255 + 5000
+    with pytest.raises(DeltaCorrupt, match="past the end of the tensor"):
+        deltas.decode(base, "sparse2", 10, sparse2((0, 0, 0, 1), bytes([254] * 9 + [255]) + escape, zeros), 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="header"):  # more changes in the band than in all
+        deltas.decode(base, "sparse2", 10, sparse2((1 << 7, 7, 11, 0), ones, zeros), 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="header"):  # a threshold wider than the element
+        deltas.decode(base, "sparse2", 10, sparse2((1 << 20, 7, 5, 0), ones, zeros), 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="header"):  # an escape the bytes do not hold
+        deltas.decode(base, "sparse2", 10, sparse2((0, 0, 0, 1), ones, zeros), 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="escapes"):  # an escape the header does not count
+        deltas.decode(base, "sparse2", 10, sparse2((0, 0, 0, 0), bytes([1] * 9 + [255]), zeros), 1000, 2)
+    # the band of a zero tensor is all of it (magnitude 0 < 1 << 7): 1000 members, rank 1000 is past it
+    rank = deltas._planes(np.array([1000 - 255], np.uint32))
+    with pytest.raises(DeltaCorrupt, match="past the end of its band"):
+        deltas.decode(base, "sparse2", 1, sparse2((1 << 7, 7, 1, 1), b"\xff" + rank, zeros[:2]), 1000, 2)
+    with pytest.raises(DeltaCorrupt, match="unknown delta encoding"):
+        deltas.decode(base, "sparse3", count, payload, 1000, 2)
     assert issubclass(DeltaCorrupt, ShardCorrupt) and issubclass(DeltaCorrupt, RlboostError)
+
+
+async def test_a_reader_of_the_format_before_refuses_a_sparse2_delta_clearly(tmp_path, monkeypatch):
+    """The manifest names each tensor's encoding; a build that does not know one refuses the
+    version at the door instead of misreading its bytes. The reader before sparse2 knew these
+    encodings (as committed in 24c90b5); against a manifest this publisher writes."""
+    from rlboost.weights import manifest as manifest_module
+
+    store = FileBlobStore(tmp_path / "store", create=True)
+    await publish_chain(WeightPublisher(store), Policy(seed=8, lr=1e-6), range(0, 2))
+    data = await store.read_all(wire.weights_manifest_key(1))
+    assert any(t.enc == "sparse2" for t in Manifest.decode(data).delta.tensors)
+    with monkeypatch.context() as m:
+        m.setattr(manifest_module, "ENCODINGS", ("same", "sparse", "xor", "raw"))  # the reader before
+        with pytest.raises(StoreError, match="'sparse2' is unknown to this build"):
+            Manifest.decode(data)
+    m1 = Manifest.decode(data)  # and this build names what it does not know
+    later = msgspec.structs.replace(m1.delta, tensors=[msgspec.structs.replace(t, enc="sparse3")
+                                                       for t in m1.delta.tensors])
+    with pytest.raises(StoreError, match="'sparse3' is unknown to this build"):
+        Manifest.decode(msgspec.structs.replace(m1, delta=later).encode())
 
 
 # ---------------------------------------------------------------- acceptance
@@ -183,6 +298,26 @@ async def test_a_corrupt_delta_is_refused_and_the_worker_recovers_through_a_snap
     vv = await cache.ensure(3)  # cheapest path (v1 + d2 + d3) is refused; the v3 snapshot serves
     assert_exact(vv.load_tensors(), truth[3])
     assert cache.stats.paths_refused >= 1
+
+
+async def test_a_late_joiner_whose_delta_rotted_loads_nothing_and_leaves_nothing(tmp_path):
+    """The only path is the v0 snapshot + two deltas, one of them rotted in the store: the pull
+    fails clearly, with no replay and nothing left in tmp/ or shards/; repaired, it succeeds."""
+    store = FileBlobStore(tmp_path / "store", create=True)
+    truth = await publish_chain(WeightPublisher(store, full_every=3), Policy(seed=2), range(0, 3))
+    m2 = await manifest(store, 2)
+    blob = tmp_path / "store" / wire.weights_delta_key(m2.delta.blobs[0].sha256)
+    good = blob.read_bytes()
+    data = bytearray(good)
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    late = WeightCache(tmp_path / "late", store, corrupt_retries=2)
+    with pytest.raises(ShardCorrupt, match="failed verification"):
+        await late.ensure(2)
+    assert late.cached_versions() == [] and late.stats.reconstructed == 0
+    assert not list(late.tmp_dir.iterdir()) and not list(late.shards_dir.iterdir())
+    blob.write_bytes(good)  # the store repaired: the same cache pulls it
+    assert_exact((await late.ensure(2)).load_tensors(), truth[2])
 
 
 async def test_a_lying_hash_is_refused_and_the_worker_recovers_through_a_snapshot(tmp_path):
@@ -365,3 +500,17 @@ async def test_a_base_snapshot_damaged_in_transit_is_received_again(tmp_path):
     assert_exact((await cache.ensure(2)).load_tensors(), truth[2])
     assert damaged == [key] and cache.stats.shards_refused == 1 and cache.stats.paths_refused == 0
     assert not list(cache.tmp_dir.iterdir())
+
+
+async def test_the_delta_band_setting_gives_smaller_deltas_that_rebuild_bit_exactly(tmp_path):
+    from rlboost.config import WeightsSettings
+
+    sizes = {}
+    for band in (False, True):
+        store = FileBlobStore(tmp_path / f"store-{band}", create=True)
+        pub = WeightPublisher(store, **WeightsSettings(delta_band=band).publisher_options())
+        truth = await publish_chain(pub, Policy(seed=5, lr=1e-6), range(0, 4))
+        late = WeightCache(tmp_path / f"late-{band}", store)  # the snapshot + 3 deltas replayed
+        assert_exact((await late.ensure(3)).load_tensors(), truth[3])
+        sizes[band] = sum([(await manifest(store, v)).delta.bytes for v in (1, 2, 3)])
+    assert sizes[True] < sizes[False]

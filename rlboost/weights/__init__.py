@@ -4,7 +4,7 @@ pulled into a verified local cache.
 - `manifest`: the per-version contract (tensors and their SHA-256, shards, delta), validated at the door;
 - `blobstore`: the object store backends (embedded JetStream Object Store, a directory);
 - `s3`: an S3-compatible bucket as a blob store (optional extra `rlboost[s3]`, obstore);
-- `deltas`: bit-exact sparse/XOR encodings of a tensor's change, zstd-compressed;
+- `deltas`: bit-exact encodings of a tensor's change (sparse2: positions + integer differences; XOR; raw), zstd-compressed;
 - `publisher`: trainer side (snapshot or delta, the version pointer, GC that keeps delta bases);
 - `pointer`: the latest published version in the `rb-policy` KV bucket;
 - `cache`: worker side (cheapest path to a version, reconstruct, verify, fall back to a snapshot);

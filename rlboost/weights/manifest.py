@@ -21,7 +21,7 @@ import msgspec
 from rlboost.weights.errors import StoreError
 
 MANIFEST_SCHEMA = 2
-ENCODINGS = ("same", "sparse", "xor", "raw")  # see rlboost.weights.deltas
+ENCODINGS = ("same", "sparse2", "sparse", "xor", "raw")  # see rlboost.weights.deltas; a new format, a new name
 DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 _SHA = re.compile(r"[0-9a-f]{64}")
@@ -139,8 +139,11 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
             check_shard_id(d.base_digest)
             blobs = _listed(d.blobs, bad)
             for dt in d.tensors:
-                if dt.name not in names or dt.enc not in ENCODINGS or min(dt.offset, dt.length, dt.count) < 0:
-                    raise bad(f"delta of {dt.name[:80]!r}: unknown tensor or encoding, or a negative size")
+                if dt.enc not in ENCODINGS:  # a newer publisher's format: refused, never guessed at
+                    raise bad(f"delta of {dt.name[:80]!r}: encoding {dt.enc[:20]!r} is unknown to this build "
+                              f"(it reads {', '.join(ENCODINGS)}); upgrade the reader")
+                if dt.name not in names or min(dt.offset, dt.length, dt.count) < 0:
+                    raise bad(f"delta of {dt.name[:80]!r}: unknown tensor or a negative size")
                 if dt.enc != "same" and (dt.blob not in blobs or dt.offset + dt.length > blobs[dt.blob]):
                     raise bad(f"delta of {dt.name[:80]!r} lies outside its blob")
             if {dt.name for dt in d.tensors} != names or len(d.tensors) != len(names):

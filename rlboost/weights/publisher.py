@@ -121,7 +121,7 @@ def _serialize(group: dict[str, torch.Tensor]) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
-def _encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> tuple[
+def _encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], band: bool = False) -> tuple[
         list[DeltaTensor], list[bytes], int]:
     """Per tensor the smallest exact encoding against `old`, packed into blobs of about
     DELTA_BLOB_BYTES. Returns (entries with blob ids, blobs, changed elements)."""
@@ -129,7 +129,7 @@ def _encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
     blobs: list[bytearray] = [bytearray()]
     changed = 0
     for name, t in new.items():
-        enc, count, payload = deltas.encode(old.get(name), t)
+        enc, count, payload = deltas.encode(old.get(name), t, band=band)
         changed += count
         if blobs[-1] and len(blobs[-1]) + len(payload) > DELTA_BLOB_BYTES:
             blobs.append(bytearray())
@@ -169,7 +169,7 @@ class WeightPublisher:
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                  target_shard_bytes: int = DEFAULT_TARGET_SHARD_BYTES,
                  keep_versions: int = 3, parallel: int = 2, deltas: bool = True,
-                 delta_max_ratio: float = 0.5, full_every: int = 10) -> None:
+                 delta_max_ratio: float = 0.5, full_every: int = 10, delta_band: bool = False) -> None:
         if keep_versions < 1:
             raise ValueError("keep_versions must be >= 1")
         if full_every < 1:
@@ -183,6 +183,7 @@ class WeightPublisher:
         self.deltas = deltas
         self.delta_max_ratio = delta_max_ratio
         self.full_every = full_every
+        self.delta_band = delta_band  # smaller deltas, slower to replay (`rlboost.weights.deltas`)
         # the last version this process published: (version, manifest digest, tensors) = the next delta's base
         self._prev: tuple[int, str, dict[str, torch.Tensor]] | None = None
         self._last_snapshot: int | None = None
@@ -212,7 +213,7 @@ class WeightPublisher:
         changed = 0
         prev = self._prev
         if self.deltas and prev is not None and prev[0] < version:
-            dts, blobs, changed = await asyncio.to_thread(_encode_delta, prev[2], tensors)
+            dts, blobs, changed = await asyncio.to_thread(_encode_delta, prev[2], tensors, self.delta_band)
             if sum(map(len, blobs)) <= self.delta_max_ratio * full_bytes:  # else it does not pay
                 delta = Delta(base=prev[0], base_digest=prev[1], tensors=dts,
                               blobs=[ShardEntry(hashlib.sha256(b).hexdigest(), len(b), []) for b in blobs])
