@@ -1,0 +1,107 @@
+"""The history checker (benchmarks/history.py) on real Redis: a run under the store's fence
+passes it; the same run against a store whose append script lacks the epoch check is caught."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from rlboost import checkpoint
+from rlboost.checkpoint import CheckpointStore, LeaseLost
+from benchmarks import history
+
+EPOCH_CHECK = "if m[1] ~= epoch then return -1 end"
+
+
+class BrokenFenceStore(CheckpointStore):
+    """The store with the epoch check taken out of its batched append (`_APPEND_MANY`): a stale
+    lease holder's write at the current end of the checkpoint is accepted. Test-only."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        assert EPOCH_CHECK in checkpoint._APPEND_MANY  # the script still reads as this test assumes
+        self._append_many = self.redis.register_script(checkpoint._APPEND_MANY.replace(EPOCH_CHECK, ""))
+
+
+async def _takeover(redis_url: str, hist_dir, old_cls: type[CheckpointStore]) -> tuple[list, str, object]:
+    """Worker "a" claims and checkpoints 16 tokens, is superseded by "b" (a steal: a's lease
+    timed out), then writes its next 16 tokens late, before b's first append. b appends, the
+    append fails or lands after a's, b finishes. Returns (a's late outcome, rid, ...)."""
+    rid = f"h-{uuid.uuid4().hex[:10]}"
+    a = old_cls(redis_url, history_dir=str(hist_dir))
+    b = CheckpointStore(redis_url, history_dir=str(hist_dir))
+    try:
+        await a.load_scripts()
+        ca = await a.claim(rid, "a", 0, ttl_s=5)
+        await a.append(rid, "a", ca.epoch, 0, list(range(16)), [0.0] * 16, ttl_s=5)
+        cb = await b.claim(rid, "b", 0, ttl_s=5, steal=True)
+        (late,) = await a.append_many([(rid, "a", ca.epoch, 16, list(range(16, 32)), [0.0] * 16)], ttl_s=5)
+        (mine,) = await b.append_many([(rid, "b", cb.epoch, 16, list(range(16, 32)), [0.0] * 16)], ttl_s=5)
+        total = 32
+        await b.finish(rid, cb.epoch, total)
+        return [late, mine], rid, cb
+    finally:
+        await a.close()
+        await b.close()
+
+
+def _result(rid: str, owner: str, epoch: int, tokens: list[int]):
+    from rlboost import wire
+
+    return wire.RolloutResult(request_id=rid, step=1, group=0, prompt_ids=[1], token_ids=tokens,
+                              logprobs=[0.0] * len(tokens), worker_id=owner, epoch=epoch, ts=0.0,
+                              finish_reason="length", segments=[])
+
+
+async def test_a_fenced_takeover_passes_the_history_check(redis_url, tmp_path):
+    (late, mine), rid, cb = await _takeover(redis_url, tmp_path, CheckpointStore)
+    assert isinstance(late, LeaseLost) and mine == 32  # the fence refused the stale write
+    store = CheckpointStore(redis_url)
+    try:
+        out = await history.check_run(tmp_path, store, [_result(rid, "b", cb.epoch, list(range(32)))])
+    finally:
+        await store.close()
+    assert out["history_violations"] == 0, out
+    assert out["history_accepted_writes"] == 2 and out["history_refused_writes"] == 1, out
+
+
+async def test_a_broken_fence_is_caught_by_the_history_check(redis_url, tmp_path):
+    """The end state looks fine (32 tokens, finished by b, the result equals the checkpoint: the
+    tokens a wrote are the ones b would have): only the history shows a's stale write accepted."""
+    (late, mine), rid, cb = await _takeover(redis_url, tmp_path, BrokenFenceStore)
+    assert late == 32, "the broken fence refused the stale write: nothing was tested"
+    assert mine != 32  # b's own write at 16 is then refused by the offset check
+    store = CheckpointStore(redis_url)
+    try:
+        out = await history.check_run(tmp_path, store, [])
+    finally:
+        await store.close()
+    assert out["history_stale_writes_accepted"] >= 1, out
+    assert out["history_violations"] >= 1, out
+
+
+async def test_the_history_records_each_operation_and_its_outcome(redis_url, tmp_path):
+    (late, _), rid, cb = await _takeover(redis_url, tmp_path, CheckpointStore)
+    lines = [json.loads(x) for f in sorted(tmp_path.glob("*.jsonl")) for x in f.read_text().splitlines()]
+    ops = [(d["op"], d["owner"], d["off"], d["n"], d["res"], d["out"]) for d in lines]
+    assert ("append", "a", 16, 16, "fail", "LeaseLost") in ops
+    assert ("append", "b", 16, 16, "ok", 32) in ops
+    assert ("claim", "b", 16, 0, "ok", cb.epoch) in ops
+    assert ("finish", "", 32, 0, "ok", 1) in ops
+    assert all(d["t0"] <= d["t1"] for d in lines)
+
+
+async def test_no_history_is_written_unless_asked(redis_url, tmp_path, monkeypatch):
+    monkeypatch.delenv(checkpoint.HISTORY_ENV, raising=False)
+    s = CheckpointStore(redis_url)
+    assert s.history is None
+    await s.close()
+    monkeypatch.setenv(checkpoint.HISTORY_ENV, str(tmp_path / "h"))
+    s = CheckpointStore(redis_url)
+    try:
+        await s.claim(f"h-{uuid.uuid4().hex[:10]}", "x", 0, ttl_s=1)
+    finally:
+        await s.close()
+    assert len(list((tmp_path / "h").glob("*.jsonl"))) == 1
