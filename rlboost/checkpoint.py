@@ -336,7 +336,7 @@ class CheckpointStore:
         t0 = time.monotonic()
         try:
             c = await self._claim_once(rid, owner, policy_version, ttl_s, steal, weights, episode, inherit)
-        except Exception as e:
+        except BaseException as e:
             self.history.record("claim", rid, owner, 0, 0, 0, e, t0)
             raise
         self.history.record("claim", rid, owner, c.epoch, len(c.token_ids), 0, c.epoch, t0)
@@ -448,7 +448,13 @@ class CheckpointStore:
             if cluster:
                 keys = [k for three in keys for k in three]  # type: ignore[misc]
             calls.append((keys, [ttl, owner.encode(), keep, b" ".join(heads), b"".join(blobs)]))
-        replies = await (self._pipelined if cluster else self._raw_scripts)(self._append_many, calls)
+        try:
+            replies = await (self._pipelined if cluster else self._raw_scripts)(self._append_many, calls)
+        except BaseException as e:  # unanswered (a lost connection, cancelled): unknown outcomes
+            if self.history is not None:
+                self.history.record_many("append", [(rid, owner, epoch, offset, len(data) // RECORD.itemsize, e)
+                                                    for rid, owner, epoch, offset, data in appends], t0)
+            raise
         out: list[int | CheckpointError] = [CheckpointError("no reply")] * len(appends)  # every slot is set below
         for (_, members), reply in zip(groups, replies, strict=True):
             for i, r in zip(members, _append_replies(reply, len(members)), strict=True):
@@ -569,7 +575,7 @@ class CheckpointStore:
                 keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid), wire.ckpt_tokens_key(rid)],
                 args=[epoch, total_tokens],
             )
-        except Exception as e:
+        except BaseException as e:
             if self.history is not None:
                 self.history.record("finish", rid, "", epoch, total_tokens, 0, e, t0)
             raise
@@ -589,7 +595,12 @@ class CheckpointStore:
             commands.append(("EVALSHA", self._finish.sha, 3, wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid),
                              wire.ckpt_tokens_key(rid), epoch, total))
             commands.append(("LRANGE", wire.ckpt_history_key(rid), 0, -1))
-        replies = await self._pipeline(commands)
+        try:
+            replies = await self._pipeline(commands)
+        except BaseException as e:
+            if self.history is not None:
+                self.history.record_many("finish", [(rid, "", epoch, total, 0, e) for rid, epoch, total in finishes], t0)
+            raise
         out: list[list[wire.Segment] | CheckpointError] = []
         for j, (rid, epoch, total) in enumerate(finishes):
             fin, hist = replies[2 * j], replies[2 * j + 1]
@@ -610,7 +621,7 @@ class CheckpointStore:
         try:
             r = await self._renew(keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)],
                                   args=[epoch, int(ttl_s * 1000), owner])
-        except Exception as e:
+        except BaseException as e:
             if self.history is not None:
                 self.history.record("renew", rid, owner, epoch, 0, 0, e, t0)
             raise
@@ -625,7 +636,7 @@ class CheckpointStore:
         t0 = time.monotonic() if self.history is not None else 0.0
         try:
             r = await self._release(keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)], args=[epoch])
-        except Exception as e:
+        except BaseException as e:
             if self.history is not None:
                 self.history.record("release", rid, "", epoch, 0, 0, e, t0)
             raise
@@ -639,7 +650,7 @@ class CheckpointStore:
         try:
             replies = await self._pipelined(self._release, [
                 ((wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)), (epoch,)) for rid, epoch in leases])
-        except Exception as e:
+        except BaseException as e:
             if self.history is not None:
                 self.history.record_many("release", [(rid, "", epoch, 0, 0, e) for rid, epoch in leases], t0)
             raise
@@ -704,7 +715,7 @@ class CheckpointStore:
         t0 = time.monotonic()
         try:
             r = await call
-        except Exception as e:
+        except BaseException as e:
             self.history.record(op, rid, owner, epoch, offset, n, e, t0)
             raise
         self.history.record(op, rid, owner, epoch, offset, n, r, t0)
@@ -846,6 +857,7 @@ HISTORY_ENV = "RLBOOST_STORE_HISTORY"
 # A refusal the store decided (its script's code): the operation did not happen. Any other error
 # (a timeout, a lost connection) leaves it unknown: it may have happened (Jepsen's "info").
 _REFUSALS = (LeaseLost, OffsetMismatch, AlreadyFinished, LeaseHeld)
+_quote = json.encoder.encode_basestring_ascii  # a JSON string literal, by the C encoder
 
 
 class History:
@@ -880,17 +892,20 @@ class History:
         self.record_many(op, [(rid, owner, epoch, offset, n, out)], t0)
 
     def record_many(self, op: str, rows: Sequence[tuple[str, str, int, int, int, object]], t0: float) -> None:
-        t1, ts = time.monotonic(), time.time() - (time.monotonic() - t0)
+        # Formatted by hand, not json.dumps per line: a flush records every request it wrote,
+        # and this is what the recording costs (names are JSON-quoted by the C encoder).
+        t1 = time.monotonic()
+        tail = ',"t0":%.6f,"t1":%.6f,"ts":%.6f,"pid":%d}' % (t0, t1, time.time() - (t1 - t0), self.pid)
+        head = '{"op":"%s",' % op
         lines = []
         for rid, owner, epoch, offset, n, out in rows:
-            line = {"op": op, "rid": rid, "owner": owner, "epoch": epoch, "off": offset, "n": n,
-                    "t0": round(t0, 6), "t1": round(t1, 6), "ts": round(ts, 6), "pid": self.pid}
             if isinstance(out, BaseException):
-                line.update(res="fail" if isinstance(out, _REFUSALS) else "info", out=type(out).__name__,
-                            err=str(out)[:200])
+                res = '"res":"%s","out":%s,"err":%s' % ("fail" if isinstance(out, _REFUSALS) else "info",
+                                                        _quote(type(out).__name__), _quote(str(out)[:200]))
             else:
-                line.update(res="ok", out=int(out))  # type: ignore[call-overload]
-            lines.append(json.dumps(line, separators=(",", ":")))
+                res = '"res":"ok","out":%d' % out  # type: ignore[str-format]
+            lines.append('%s"rid":%s,"owner":%s,"epoch":%d,"off":%d,"n":%d,%s%s' % (
+                head, _quote(rid), _quote(owner), epoch, offset, n, res, tail))
         if lines:
             os.write(self.fd, ("\n".join(lines) + "\n").encode())
 
