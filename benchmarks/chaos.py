@@ -33,6 +33,7 @@ import numpy as np
 from rlboost import bus, wire
 from rlboost.checkpoint import HISTORY_ENV, parse_segment
 from rlboost.logs import print_result
+from rlboost.pool_client import PoolClient
 from rlboost.clients import open_clients
 from rlboost.config import Settings
 from rlboost.replay import read_chunks, read_subject
@@ -136,8 +137,10 @@ async def chaos(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: P
         # The fencing invariants over the whole history (benchmarks/history.py). Not strict: a
         # worker SIGKILLed between the store's answer and its history line leaves tokens that no
         # recorded write explains (counted in history_unrecorded_tokens, not a violation).
-        checked = await history.check_run(workdir / "history", c.store, results, strict=False,
-                                          rids=[q.request_id for q in requests])
+        by_id = {q.request_id: q for q in requests}
+        pool = PoolClient(c, POOL)
+        checked = await history.check_run(workdir / "history", c.store, results, strict=False, rids=list(by_id),
+                                          verify=lambda r: pool.verify_result(step, r, by_id[r.request_id]))
     return {**analyse(a, requests, results, events, chunks, actions, fleet, elapsed, reference, owners), **checked}
 
 

@@ -24,7 +24,8 @@ end counts:
   of the epoch had been answered (same process: one monotonic clock);
 - `results_not_checkpoint`: every result on the stream equals the final checkpoint (tokens,
   logprobs), names the lease that finished it (meta owner and epoch) and a finish of that epoch
-  the store accepted;
+  the store accepted, and (given `verify`: the trainer's `PoolClient.verify_result`) is accepted
+  by the trainer;
 - `trained_twice`: each request has at most one distinct result the trainer would accept, and
   at most one epoch whose finish was accepted;
 - `unrecorded_tokens`: checkpoint tokens that no accepted write in the histories covers and no
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,9 +139,10 @@ async def finals(store: CheckpointStore, rids: Iterable[str]) -> dict[str, Final
 
 
 def check(ops: list[Op], final: dict[str, Final], results: list[wire.RolloutResult], strict: bool = True,
-          rids: Iterable[str] | None = None) -> Report:
+          rids: Iterable[str] | None = None, refused: dict[int, str] | None = None) -> Report:
     """Check the invariants (module doc) over the histories `ops`, the final checkpoints and
-    the results. `rids`: only these requests (default: every request in the histories)."""
+    the results. `rids`: only these requests (default: every request in the histories).
+    `refused`: the trainer's reason for refusing results[i], where it was asked (`check_run`)."""
     rep = Report()
     by_rid: dict[str, list[Op]] = defaultdict(list)
     for o in ops:
@@ -150,7 +152,9 @@ def check(ops: list[Op], final: dict[str, Final], results: list[wire.RolloutResu
                  "accepted_writes": 0, "refused_writes": 0, "unknown_writes": 0}
     for rid in sorted(wanted):
         _check_request(rid, by_rid.get(rid, []), final.get(rid), rep, strict)
-    _check_results([r for r in results if r.request_id in wanted], by_rid, final, rep)
+    kept = [i for i, r in enumerate(results) if r.request_id in wanted]
+    _check_results([results[i] for i in kept], by_rid, final, rep,
+                   {j: (refused or {}).get(i, "") for j, i in enumerate(kept)})
     return rep
 
 
@@ -220,12 +224,15 @@ def _check_request(rid: str, ops: list[Op], fin: Final | None, rep: Report, stri
 
 
 def _check_results(results: list[wire.RolloutResult], by_rid: dict[str, list[Op]], final: dict[str, Final],
-                   rep: Report) -> None:
+                   rep: Report, refused: dict[int, str]) -> None:
+    """`refused`: why the trainer refused a result (by its index in `results`), where it was asked."""
     accepted: dict[str, set] = defaultdict(set)
-    for r in results:
+    for i, r in enumerate(results):
         fin = final.get(r.request_id)
-        why = ""
-        if fin is None or not fin.finished:
+        why = refused.get(i, "")
+        if why:
+            why = f"the trainer refuses it: {why}"
+        elif fin is None or not fin.finished:
             why = "its checkpoint is not finished"
         elif (fin.owner, fin.epoch) != (r.worker_id, r.epoch):
             why = f"it names lease {r.worker_id}/{r.epoch}, the store's is {fin.owner}/{fin.epoch}"
@@ -244,12 +251,19 @@ def _check_results(results: list[wire.RolloutResult], by_rid: dict[str, list[Op]
 
 
 async def check_run(directory: str | Path, store: CheckpointStore, results: list[wire.RolloutResult],
-                    strict: bool = True, rids: Iterable[str] | None = None, show: int = 20) -> dict:
+                    strict: bool = True, rids: Iterable[str] | None = None, show: int = 20,
+                    verify: Callable[[wire.RolloutResult], Awaitable[str]] | None = None) -> dict:
     """Load the histories under `directory` and the final checkpoints, check, print the first
-    `show` violations with their evidence; the counts (`Report.summary`)."""
+    `show` violations with their evidence; the counts (`Report.summary`). `verify`: the
+    trainer's acceptance of a result ('' or why not: `PoolClient.verify_result`)."""
     ops = load(directory)
     wanted = set(rids) if rids is not None else {o.rid for o in ops}
-    rep = check(ops, await finals(store, wanted), results, strict, wanted)
+    refused = {}
+    if verify is not None:
+        for i, r in enumerate(results):
+            if r.request_id in wanted and (why := await verify(r)):
+                refused[i] = why
+    rep = check(ops, await finals(store, wanted), results, strict, wanted, refused)
     for v in rep.violations[:show]:
         print(f"history violation {v}", flush=True)
     if len(rep.violations) > show:

@@ -48,6 +48,7 @@ from rlboost import wire
 from rlboost.checkpoint import HISTORY_ENV
 from rlboost.clients import open_clients
 from rlboost.logs import print_result
+from rlboost.pool_client import PoolClient
 from rlboost.replay import read_chunks, read_subject
 from rlboost.config import Settings
 from benchmarks import faults, history
@@ -207,8 +208,10 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
             results = await read_subject(c.js, wire.result_subject(step), wire.RolloutResult)
             # The fencing invariants over the whole history (benchmarks/history.py): no worker is
             # SIGKILLed here, so every checkpoint token must be explained by a recorded write.
-            out.update(await history.check_run(hist_dir, c.store, results, strict=True,
-                                               rids=[q.request_id for q in reqs]))
+            by_id = {q.request_id: q for q in reqs}
+            pool = PoolClient(c, faults.POOL)
+            out.update(await history.check_run(hist_dir, c.store, results, strict=True, rids=list(by_id),
+                                               verify=lambda r: pool.verify_result(step, r, by_id[r.request_id])))
         out["writes_after_takeover"] = writes_after_takeover(events, chunks)
         if "victim" in extra:
             out["taken_over"] = taken_over(events, extra["victim"])

@@ -82,6 +82,23 @@ async def test_a_broken_fence_is_caught_by_the_history_check(redis_url, tmp_path
     assert out["history_violations"] >= 1, out
 
 
+async def test_a_result_that_is_not_its_checkpoint_is_caught(redis_url, tmp_path):
+    """A result naming the superseded lease, and one with other tokens under the right lease:
+    each a violation; the genuine one beside them is not."""
+    (_, _), rid, cb = await _takeover(redis_url, tmp_path, CheckpointStore)
+    store = CheckpointStore(redis_url)
+    try:
+        epochs = [json.loads(x)["out"] for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()
+                  if json.loads(x)["op"] == "claim" and json.loads(x)["owner"] == "a"]
+        out = await history.check_run(tmp_path, store, [
+            _result(rid, "b", cb.epoch, list(range(32))),  # the genuine result
+            _result(rid, "a", epochs[0], list(range(32))),  # the superseded lease
+            _result(rid, "b", cb.epoch, list(range(31)) + [7])])  # not the checkpoint's tokens
+    finally:
+        await store.close()
+    assert out["history_results_not_checkpoint"] == 2 and out["history_violations"] == 2, out
+
+
 async def test_the_history_records_each_operation_and_its_outcome(redis_url, tmp_path):
     (late, _), rid, cb = await _takeover(redis_url, tmp_path, CheckpointStore)
     lines = [json.loads(x) for f in sorted(tmp_path.glob("*.jsonl")) for x in f.read_text().splitlines()]
