@@ -599,7 +599,8 @@ class CheckpointStore:
             replies = await self._pipeline(commands)
         except BaseException as e:
             if self.history is not None:
-                self.history.record_many("finish", [(rid, "", epoch, total, 0, e) for rid, epoch, total in finishes], t0)
+                self.history.record_many("finish", [(rid, "", epoch, total, 0, e) for rid, epoch, total in finishes],
+                                         t0)
             raise
         out: list[list[wire.Segment] | CheckpointError] = []
         for j, (rid, epoch, total) in enumerate(finishes):

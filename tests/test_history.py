@@ -3,14 +3,21 @@ passes it; the same run against a store whose append script lacks the epoch chec
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
+import sys
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 
-from rlboost import checkpoint
+from rlboost import checkpoint, wire
+from rlboost.clients import open_clients
+from rlboost.replay import read_subject
 from rlboost.checkpoint import CheckpointStore, LeaseLost
-from benchmarks import history
+from benchmarks import faults, history
 
 EPOCH_CHECK = "if m[1] ~= epoch then return -1 end"
 
@@ -26,9 +33,9 @@ class BrokenFenceStore(CheckpointStore):
 
 
 async def _takeover(redis_url: str, hist_dir, old_cls: type[CheckpointStore]) -> tuple[list, str, object]:
-    """Worker "a" claims and checkpoints 16 tokens, is superseded by "b" (a steal: a's lease
-    timed out), then writes its next 16 tokens late, before b's first append. b appends, the
-    append fails or lands after a's, b finishes. Returns (a's late outcome, rid, ...)."""
+    """Worker "a" (a store of class `old_cls`) claims and checkpoints 16 tokens, is superseded
+    by "b" (a steal: a's lease timed out), then writes its next 16 tokens late, before b's first
+    append; b appends at 16 and finishes at 32. Returns ([a's late outcome, b's], rid, b's claim)."""
     rid = f"h-{uuid.uuid4().hex[:10]}"
     a = old_cls(redis_url, history_dir=str(hist_dir))
     b = CheckpointStore(redis_url, history_dir=str(hist_dir))
@@ -39,17 +46,14 @@ async def _takeover(redis_url: str, hist_dir, old_cls: type[CheckpointStore]) ->
         cb = await b.claim(rid, "b", 0, ttl_s=5, steal=True)
         (late,) = await a.append_many([(rid, "a", ca.epoch, 16, list(range(16, 32)), [0.0] * 16)], ttl_s=5)
         (mine,) = await b.append_many([(rid, "b", cb.epoch, 16, list(range(16, 32)), [0.0] * 16)], ttl_s=5)
-        total = 32
-        await b.finish(rid, cb.epoch, total)
+        await b.finish(rid, cb.epoch, 32)
         return [late, mine], rid, cb
     finally:
         await a.close()
         await b.close()
 
 
-def _result(rid: str, owner: str, epoch: int, tokens: list[int]):
-    from rlboost import wire
-
+def _result(rid: str, owner: str, epoch: int, tokens: list[int]) -> wire.RolloutResult:
     return wire.RolloutResult(request_id=rid, step=1, group=0, prompt_ids=[1], token_ids=tokens,
                               logprobs=[0.0] * len(tokens), worker_id=owner, epoch=epoch, ts=0.0,
                               finish_reason="length", segments=[])
@@ -132,16 +136,6 @@ async def _paused_worker_run(root, broken: bool) -> dict:
     the request), then SIGCONTed at once: its next flush writes under superseded leases, racing
     the new owner's first append. Every store operation of the run is recorded; the history is
     checked against the final checkpoints and the results."""
-    import asyncio
-    import random
-    import sys
-    import time
-    from pathlib import Path
-
-    from rlboost import wire
-    from rlboost.replay import read_subject
-    from benchmarks import faults
-
     hist = root / "hist"
     srv = await asyncio.to_thread(faults.Servers, root / "srv")
     reqs = faults.make_requests(31, 48, random.Random(7), 96, 192)
@@ -171,10 +165,13 @@ async def _paused_worker_run(root, broken: bool) -> dict:
                 others = [w for w in fleet.live() if w is not victim]
                 for w in others:
                     fleet.pause(w)
-                heard = sum(victim.counters()[k] for k in ("checkpointed", "fenced"))
+                def answers() -> int:  # the paused worker's writes the store answered, accepted or not
+                    return sum(victim.counters()[k] for k in ("checkpointed", "fenced"))
+
+                heard = answers()
                 fleet.resume(victim)
                 deadline = time.monotonic() + 10
-                while time.monotonic() < deadline and sum(victim.counters()[k] for k in ("checkpointed", "fenced")) == heard:
+                while time.monotonic() < deadline and answers() == heard:
                     await asyncio.sleep(0.02)  # until its first write after the pause was answered
                 for w in others:
                     fleet.resume(w)
@@ -189,8 +186,6 @@ async def _paused_worker_run(root, broken: bool) -> dict:
                                     worker_env={checkpoint.HISTORY_ENV: str(hist), "PYTHONPATH": ":".join(sys.path)})
         store = CheckpointStore(srv.redis_url)
         try:
-            from rlboost.clients import open_clients
-
             async with open_clients(srv.nats_url, srv.redis_url, "history-check") as c:
                 results = await read_subject(c.js, wire.result_subject(31), wire.RolloutResult)
             out.update(await history.check_run(hist, store, results, rids=[q.request_id for q in reqs]))
