@@ -103,6 +103,21 @@ async def test_a_result_that_is_not_its_checkpoint_is_caught(redis_url, tmp_path
     assert out["history_results_not_checkpoint"] == 2 and out["history_violations"] == 2, out
 
 
+async def test_a_write_after_its_own_release_is_caught(redis_url, tmp_path):
+    """The store accepts it (a release leaves the epoch current, and an append sets a missing
+    lease again): only the worker's discipline keeps it from happening, and the history shows it."""
+    rid = f"h-{uuid.uuid4().hex[:10]}"
+    s = CheckpointStore(redis_url, history_dir=str(tmp_path))
+    try:
+        c = await s.claim(rid, "a", 0, ttl_s=5)
+        assert await s.release(rid, c.epoch)
+        assert await s.append(rid, "a", c.epoch, 0, [1, 2], [0.0, 0.0], ttl_s=5) == 2
+        out = await history.check_run(tmp_path, s, [])
+    finally:
+        await s.close()
+    assert out["history_writes_after_release"] == 1 and out["history_violations"] == 1, out
+
+
 async def test_the_history_records_each_operation_and_its_outcome(redis_url, tmp_path):
     (late, _), rid, cb = await _takeover(redis_url, tmp_path, CheckpointStore)
     lines = [json.loads(x) for f in sorted(tmp_path.glob("*.jsonl")) for x in f.read_text().splitlines()]
