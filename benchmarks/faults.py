@@ -106,16 +106,18 @@ async def run_load(srv: Servers, workdir: Path, name: str, requests: list[wire.R
                    fault, at: float = 0.3, timeout_s: float = 120.0, slots: int = 16, speed: float = 4.0,
                    ack_wait: float = 3.0, worker_env: dict[str, str] | None = None,
                    extra_args: tuple[str, ...] = (), weights: dict[int, str] | None = None,
-                   worker_urls: list[tuple[str, str]] | None = None) -> dict:
+                   worker_urls: list[tuple[str, str]] | None = None,
+                   launcher: tuple[str, ...] = ("-m", "rlboost.cli")) -> dict:
     """Publish `requests`, start `workers` worker processes, call `fault(ctx)` once `at` of the
     results are in, wait for the rest; then analyse everything the streams recorded.
     `worker_urls`: the (NATS, Redis) URLs of each worker in start order (a fault relay's), where
-    they are not the servers' own."""
+    they are not the servers' own. `launcher`: what the worker processes run (`WorkerFleet`)."""
     step = requests[0].step
     fleet = WorkerFleet(srv.nats_url, srv.redis_url, workdir / name, POOL, worker_args=[
         "--engine", "emulated", "--speed", str(speed), "--slots", str(slots), "--checkpoint-tokens", "16",
         "--ack-wait", str(ack_wait), "--lease-ttl", str(ack_wait * 0.6), *extra_args],
-        env={"RLBOOST_WORKER__HEARTBEAT_S": "0.3", "RLBOOST_WORKER__STALL_S": str(ack_wait), **(worker_env or {})})
+        env={"RLBOOST_WORKER__HEARTBEAT_S": "0.3", "RLBOOST_WORKER__STALL_S": str(ack_wait), **(worker_env or {})},
+        launcher=launcher)
     ctx: dict = {"fleet": fleet, "srv": srv, "ack_wait": ack_wait}
     t_fault = t_recovered = None
     async with open_clients(srv.nats_url, srv.redis_url, f"rlboost-faults-{name}", pools=(POOL,)) as c:

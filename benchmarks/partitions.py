@@ -27,7 +27,9 @@ same request resumed from (two holders with writes accepted); `victim_resumed_s`
 -> the affected worker's next checkpointed token, refused write, claim or result); `taken_over` (requests the affected
 worker held that another worker claimed after it); `fenced` (tokens of the affected worker's
 writes the store refused); for `all_unreachable`, `cpu_pct` (per worker, % of one core over the outage) and
-`resumed_s` (per worker).
+`resumed_s` (per worker). `history_violations` (and `history_<invariant>` counts): every store
+operation of the workers is recorded with its outcome (`RLBOOST_STORE_HISTORY`) and checked over the
+whole history against the final checkpoints and the results (benchmarks/history.py); must be 0.
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from rlboost import wire
+from rlboost.checkpoint import HISTORY_ENV
 from rlboost.clients import open_clients
 from rlboost.logs import print_result
+from rlboost.pool_client import PoolClient
 from rlboost.replay import read_chunks, read_subject
 from rlboost.config import Settings
-from benchmarks import faults
+from benchmarks import faults, history
 from benchmarks.relay import Relay
 
 SCENARIOS = ("redis_cut", "redis_slow", "redis_half_open", "all_unreachable", "nats_cut", "nats_half_open")
@@ -178,6 +182,13 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
             raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
 
         captured: dict = {}
+        # Every store operation of the workers, with its outcome, for the history check below.
+        hist_dir = root / name / "history"
+        worker_env = {HISTORY_ENV: str(hist_dir)}
+        if name == "redis_slow":
+            # a slow store makes its worker look stalled sooner, so its requests are redelivered
+            # while its late writes are in flight
+            worker_env["RLBOOST_WORKER__STALL_S"] = "1.0"
 
         async def fault_and_keep(ctx):
             await fault(ctx)
@@ -185,10 +196,7 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
 
         try:
             out = await faults.run_load(srv, root, name, reqs, a.workers, fault_and_keep, at=a.at,
-                                        timeout_s=a.timeout, speed=a.speed, worker_urls=urls,
-                                        # a slow store makes its worker look stalled sooner, so its
-                                        # requests are redelivered while its late writes are in flight
-                                        worker_env={"RLBOOST_WORKER__STALL_S": "1.0"} if name == "redis_slow" else None)
+                                        timeout_s=a.timeout, speed=a.speed, worker_urls=urls, worker_env=worker_env)
         finally:
             await watch.close()
         if "victim" in captured:
@@ -197,6 +205,13 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
         async with open_clients(srv.nats_url, srv.redis_url, f"rlboost-partitions-{name}") as c:
             events = await read_subject(c.js, f"rb.evt.{step}.>", wire.LeaseEvent)
             chunks = await read_chunks(c.js, step)
+            results = await read_subject(c.js, wire.result_subject(step), wire.RolloutResult)
+            # The fencing invariants over the whole history (benchmarks/history.py): no worker is
+            # SIGKILLed here, so every checkpoint token must be explained by a recorded write.
+            by_id = {q.request_id: q for q in reqs}
+            pool = PoolClient(c, faults.POOL)
+            out.update(await history.check_run(hist_dir, c.store, results, strict=True, rids=list(by_id),
+                                               verify=lambda r: pool.verify_result(step, r, by_id[r.request_id])))
         out["writes_after_takeover"] = writes_after_takeover(events, chunks)
         if "victim" in extra:
             out["taken_over"] = taken_over(events, extra["victim"])
@@ -209,7 +224,7 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
 
 
 def clean(out: dict, a: argparse.Namespace) -> bool:
-    ok = faults.clean(out) and out["writes_after_takeover"] == 0
+    ok = faults.clean(out) and out["writes_after_takeover"] == 0 and out["history_violations"] == 0
     if out["scenario"] == "all_unreachable":
         ok = ok and out.get("cpu_pct_max") is not None and out["cpu_pct_max"] < a.max_cpu_pct
         ok = ok and out.get("resumed_s_max") is not None and out["resumed_s_max"] <= a.max_resume_s
@@ -252,7 +267,8 @@ def main(argv: list[str], s: Settings) -> int:
                     f"{out.get('fenced')}")
             print(f"{name:<16} requests {out['requests']} lost {out['lost']} dup {out['duplicated']} mismatched "
                   f"{out['mismatched']} wrong-version {out['wrong_version_tokens']} stale "
-                  f"{out['stale_writes_accepted']} after-takeover {out['writes_after_takeover']} regenerated "
+                  f"{out['stale_writes_accepted']} after-takeover {out['writes_after_takeover']} history "
+                  f"{out['history_violations']} ({out['history_ops']} ops) regenerated "
                   f"{out['regenerated_tokens']} recovery {out['recovery_s']} s{more}  -> "
                   f"{'OK' if out['ok'] else 'VIOLATED'}", flush=True)
     finally:

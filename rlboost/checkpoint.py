@@ -36,6 +36,9 @@ one call.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
@@ -67,7 +70,7 @@ from rlboost.logs import get_logger
 
 # The checkpoint errors live in rlboost.errors (one root); callers import them from here too.
 __all__ = ["AlreadyFinished", "CheckpointError", "CorruptCheckpoint", "LeaseHeld", "LeaseLost", "OffsetMismatch",
-           "CheckpointStore", "Claim", "pack", "unpack", "parse_segment"]
+           "CheckpointStore", "Claim", "History", "HISTORY_ENV", "pack", "unpack", "parse_segment"]
 
 log = get_logger(component="checkpoint")
 
@@ -281,7 +284,12 @@ def parse_segment(raw: bytes) -> wire.Segment:
 class CheckpointStore:
     """Pooled async client over the checkpoint keys of `rlboost.wire`."""
 
-    def __init__(self, url: str, max_connections: int = 32, keep_s: int = 86400, timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, max_connections: int = 32, keep_s: int = 86400, timeout_s: float = 5.0,
+                 history_dir: str | None = None) -> None:
+        # Every operation and the outcome the store gave, one JSON line each, when a history
+        # directory is given (or $RLBOOST_STORE_HISTORY): what `benchmarks/history.py` checks.
+        # Off (None), each operation pays one attribute check.
+        self.history = History.open(history_dir or os.environ.get(HISTORY_ENV) or None)
         # BlockingConnectionPool waits for a free connection instead of raising under load.
         # Every call is bounded: a Redis that stops answering (killed, paused, partitioned)
         # raises TimeoutError after `timeout_s` instead of freezing the caller.
@@ -300,6 +308,9 @@ class CheckpointStore:
 
     async def close(self) -> None:
         await self.redis.aclose()
+        if self.history is not None:
+            self.history.close()
+            self.history = None
 
     async def load_scripts(self) -> bool:
         """SCRIPT LOAD the checkpoint scripts (idempotent). The trainer does this: the worker
@@ -319,6 +330,20 @@ class CheckpointStore:
 
     async def claim(self, rid: str, owner: str, policy_version: int, ttl_s: float, steal: bool = False,
                     weights: str = "", episode: bool = False, inherit: bool = False) -> Claim:
+        """Take the lease with a new epoch and get the tokens so far (see `_claim_once`)."""
+        if self.history is None:
+            return await self._claim_once(rid, owner, policy_version, ttl_s, steal, weights, episode, inherit)
+        t0 = time.monotonic()
+        try:
+            c = await self._claim_once(rid, owner, policy_version, ttl_s, steal, weights, episode, inherit)
+        except BaseException as e:
+            self.history.record("claim", rid, owner, 0, 0, 0, e, t0)
+            raise
+        self.history.record("claim", rid, owner, c.epoch, len(c.token_ids), 0, c.epoch, t0)
+        return c
+
+    async def _claim_once(self, rid: str, owner: str, policy_version: int, ttl_s: float, steal: bool,
+                          weights: str, episode: bool, inherit: bool) -> Claim:
         """Take the lease with a new epoch and get the tokens so far (to resume from).
         `weights` names the weights that will generate from here on (recorded in the segment).
         `episode`: the request is an episode; its stored state comes back too (`Claim.episode`).
@@ -403,6 +428,7 @@ class CheckpointStore:
         `_groups`); outcomes in the order of `appends`."""
         if not appends:
             return []
+        t0 = time.monotonic() if self.history is not None else 0.0
         ttl = b"%d" % int(ttl_s * 1000)
         keep = b"%d" % self.keep_s
         cluster = isinstance(self.redis, RedisCluster)
@@ -422,7 +448,13 @@ class CheckpointStore:
             if cluster:
                 keys = [k for three in keys for k in three]  # type: ignore[misc]
             calls.append((keys, [ttl, owner.encode(), keep, b" ".join(heads), b"".join(blobs)]))
-        replies = await (self._pipelined if cluster else self._raw_scripts)(self._append_many, calls)
+        try:
+            replies = await (self._pipelined if cluster else self._raw_scripts)(self._append_many, calls)
+        except BaseException as e:  # unanswered (a lost connection, cancelled): unknown outcomes
+            if self.history is not None:
+                self.history.record_many("append", [(rid, owner, epoch, offset, len(data) // RECORD.itemsize, e)
+                                                    for rid, owner, epoch, offset, data in appends], t0)
+            raise
         out: list[int | CheckpointError] = [CheckpointError("no reply")] * len(appends)  # every slot is set below
         for (_, members), reply in zip(groups, replies, strict=True):
             for i, r in zip(members, _append_replies(reply, len(members)), strict=True):
@@ -431,6 +463,9 @@ class CheckpointStore:
                 else:
                     rid, _, epoch, offset, _ = appends[i]
                     out[i] = _append_outcome(rid, epoch, offset, r)
+        if self.history is not None:  # one line per request, from the batch's outcomes
+            self.history.record_many("append", [(rid, owner, epoch, offset, len(data) // RECORD.itemsize, o)
+                                                for (rid, owner, epoch, offset, data), o in zip(appends, out)], t0)
         return out
 
     def _keys_resp(self, rid: str) -> bytes:
@@ -534,23 +569,39 @@ class CheckpointStore:
         return replies
 
     async def finish(self, rid: str, epoch: int, total_tokens: int) -> None:
-        r = await self._finish(
-            keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid), wire.ckpt_tokens_key(rid)],
-            args=[epoch, total_tokens],
-        )
-        if (err := lua_error("finish", r, f"{rid} (epoch {epoch}, {total_tokens} tokens)")) is not None:
+        t0 = time.monotonic() if self.history is not None else 0.0
+        try:
+            r = await self._finish(
+                keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid), wire.ckpt_tokens_key(rid)],
+                args=[epoch, total_tokens],
+            )
+        except BaseException as e:
+            if self.history is not None:
+                self.history.record("finish", rid, "", epoch, total_tokens, 0, e, t0)
+            raise
+        err = lua_error("finish", r, f"{rid} (epoch {epoch}, {total_tokens} tokens)")
+        if self.history is not None:
+            self.history.record("finish", rid, "", epoch, total_tokens, 0, err or int(r), t0)
+        if err is not None:
             raise err
 
     async def finish_many(self, finishes: Sequence[tuple[str, int, int]]) -> list[list[wire.Segment] | CheckpointError]:
         """`finish` for many requests, (rid, epoch, total_tokens) each, in one round trip, with
         each request's provenance (`segments`) read in the same pipeline: what its result
         carries. One outcome per request: its segments, or its error."""
+        t0 = time.monotonic() if self.history is not None else 0.0
         commands: list[tuple] = []
         for rid, epoch, total in finishes:
             commands.append(("EVALSHA", self._finish.sha, 3, wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid),
                              wire.ckpt_tokens_key(rid), epoch, total))
             commands.append(("LRANGE", wire.ckpt_history_key(rid), 0, -1))
-        replies = await self._pipeline(commands)
+        try:
+            replies = await self._pipeline(commands)
+        except BaseException as e:
+            if self.history is not None:
+                self.history.record_many("finish", [(rid, "", epoch, total, 0, e) for rid, epoch, total in finishes],
+                                         t0)
+            raise
         out: list[list[wire.Segment] | CheckpointError] = []
         for j, (rid, epoch, total) in enumerate(finishes):
             fin, hist = replies[2 * j], replies[2 * j + 1]
@@ -561,22 +612,52 @@ class CheckpointStore:
                 out.append(err)
             else:
                 out.append(_segments(rid, hist))  # type: ignore[arg-type]
+        if self.history is not None:
+            self.history.record_many("finish", [(rid, "", epoch, total, 0, 1 if isinstance(o, list) else o)
+                                                for (rid, epoch, total), o in zip(finishes, out)], t0)
         return out
 
     async def renew(self, rid: str, owner: str, epoch: int, ttl_s: float) -> None:
-        r = await self._renew(keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)],
-                              args=[epoch, int(ttl_s * 1000), owner])
-        if (err := lua_error("renew", r, f"{rid} (epoch {epoch})")) is not None:
+        t0 = time.monotonic() if self.history is not None else 0.0
+        try:
+            r = await self._renew(keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)],
+                                  args=[epoch, int(ttl_s * 1000), owner])
+        except BaseException as e:
+            if self.history is not None:
+                self.history.record("renew", rid, owner, epoch, 0, 0, e, t0)
+            raise
+        err = lua_error("renew", r, f"{rid} (epoch {epoch})")
+        if self.history is not None:
+            self.history.record("renew", rid, owner, epoch, 0, 0, err or int(r), t0)
+        if err is not None:
             raise err
 
     async def release(self, rid: str, epoch: int) -> bool:
         """Give the lease up (drain/hand-off) so the next claimant need not wait for expiry."""
-        return await self._release(keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)], args=[epoch]) == 1
+        t0 = time.monotonic() if self.history is not None else 0.0
+        try:
+            r = await self._release(keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)], args=[epoch])
+        except BaseException as e:
+            if self.history is not None:
+                self.history.record("release", rid, "", epoch, 0, 0, e, t0)
+            raise
+        if self.history is not None:
+            self.history.record("release", rid, "", epoch, 0, 0, _released(rid, epoch, r), t0)
+        return r == 1
 
     async def release_many(self, leases: Sequence[tuple[str, int]]) -> list[bool]:
         """`release` for a whole drained batch in one round trip: (rid, epoch) -> released?"""
-        replies = await self._pipelined(self._release, [
-            ((wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)), (epoch,)) for rid, epoch in leases])
+        t0 = time.monotonic() if self.history is not None else 0.0
+        try:
+            replies = await self._pipelined(self._release, [
+                ((wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)), (epoch,)) for rid, epoch in leases])
+        except BaseException as e:
+            if self.history is not None:
+                self.history.record_many("release", [(rid, "", epoch, 0, 0, e) for rid, epoch in leases], t0)
+            raise
+        if self.history is not None:
+            self.history.record_many("release", [(rid, "", epoch, 0, 0, _released(rid, epoch, r))
+                                                 for (rid, epoch), r in zip(leases, replies)], t0)
         return [r == 1 for r in replies]
 
     async def append_env(self, rid: str, owner: str, epoch: int, offset: int, token_ids: Sequence[int],
@@ -585,6 +666,13 @@ class CheckpointStore:
         (`state.at` must be their end), in one fenced step (`_APPEND_ENV`): refused like an
         append (LeaseLost, OffsetMismatch, AlreadyFinished), and then nothing is written. The
         new length on success."""
+        call = self._append_env_once(rid, owner, epoch, offset, token_ids, state, ttl_s)
+        if self.history is None:
+            return await call
+        return await self._recorded("append_env", rid, owner, epoch, offset, len(token_ids), call)
+
+    async def _append_env_once(self, rid: str, owner: str, epoch: int, offset: int, token_ids: Sequence[int],
+                               state: wire.EpisodeState, ttl_s: float) -> int:
         if state.at != offset + len(token_ids):
             raise OffsetMismatch(f"{rid}: a state at {state.at} after {len(token_ids)} env tokens at {offset}")
         blob = _state_bytes(rid, state)
@@ -607,12 +695,32 @@ class CheckpointStore:
         """Store an episode's state under the lease (`_EPISODE`): refused (LeaseLost,
         AlreadyFinished, OffsetMismatch) unless `epoch` holds the lease and the checkpoint is
         exactly `state.at` tokens long."""
+        call = self._put_episode_once(rid, owner, epoch, state, ttl_s)
+        if self.history is None:
+            return await call
+        await self._recorded("episode", rid, owner, epoch, state.at, 0, call)
+
+    async def _put_episode_once(self, rid: str, owner: str, epoch: int, state: wire.EpisodeState,
+                                ttl_s: float) -> int:
         k = wire
         r = await self._episode(
             keys=[k.ckpt_meta_key(rid), k.ckpt_lease_key(rid), k.ckpt_tokens_key(rid), k.ckpt_episode_key(rid)],
             args=[epoch, state.at, int(ttl_s * 1000), owner, self.keep_s, _state_bytes(rid, state)])
         if (err := lua_error("episode", r, f"{rid} (epoch {epoch}, at {state.at})")) is not None:
             raise err
+        return 1
+
+    async def _recorded(self, op: str, rid: str, owner: str, epoch: int, offset: int, n: int, call) -> int:
+        """Await `call` (a store operation) and record it and its outcome in the history."""
+        assert self.history is not None
+        t0 = time.monotonic()
+        try:
+            r = await call
+        except BaseException as e:
+            self.history.record(op, rid, owner, epoch, offset, n, e, t0)
+            raise
+        self.history.record(op, rid, owner, epoch, offset, n, r, t0)
+        return r
 
     async def episode(self, rid: str) -> wire.EpisodeState | None:
         """An episode's stored state (None: none stored), or CorruptCheckpoint."""
@@ -744,3 +852,70 @@ def _append_outcome(rid: str, epoch: int, offset: int, reply: object) -> int | C
         return CheckpointError(f"{rid}: {reply.decode(errors='replace') if isinstance(reply, bytes) else reply}")
     n = int(reply)  # type: ignore[arg-type]
     return lua_error("append", n, f"{rid} (epoch {epoch}, at {offset})") or n
+
+
+HISTORY_ENV = "RLBOOST_STORE_HISTORY"
+# A refusal the store decided (its script's code): the operation did not happen. Any other error
+# (a timeout, a lost connection) leaves it unknown: it may have happened (Jepsen's "info").
+_REFUSALS = (LeaseLost, OffsetMismatch, AlreadyFinished, LeaseHeld)
+_quote = json.encoder.encode_basestring_ascii  # a JSON string literal, by the C encoder
+
+
+class History:
+    """The store's operation history of one process: one JSON line per operation, appended
+    (O_APPEND) to `<dir>/<pid>-<n>.jsonl`. Fields: `op` (claim, append, append_env, episode,
+    renew, release, finish), `rid`, `owner` ("" where the call does not name it), `epoch`,
+    `off` (the offset written at; a claim's: the checkpoint length it resumed from; a finish's:
+    its total), `n` (tokens written), `res` (`ok` the store accepted, `fail` it refused, `info`
+    unknown: the call failed without the store's answer), `out` (the new length, the claim's
+    epoch, 1, or the error's name), `err` (its message, if any), `t0`/`t1` (CLOCK_MONOTONIC at
+    the call and at its answer: comparable between the processes of one machine), `ts` (wall
+    time at the call), `pid`. Written after the answer, one write per call (a flush's appends
+    share one); a process killed between an answer and its line loses that line."""
+
+    _count = 0
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.pid = os.getpid()
+
+    @classmethod
+    def open(cls, directory: str | None) -> History | None:
+        if not directory:
+            return None
+        os.makedirs(directory, exist_ok=True)
+        cls._count += 1
+        return cls(os.path.join(directory, f"{os.getpid()}-{cls._count}.jsonl"))
+
+    def record(self, op: str, rid: str, owner: str, epoch: int, offset: int, n: int, out: object,
+               t0: float) -> None:
+        self.record_many(op, [(rid, owner, epoch, offset, n, out)], t0)
+
+    def record_many(self, op: str, rows: Sequence[tuple[str, str, int, int, int, object]], t0: float) -> None:
+        # Formatted by hand, not json.dumps per line: a flush records every request it wrote,
+        # and this is what the recording costs (names are JSON-quoted by the C encoder).
+        t1 = time.monotonic()
+        tail = ',"t0":%.6f,"t1":%.6f,"ts":%.6f,"pid":%d}' % (t0, t1, time.time() - (t1 - t0), self.pid)
+        head = '{"op":"%s",' % op
+        lines = []
+        for rid, owner, epoch, offset, n, out in rows:
+            if isinstance(out, BaseException):
+                res = '"res":"%s","out":%s,"err":%s' % ("fail" if isinstance(out, _REFUSALS) else "info",
+                                                        _quote(type(out).__name__), _quote(str(out)[:200]))
+            else:
+                res = '"res":"ok","out":%d' % out  # type: ignore[str-format]
+            lines.append('%s"rid":%s,"owner":%s,"epoch":%d,"off":%d,"n":%d,%s%s' % (
+                head, _quote(rid), _quote(owner), epoch, offset, n, res, tail))
+        if lines:
+            os.write(self.fd, ("\n".join(lines) + "\n").encode())
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _released(rid: str, epoch: int, reply: object) -> object:
+    """A release's reply as a history outcome."""
+    if isinstance(reply, Exception) or reply == 1:
+        return reply
+    return LeaseLost(f"{rid} (epoch {epoch}): release of a stale epoch")

@@ -23,6 +23,7 @@ def _assert_clean(out: dict) -> None:
     assert out["lost"] == out["duplicated"] == out["mismatched"] == out["wrong_version_tokens"] == 0, out
     assert out["stale_writes_accepted"] == out["epochs_reused"] == out["writes_after_takeover"] == 0, out
     assert out["workers_stalled"] == 0, out
+    assert out["history_violations"] == 0 and out["history_ops"] > 0, out  # benchmarks/history.py
 
 
 def _claim(rid: str, worker: str, epoch: int, offset: int) -> wire.LeaseEvent:

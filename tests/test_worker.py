@@ -328,6 +328,7 @@ def test_chaos_with_real_processes_loses_duplicates_and_corrupts_nothing(service
                            every=1.2, chaos_until=0.85, ack_wait=2.0, timeout=150.0, seed=7)
     out = asyncio.run(chaos(a, nats_url, redis_url, tmp_path))
     assert out["lost"] == 0 and out["duplicated"] == 0 and out["mismatched"] == 0
+    assert out["history_violations"] == 0 and out["history_ops"] > 0, out  # benchmarks/history.py
     assert out["kills"] >= 1 and out["terms"] >= 1 and out["stops"] >= 1
     assert out["regenerated_tokens_term"] == 0
     assert out["regenerated_tokens_kill"] <= a.k * out["killed_inflight"]

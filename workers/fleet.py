@@ -58,6 +58,9 @@ class WorkerFleet:
     workers: dict[str, WorkerProc] = field(default_factory=dict)
     die_with_parent: bool = False  # Linux: the kernel SIGKILLs the workers when this process dies
     command: str = "worker"  # or "env-worker" (an environment pool: no pool of its own, every pool's lane)
+    # What the interpreter runs: the CLI, or a script that wraps it (a test's worker with a
+    # deliberately broken fence, tests/broken_fence_worker.py)
+    launcher: tuple[str, ...] = ("-m", "rlboost.cli")
     _n: int = 0
 
     def start(self, prefix: str = "w", extra_args: tuple[str, ...] = ()) -> WorkerProc:
@@ -70,7 +73,7 @@ class WorkerFleet:
         env = {**os.environ, "RLBOOST_NATS_URL": self.nats_url, "RLBOOST_REDIS_URL": self.redis_url,
                "OMP_NUM_THREADS": "1", "RLBOOST_LOG_JSON": "1", **self.env}
         pool = ["--pool", self.pool] if self.command == "worker" else []
-        cmd = [sys.executable, "-m", "rlboost.cli", self.command, *pool, "--worker-id", wid,
+        cmd = [sys.executable, *self.launcher, self.command, *pool, "--worker-id", wid,
                "--counters", str(counters), *self.worker_args, *extra_args]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 preexec_fn=_die_with_parent if self.die_with_parent else None)
