@@ -130,8 +130,9 @@ return {es, 0, data}
 _APPEND_MANY = """
 local ttl, owner, keep, heads, blob = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local function one(meta, lease, tok, epoch, offset, data)
-  local m = redis.call('HMGET', meta, 'epoch', 'finished')
+  local m = redis.call('HMGET', meta, 'epoch', 'finished', 'released')
   if m[1] ~= epoch then return -1 end
+  if m[3] == epoch then return -1 end  -- released: a write after letting go must not take the lease back
   if m[2] == '1' then return -3 end
   if redis.call('STRLEN', tok) ~= tonumber(offset) * 8 then return -2 end
   local len = redis.call('APPEND', tok, data) / 8
@@ -169,8 +170,9 @@ return reply
 _APPEND_ENV = """
 local meta, lease, tok, hist, ep = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local epoch, offset, ttl, owner, keep, data, state = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
-local m = redis.call('HMGET', meta, 'epoch', 'finished')
+local m = redis.call('HMGET', meta, 'epoch', 'finished', 'released')
 if m[1] ~= epoch then return -1 end
+if m[3] == epoch then return -1 end  -- released (see _RELEASE)
 if m[2] == '1' then return -3 end
 if redis.call('STRLEN', tok) ~= tonumber(offset) * 8 then return -2 end
 local last = redis.call('LRANGE', hist, -1, -1)[1] or ''
@@ -193,8 +195,9 @@ return len
 _EPISODE = """
 local meta, lease, tok, ep = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local epoch, at, ttl, owner, keep, state = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local m = redis.call('HMGET', meta, 'epoch', 'finished')
+local m = redis.call('HMGET', meta, 'epoch', 'finished', 'released')
 if m[1] ~= epoch then return -1 end
+if m[3] == epoch then return -1 end  -- released (see _RELEASE)
 if m[2] == '1' then return -3 end
 if redis.call('STRLEN', tok) ~= tonumber(at) * 8 then return -2 end
 redis.call('SET', ep, state, 'EX', keep)

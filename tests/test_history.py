@@ -32,6 +32,19 @@ class BrokenFenceStore(CheckpointStore):
         self._append_many = self.redis.register_script(checkpoint._APPEND_MANY.replace(EPOCH_CHECK, ""))
 
 
+RELEASED_CHECK = "  if m[3] == epoch then return -1 end  -- released: a write after letting go must not take the lease back\n"
+
+
+class ReleaseBlindStore(CheckpointStore):
+    """The store as it was before appends checked the released mark: an append of an epoch that
+    has released its lease is accepted (and sets the lease again). Test-only."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        assert RELEASED_CHECK in checkpoint._APPEND_MANY
+        self._append_many = self.redis.register_script(checkpoint._APPEND_MANY.replace(RELEASED_CHECK, ""))
+
+
 async def _takeover(redis_url: str, hist_dir, old_cls: type[CheckpointStore]) -> tuple[list, str, object]:
     """Worker "a" (a store of class `old_cls`) claims and checkpoints 16 tokens, is superseded
     by "b" (a steal: a's lease timed out), then writes its next 16 tokens late, before b's first
@@ -103,18 +116,27 @@ async def test_a_result_that_is_not_its_checkpoint_is_caught(redis_url, tmp_path
     assert out["history_results_not_checkpoint"] == 2 and out["history_violations"] == 2, out
 
 
-async def test_a_write_after_its_own_release_is_caught(redis_url, tmp_path):
-    """The store accepts it (a release leaves the epoch current, and an append sets a missing
-    lease again): only the worker's discipline keeps it from happening, and the history shows it."""
+async def test_a_write_after_its_own_release_is_refused_and_the_history_would_catch_it(redis_url, tmp_path):
+    """The store refuses an append of an epoch that released its lease; a store without that
+    check accepts it (and sets the lease again), and the history shows it."""
     rid = f"h-{uuid.uuid4().hex[:10]}"
-    s = CheckpointStore(redis_url, history_dir=str(tmp_path))
+    s = CheckpointStore(redis_url)
     try:
         c = await s.claim(rid, "a", 0, ttl_s=5)
         assert await s.release(rid, c.epoch)
-        assert await s.append(rid, "a", c.epoch, 0, [1, 2], [0.0, 0.0], ttl_s=5) == 2
-        out = await history.check_run(tmp_path, s, [])
+        with pytest.raises(LeaseLost):
+            await s.append(rid, "a", c.epoch, 0, [1, 2], [0.0, 0.0], ttl_s=5)
     finally:
         await s.close()
+    rid = f"h-{uuid.uuid4().hex[:10]}"
+    old = ReleaseBlindStore(redis_url, history_dir=str(tmp_path))
+    try:
+        c = await old.claim(rid, "a", 0, ttl_s=5)
+        assert await old.release(rid, c.epoch)
+        assert await old.append(rid, "a", c.epoch, 0, [1, 2], [0.0, 0.0], ttl_s=5) == 2
+        out = await history.check_run(tmp_path, old, [])
+    finally:
+        await old.close()
     assert out["history_writes_after_release"] == 1 and out["history_violations"] == 1, out
 
 
