@@ -19,7 +19,7 @@ import pytest
 from helpers import step_results
 from test_episodes import _check, _reference
 
-from rlboost import bus, wire
+from rlboost import wire
 from rlboost.clients import open_clients
 from rlboost.config import EnvSettings, WorkerSettings
 from rlboost.envs import calculator
