@@ -751,9 +751,14 @@ async def test_an_env_worker_process_with_the_env_identity_serves_metrics_and_dr
            "RLBOOST_SERVICES__NATS_USER": "env", "RLBOOST_SERVICES__NATS_PASSWORD": ENV_PW,
            "RLBOOST_SERVICES__REDIS_USER": "env", "RLBOOST_SERVICES__REDIS_PASSWORD": ENV_PW,
            "RLBOOST_METRICS__PORT": str(port), "OMP_NUM_THREADS": "1"}
+    from rlboost.envs.calculator import ALPHABET
+    from trainer.model import build_tokenizer
+
+    build_tokenizer(ALPHABET).save_pretrained(tmp_path / "model")  # its chat format: the model's tokenizer
     path = tmp_path / "env-worker.log"
     with open(path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "env-worker", "--worker-id", "env-proc-1"],
+        proc = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "env-worker", "--worker-id", "env-proc-1",
+                                 "--model-dir", str(tmp_path / "model")],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         await _wait_for_line(path, "environment worker started", proc)

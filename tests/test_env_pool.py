@@ -231,3 +231,15 @@ async def test_bench_chaos_episodes_on_the_environment_pool_keeps_every_invarian
     kinds = [x["kind"] for x in out["actions"]]
     assert kinds[:1] == ["kill-tool"] and out["actions"][0]["worker"].startswith("ep-e"), out["actions"]
     assert out["tool_calls_rerun"] == out["tool_calls_rerun_after_kill"] <= out["tool_calls_running_at_kill"]
+
+
+def test_an_environment_worker_without_a_model_directory_stops_with_the_reason(tmp_path):
+    """Its chat format is the model's tokenizer: without one it takes nothing and says why
+    (before its first pull), instead of refusing every episode it would take."""
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "--data-dir", str(tmp_path / "data"), "env-worker",
+                        "--worker-id", "env-nomodel"],
+                       env={**os.environ, "RLBOOST_NATS_URL": "nats://127.0.0.1:1", "RLBOOST_REDIS_URL": "redis://127.0.0.1:1/0"},
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "no model directory" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]

@@ -344,6 +344,9 @@ def _phase(state: wire.EpisodeState) -> str:
 
 
 async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
+    # its environment's code and the model's chat format, checked before connecting: a worker
+    # that cannot run them says why and takes nothing
+    await asyncio.to_thread(EpisodeHost(None, s.worker.model_dir, s.env, worker_id).preload, s.env.ref)
     nats_url, redis_url = resolve_urls(s.services)
     async with open_clients(nats_url, redis_url, f"rlboost-env-worker-{worker_id}", settings=s,
                             wait_provisioned=True, nats_options=WORKER_NATS_OPTIONS) as c:

@@ -197,6 +197,9 @@ class EpisodeHost:
                 from rlboost.modeldir import load_tokenizer
 
                 tokenizer = load_tokenizer(self.model_dir)
+            if tokenizer is None and self.engine is None:
+                raise EpisodeRefused("no model directory: an environment worker writes the environment's replies "
+                                     "in the model's chat format (rlboost env-worker --model-dir DIR)")
             if tokenizer is None:
                 raise EpisodeRefused(f"the {getattr(self.engine, 'name', 'engine')} engine has no tokenizer: "
                                      "episodes need a model's chat format (a model directory)")
