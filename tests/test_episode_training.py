@@ -340,9 +340,7 @@ def test_rlboost_run_env_reasoning_gym_trains_two_steps_with_environment_turns(s
     """An environment from an installed library through `rlboost run --env`: reasoning-gym's
     basic_arithmetic with two attempts (a wrong answer gets "not correct, try again": an
     environment turn, then a second model turn), 2 steps through real NATS / Redis and a torch
-    worker process, scored by the task's own verifier on the trainer. Its environment runs on the
-    environment pool (`--env.inline false`: an `rlboost env-worker` process the run starts)."""
-    from workers.counters import read_counters
+    worker process, scored by the task's own verifier on the trainer."""
 
     import os
     import subprocess
@@ -356,8 +354,7 @@ def test_rlboost_run_env_reasoning_gym_trains_two_steps_with_environment_turns(s
                         str(short_turns_model_dir), "--run-dir", str(run_dir), "--steps", "2", "--prompts", "2",
                         "--samples", "2", "--workers", "1", "--eval-every", "2", "--eval-size", "2",
                         "--max-response-tokens", "24", "--env.max_turns", "3", "--env.options.attempts", "2",
-                        "--env.options.dataset", "basic_arithmetic", "--t-seed", "0.5", "--t-seed-floor", "0.5",
-                        "--env.inline", "false"],
+                        "--env.options.dataset", "basic_arithmetic", "--t-seed", "0.5", "--t-seed-floor", "0.5"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
@@ -368,12 +365,68 @@ def test_rlboost_run_env_reasoning_gym_trains_two_steps_with_environment_turns(s
         assert "unfinished" not in r["episode_ends"] and "env_error" not in r["episode_ends"], r["episode_ends"]
     # a second model turn follows an environment turn ("try again"): most episodes had one
     assert sum(r["turns_mean"] for r in rows) / len(rows) > 1.2, [r["turns_mean"] for r in rows]
-    # every environment phase ran on the pool: sent there by the generation side, run by the env worker
-    counters = {p.stem: read_counters(p) for p in (run_dir / "workers").rglob("*.counters")}
-    env_side = sum(c["tool_phases"] for name, c in counters.items() if name.startswith("l0e"))
-    sent = sum(c["to_env_pool"] for c in counters.values())
-    assert env_side > 0 and sent == env_side, counters
-    assert sum(c["env_tokens"] for name, c in counters.items() if not name.startswith("l0e")) == 0
+
+
+@pytest.fixture(scope="module")
+def tool_calling_model_dir(tmp_path_factory):
+    """The calculator's character model, tuned for a few seconds to answer the calculator's
+    opening with a compact call of its tool (`<tool_call>calc 2+3</tool_call>` then <eos>): its
+    episodes make tool calls, what an untrained model never does."""
+    from rlboost.envs import calculator
+    from rlboost.envs.chat import chat_format
+    from trainer.model import build_model, build_tokenizer, save
+
+    tok = build_tokenizer(calculator.ALPHABET)
+    model = build_model(len(tok), hidden=64, layers=2, heads=2, mlp=128, max_positions=512, seed=0,
+                        pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
+    call = tok("<tool_call>calc 2+3</tool_call>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    fmt, env = chat_format(tok, describe_tools=False), calculator.CalculatorEnv(instructions=False)
+    prompts = [fmt.prompt_ids(env.opening_messages(r), [calculator.CALC]) for r in calculator.rows("train", 64, seed=99)]
+    n = min(len(q) for q in prompts)  # each opening's last n tokens, then the call (~8 s; ~70% exact at T 1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for i in range(400):
+        x = torch.tensor([prompts[(8 * i + j) % len(prompts)][-n:] + call for j in range(8)])
+        logits = model(x).logits[:, n - 1:-1]  # the call's tokens, each predicted from what precedes it
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, len(tok)), x[:, n:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return save(model, tok, tmp_path_factory.mktemp("m") / "caller", meta={"trained": True, "env": "calculator"})
+
+
+@pytest.mark.slow
+def test_rlboost_run_env_on_the_environment_pool_runs_every_tool_call_there(services, tmp_path,
+                                                                           tool_calling_model_dir):
+    """`rlboost run --env calculator --env.inline false`: the run starts an `rlboost env-worker`
+    process; every turn that ends in a tool call goes to it (a turn without one gets the
+    environment's reply on the generation side) and 2 steps train on what comes back."""
+    import os
+    import subprocess
+    import sys
+
+    from workers.counters import read_counters
+
+    nats_url, redis_url = services
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--env", "calculator", "--model-dir",
+                        str(tool_calling_model_dir), "--run-dir", str(run_dir), "--steps", "2", "--prompts", "2",
+                        "--samples", "2", "--workers", "1", "--eval-every", "2", "--eval-size", "2",
+                        "--max-response-tokens", "40", "--env.max_turns", "3", "--env.describe_tools", "false",
+                        "--env.options.instructions", "false", "--t-seed", "0.5", "--t-seed-floor", "0.5",
+                        "--env.inline", "false"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert out["steps"] == 2 and out["request_errors"] == 0 and all(r["episodes"] == 4 for r in rows)
+    assert sum(r["tool_calls_mean"] for r in rows) > 0, [r["tool_calls_mean"] for r in rows]
+    counters = {c.stem: read_counters(c) for c in (run_dir / "workers").rglob("*.counters")}
+    env_side = {k: c for k, c in counters.items() if k.startswith("l0e")}
+    sent = sum(c["to_env_pool"] for k, c in counters.items() if k not in env_side)
+    assert env_side and sent == sum(c["tool_phases"] for c in env_side.values()) > 0, counters
+    assert sum(c["tool_calls"] for c in env_side.values()) >= sent
+    assert sum(c["env_tokens"] for c in env_side.values()) > 0  # the tool results were written there
 
 
 def test_a_saved_character_tokenizer_loads_with_its_spaces_and_newlines(calc_model_dir):
