@@ -187,6 +187,9 @@ class RunSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # the demo model's warm start (trainer/bootstrap.py): until two checks settle at this held-out accuracy
     bootstrap_target: float = 0.35
     bootstrap_seconds: float = 900.0  # its time cap: ~2 min on an idle 2-core box, several on a busy one
+    # `--env`'s demo model: stop its warm start after this many steps (0 = no cap). Unlike the
+    # seconds, a step count gives the same model on a loaded box as on an idle one
+    bootstrap_steps: int = 0
     gpu_hour_dollars: float = 0.0  # price of the trainer's reserved capacity; 0 = no cost metric
     worker_hour_dollars: float = 0.0  # price of one preemptible worker
 
@@ -198,6 +201,7 @@ class RunSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _check(self.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0")
         _check(self.keep_checkpoints >= 1, "run.keep_checkpoints", "must be >= 1")
         _check(self.eval_every >= 1, "run.eval_every", "must be >= 1")
+        _check(self.bootstrap_steps >= 0, "run.bootstrap_steps", "must be >= 0 (0 = no cap)")
         bad = [x for x in self.loggers if x not in LOGGERS]
         _check(not bad, "run.loggers", f"unknown {bad}: use {list(LOGGERS)}")
         _check(self.wandb_mode in ("offline", "online", "disabled"), "run.wandb_mode", "offline | online | disabled")

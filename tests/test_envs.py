@@ -425,9 +425,28 @@ def test_calculator_problems_are_seeded_held_out_and_evaluated_safely():
             calc.evaluate(bad)
 
 
+def test_the_small_level_draws_smaller_numbers_in_the_same_stories_still_held_out():
+    small, standard = calc.rows("train", 300, seed=0, level="small"), calc.rows("train", 300, seed=0)
+    assert small == calc.rows("train", 300, seed=0, level="small") and small != standard
+    assert load_env("calculator", level="small").rows("train", 300, 0) == small
+    test = calc.rows("test", 100, seed=0, level="small")
+    assert all(calc.held_out(r["question"]) for r in test) and not any(calc.held_out(r["question"]) for r in small)
+    # fewer digits to copy: operands of at most 2 digits (standard: up to 3), answers below 1000
+    digits = [len(n) for r in small for n in re.findall(r"\d+", r["question"])]
+    assert max(digits) <= 3 and sum(d >= 3 for d in digits) < len(digits) / 20
+    assert max(int(float(r["answer"])) for r in small) < 1000
+    assert max(len(n) for r in standard for n in re.findall(r"\d+", r["question"])) >= 3
+    # still one call per step: 2 or 3 steps, about 2.3 a problem
+    assert {len(r["steps"]) for r in small} == {2, 3} and sum(len(r["steps"]) for r in small) / len(small) >= 2.2
+    for bad in (lambda: calc.rows("train", 5, level="tiny"), lambda: load_env("calculator", level="tiny")):
+        with pytest.raises(calc.CalcConfigError, match="standard or small"):
+            bad()
+
+
+@pytest.mark.parametrize("level", ["standard", "small"])
 @pytest.mark.parametrize("template", [False, True])
-def test_a_perfect_policy_scores_1_with_at_least_2_calls_on_average(tok, template):
-    rows = calc.rows("test", 40, seed=0)
+def test_a_perfect_policy_scores_1_with_at_least_2_calls_on_average(tok, template, level):
+    rows = calc.rows("test", 40, seed=0, level=level)
     by_q = {r["question"]: r for r in rows}
     tokenizer = qwen_like_tokenizer() if template else tok
     f = chat_format(tokenizer, describe_tools=False, compact_calls=True)

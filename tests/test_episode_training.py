@@ -451,3 +451,21 @@ def test_worker_processes_get_the_runs_env_settings():
     got = load_settings(None, environ=worker_env(env)).env
     assert got == EnvSettings(ref="calculator", describe_tools=False, max_turns=3, tool_timeout_s=2.5)
     assert worker_env(EnvSettings()) == {}
+
+
+def test_the_env_warm_start_stops_at_its_step_cap_with_the_same_model_every_time(tmp_path):
+    """`run.bootstrap_steps`: a warm start that stops at a step, not a time, builds the same
+    model on a loaded box as on an idle one (the documented calculator runs start from one)."""
+    from rlboost.config import EnvSettings, RunSettings
+    from trainer.episodes import check_demo_model, warm_start
+    from trainer.model import read_meta
+
+    env = EnvSettings(ref="calculator", describe_tools=False, options={"instructions": False, "level": "small"})
+    tiny = dict(hidden=32, layers=1, heads=2, mlp=64, batch=2, eval_rows=2, eval_every=100)
+    outs = [warm_start(env, tmp_path / f"m{i}", target=1.0, max_seconds=600, max_steps=3, **tiny) for i in range(2)]
+    assert [o["steps"] for o in outs] == [3, 3] and not outs[0]["reached"]
+    assert check_demo_model(tmp_path / "m0", env) and read_meta(tmp_path / "m0")["steps"] == 3
+    a, b = (open(tmp_path / f"m{i}" / "model.safetensors", "rb").read() for i in range(2))
+    assert a == b
+    with pytest.raises(Exception, match="run.bootstrap_steps"):
+        RunSettings(bootstrap_steps=-1)

@@ -92,7 +92,7 @@ def resolve_model(rs: RunSettings, s: Settings, env: EnvSettings | None = None) 
         print(f"the demo model for --env {env.ref} in {model_dir} (build + warm start on first use)...", flush=True)
         configure_logging(json=s.log_json, level="info")  # its progress lines
         try:
-            out = ensure_demo_model(env, model_dir, rs.bootstrap_target, rs.bootstrap_seconds)
+            out = ensure_demo_model(env, model_dir, rs.bootstrap_target, rs.bootstrap_seconds, rs.bootstrap_steps)
         finally:
             configure_logging(json=s.log_json, level=os.environ.get("RLBOOST_LOG_LEVEL", "warning"))
         if out:

@@ -352,10 +352,11 @@ def solutions(env: Any, rows: list[dict]) -> list[list]:
 
 def warm_start(env_settings: EnvSettings, out_dir: Path, target: float, max_seconds: float, *, seed: int = 0,
                context: int = 512, batch: int = 16, lr: float = 3e-3, eval_every: int = 100,
-               eval_rows: int = 64, **arch: int) -> dict:
+               eval_rows: int = 64, max_steps: int = 0, **arch: int) -> dict:
     """Build the demo's character model for `[env] ref` (its alphabet: the environment's
     `alphabet`) with `context` positions and train it on the environment's worked solutions until
-    the greedy held-out success reaches `target` or `max_seconds` pass. RL then takes over."""
+    the greedy held-out success reaches `target`, `max_seconds` pass or `max_steps` steps are done
+    (0: no step cap; a step cap stops at the same model however loaded the box). RL then takes over."""
     import torch
 
     from trainer import model as M
@@ -400,12 +401,13 @@ def warm_start(env_settings: EnvSettings, out_dir: Path, target: float, max_seco
         step += 1
         loss = sft_step(model, optimizer, *batch_of(data.next_batch(batch)))
         elapsed = time.monotonic() - t0
-        if step % eval_every == 0 or elapsed >= max_seconds:
+        last = elapsed >= max_seconds or step == max_steps
+        if step % eval_every == 0 or last:
             acc, calls = success()
             elapsed = time.monotonic() - t0
             log.info("env warm start", env=env_settings.ref, step=step, loss=round(loss, 4), eval_success=round(acc, 3),
                      tool_calls=round(calls, 2), seconds=round(elapsed, 1))
-            if acc >= target or elapsed >= max_seconds:
+            if acc >= target or last or elapsed >= max_seconds:
                 break
     seconds = round(time.monotonic() - t0, 1)
     meta = {"task": f"env:{env_settings.ref}", "env": env_settings.ref, "env_options": json.dumps(env_settings.options),
@@ -458,10 +460,11 @@ def max_turn_tokens(data) -> int:
     return data.max_response_tokens if data.max_response_tokens > 0 else 256
 
 
-def ensure_demo_model(env_settings: EnvSettings, model_dir: Path, target: float, seconds: float) -> dict | None:
+def ensure_demo_model(env_settings: EnvSettings, model_dir: Path, target: float, seconds: float,
+                      steps: int = 0) -> dict | None:
     """The demo's model for the run's environment in `model_dir`, built and warm-started on
-    first use (one thread: on a shared box more threads only wait on each other). None if it
-    was there already."""
+    first use (one thread: on a shared box more threads only wait on each other; `steps`: the
+    warm start's step cap, 0 = none). None if it was there already."""
     import torch
 
     if check_demo_model(model_dir, env_settings):
@@ -469,7 +472,7 @@ def ensure_demo_model(env_settings: EnvSettings, model_dir: Path, target: float,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return warm_start(env_settings, model_dir, target, seconds)
+        return warm_start(env_settings, model_dir, target, seconds, max_steps=steps)
     finally:
         torch.set_num_threads(threads)
 

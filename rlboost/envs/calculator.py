@@ -25,7 +25,7 @@ import string
 from fractions import Fraction
 from typing import Any
 
-from rlboost.envs.protocol import Context, Env, Message, Opening, Score, ToolCall, ToolResult, ToolSpec, system, user
+from rlboost.envs.protocol import Context, Env, EnvError, Message, Opening, Score, ToolCall, ToolResult, ToolSpec, system, user
 from rlboost.errors import RlboostError
 
 INSTRUCTIONS = "Use the calc tool for each step, one call at a time. Then reply: Answer: <number>"
@@ -46,6 +46,11 @@ CALC = ToolSpec(name="calc", description="Evaluate an arithmetic expression: int
 
 class CalcError(RlboostError, ValueError):
     """An expression the calculator refuses (the model reads why, as the tool's answer)."""
+
+
+class CalcConfigError(EnvError, ValueError):
+    """An option value the calculator does not have (`--env.options.level`): an EnvError, so
+    `load_env` passes its message on as it is."""
 
 
 def _fmt(x: Fraction) -> str:
@@ -94,39 +99,56 @@ def evaluate(expression: str) -> str:
 # ---------------------------------------------------------------- problems
 
 
-def _story(rng: random.Random) -> tuple[str, list[str]]:
+# the numbers a story draws: `standard` needs the tool (2-3 digit operands, results to ~4
+# digits); `small` (one-digit multipliers, two-digit amounts) is the same stories with fewer
+# digits to copy, for a small model whose errors are mostly copying numbers (still one calc
+# call per step: about 2.3 per episode)
+LEVELS = {
+    "standard": {"mul": (3, 19), "amount": (12, 99), "stock": (20, 500), "groups": (3, 12), "per": (11, 60),
+                 "extra": (11, 99), "times": (3, 9), "round": 100},
+    "small": {"mul": (2, 9), "amount": (10, 30), "stock": (10, 99), "groups": (2, 6), "per": (5, 20),
+              "extra": (5, 30), "times": (2, 9), "round": 10},
+}
+
+
+def _story(rng: random.Random, level: str = "standard") -> tuple[str, list[str]]:
     """One problem: its text and its steps ({i} = the result of step i)."""
+    n = LEVELS[level]
+
+    def draw(key: str) -> int:
+        return rng.randint(*n[key])
+
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     kind = rng.randrange(6)
     if kind == 0:
-        a, b = rng.randint(3, 19), rng.randint(12, 99)
-        c = rng.randint(11, a * b - 1)
+        a, b = draw("mul"), draw("amount")
+        c = rng.randint(n["amount"][0] - 1, a * b - 1)
         return (f"{name} buys {a} boxes of {b} {item} and gives away {c}. How many {item} are left?",
                 [f"{a}*{b}", f"{{0}}-{c}"])
     if kind == 1:
-        a, b, c = rng.randint(20, 500), rng.randint(12, 99), rng.randint(3, 19)
+        a, b, c = draw("stock"), draw("amount"), draw("mul")
         return (f"{name} has {a} {item} and gets {b} more each day for {c} days. How many {item} now?",
                 [f"{b}*{c}", f"{a}+{{0}}"])
     if kind == 2:
-        a, b, c, d = rng.randint(3, 19), rng.randint(12, 99), rng.randint(3, 19), rng.randint(12, 99)
+        a, b, c, d = draw("mul"), draw("amount"), draw("mul"), draw("amount")
         return (f"{name} packs {a} bags of {b} {item} and {c} bags of {d} {item}. How many {item} in all?",
                 [f"{a}*{b}", f"{c}*{d}", "{0}+{1}"])
     if kind == 3:
-        price, n = rng.randint(12, 99), rng.randint(3, 19)
-        paid = (price * n // 100 + rng.randint(1, 5)) * 100
-        return (f"One ticket costs {price}. {name} buys {n} tickets and pays {paid}. What is the change?",
-                [f"{price}*{n}", f"{paid}-{{0}}"])
+        price, count, unit = draw("amount"), draw("mul"), n["round"]
+        paid = (price * count // unit + rng.randint(1, 5)) * unit
+        return (f"One ticket costs {price}. {name} buys {count} tickets and pays {paid}. What is the change?",
+                [f"{price}*{count}", f"{paid}-{{0}}"])
     if kind == 4:
-        groups, per = rng.randint(3, 12), rng.randint(11, 60)
-        extra = rng.randint(11, 99)
-        a = rng.randint(3, 19)
+        groups, per = draw("groups"), draw("per")
+        extra = draw("extra")
+        a = draw("mul")
         b = (groups * per + extra) // a + 1
         total = a * b
         extra = total - groups * per
         return (f"{name} has {a} crates of {b} {item}, removes {extra}, and shares the rest equally among "
                 f"{groups} friends. How many {item} does each friend get?",
                 [f"{a}*{b}", f"{{0}}-{extra}", f"{{1}}/{groups}"])
-    a, b, c = rng.randint(12, 99), rng.randint(12, 99), rng.randint(3, 9)
+    a, b, c = draw("amount"), draw("amount"), draw("times")
     return (f"{name} earns {a} on Monday and {b} on Tuesday, then {c} times that sum in the rest of the week. "
             f"How much in the rest of the week?", [f"{a}+{b}", f"{{0}}*{c}"])
 
@@ -146,23 +168,27 @@ def held_out(question: str) -> bool:
     return int.from_bytes(hashlib.sha256(question.encode()).digest()[:4], "big") % HELD_OUT_EVERY == 0
 
 
-def problem(rng: random.Random) -> dict[str, Any]:
-    question, steps = _story(rng)
+def problem(rng: random.Random, level: str = "standard") -> dict[str, Any]:
+    question, steps = _story(rng, level)
     answer = work(steps)[-1][1]
     return {"question": question, "answer": answer, "steps": steps,
             "split": "test" if held_out(question) else "train", "data_source": "calculator"}
 
 
-def rows(split: str = "train", n: int = 256, seed: int = 0) -> list[dict[str, Any]]:
-    """`n` distinct problems of `split` (train | test), a pure function of (split, n, seed)."""
+def rows(split: str = "train", n: int = 256, seed: int = 0, level: str = "standard") -> list[dict[str, Any]]:
+    """`n` distinct problems of `split` (train | test) at `level` (`LEVELS`), a pure function of
+    (split, n, seed, level)."""
     if split not in ("train", "test"):
         raise ValueError(f"split {split!r}: train or test")
-    rng = random.Random(f"calculator/{split}/{seed}")
+    if level not in LEVELS:
+        raise CalcConfigError(f"calculator level {level!r}: use {' or '.join(LEVELS)}")
+    # the standard level keeps its original seed string: its problems are the ones always drawn
+    rng = random.Random(f"calculator/{split}/{seed}" + ("" if level == "standard" else f"/{level}"))
     out, seen = [], set()
     for _ in range(200 * n + 1000):
         if len(out) >= n:
             break
-        row = problem(rng)
+        row = problem(rng, level)
         if row["split"] == split and row["question"] not in seen:
             seen.add(row["question"])
             out.append(row)
@@ -199,13 +225,17 @@ def final_answer(text: str) -> str | None:
 
 class CalculatorEnv(Env):
     """Arithmetic word problems with a `calc` tool. State: the expected answer and the calls
-    made (JSON). `instructions`: open with a one-line system message saying how to work."""
+    made (JSON). `instructions`: open with a one-line system message saying how to work;
+    `level`: the size of the numbers in its problems (`LEVELS`: standard | small)."""
 
     name = "calculator"
     alphabet = ALPHABET
 
-    def __init__(self, instructions: bool = True) -> None:
+    def __init__(self, instructions: bool = True, level: str = "standard") -> None:
+        if level not in LEVELS:
+            raise CalcConfigError(f"calculator level {level!r}: use {' or '.join(LEVELS)}")
         self.instructions = instructions
+        self.level = level
 
     def opening_messages(self, row: dict[str, Any]) -> list[Message]:
         return ([system(INSTRUCTIONS)] if self.instructions else []) + [user(str(row["question"]))]
@@ -241,8 +271,8 @@ class CalculatorEnv(Env):
 
     # data for `rlboost run --env calculator` without a dataset
     def rows(self, split: str = "train", n: int = 256, seed: int = 0) -> list[dict[str, Any]]:
-        return rows(split, n, seed)
+        return rows(split, n, seed, self.level)
 
 
-def make(instructions: bool = True) -> CalculatorEnv:
-    return CalculatorEnv(instructions=instructions)
+def make(instructions: bool = True, level: str = "standard") -> CalculatorEnv:
+    return CalculatorEnv(instructions=instructions, level=level)
