@@ -38,7 +38,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import redis.exceptions
 from nats.aio.msg import Msg
 
 from rlboost import bus, episodes, metrics, wire
@@ -51,8 +50,8 @@ from rlboost.logs import get_logger
 from rlboost.services import resolve_urls
 from workers.counters import Counters
 from workers.episodes import EpisodeHost, EpisodeRefused
-from workers.main import WORKER_NATS_OPTIONS
-from workers.worker import make_worker_id, publish_result
+from workers.main import WORKER_NATS_OPTIONS, exit_after_grace
+from workers.worker import make_worker_id, publish_result, retrying
 
 T = TypeVar("T")
 
@@ -180,7 +179,6 @@ class EnvWorker:
         rid = req.request_id
         log = self.log.bind(request_id=rid, step=req.step, policy_version=req.policy_version)
         queued_s = _queued_s(msg)
-        log.info("fetched", queued_s=queued_s, delivered=msg.metadata.num_delivered if msg.metadata else 0)
         epoch = 0
         try:
             try:
@@ -316,15 +314,7 @@ class EnvWorker:
         task.add_done_callback(self._sending.discard)
 
     async def _retrying(self, op: Callable[[], Awaitable[T]]) -> T:
-        """The store unreachable for a moment: back off and retry (the message stays in progress)."""
-        delay = 0.05
-        while True:
-            try:
-                return await op()
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
-                self.log.warning("checkpoint store unreachable, retrying", error=str(e), delay_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        return await retrying(op, self.log)  # the store unreachable for a moment (the message stays in progress)
 
 
 def _queued_s(msg: Msg) -> float:
@@ -355,19 +345,11 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
             get_logger(worker_id=worker_id).info("metrics served", url=f"http://{s.metrics.bind}:{port}/metrics")
         worker = EnvWorker(s.worker, s.env, c, worker_id=worker_id, counters=counters)
         worker.install_signal_handlers()
-        watchdog = asyncio.create_task(_exit_after_grace(worker))
+        watchdog = asyncio.create_task(exit_after_grace(worker))
         try:
             await worker.run()
         finally:
             watchdog.cancel()
-
-
-async def _exit_after_grace(worker: EnvWorker) -> None:
-    """A notice gives `drain_grace_s`: past it, leave anyway (as after a kill: nothing fenced is lost)."""
-    await worker.draining.wait()
-    await asyncio.sleep(worker.cfg.drain_grace_s)
-    worker.log.error("drain grace period exceeded, exiting now", grace_s=worker.cfg.drain_grace_s)
-    os._exit(3)
 
 
 def main(argv: list[str], s: Settings) -> int:

@@ -115,7 +115,7 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
                 worker = RolloutWorker(s.worker, engine, c, worker_id=worker_id, counters=counters, weights=weights,
                                        env=s.env)
                 worker.install_signal_handlers()
-                watchdog = asyncio.create_task(_exit_after_grace(worker))
+                watchdog = asyncio.create_task(exit_after_grace(worker))
                 try:
                     await worker.run()
                 finally:
@@ -132,9 +132,9 @@ async def serve(s: Settings, worker_id: str, counters: Counters) -> None:
             await engine.close()
 
 
-async def _exit_after_grace(worker: RolloutWorker) -> None:
+async def exit_after_grace(worker) -> None:
     """A notice gives `drain_grace_s`: past it, leave anyway (what is not flushed is covered by
-    the checkpoint and ack_wait, exactly as after a kill)."""
+    the checkpoint and ack_wait, exactly as after a kill). A rollout or an environment worker."""
     await worker.draining.wait()
     await asyncio.sleep(worker.cfg.drain_grace_s)
     worker.log.error("drain grace period exceeded, exiting now", grace_s=worker.cfg.drain_grace_s)

@@ -121,6 +121,19 @@ def pack_flush(dirty: list[Active]) -> tuple[list[bytes], list[list[float]]]:
 finish_reason, is_complete = wire.finish_reason, wire.is_complete  # (the manager checks results with them)
 
 
+async def retrying(op: Callable[[], Awaitable[T]], log) -> T:
+    """Redis unreachable for a moment: back off and retry instead of crashing. Nothing is lost
+    meanwhile: pending tokens stay in memory, messages stay in progress."""
+    delay = 0.05
+    while True:
+        try:
+            return await op()
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+            log.warning("checkpoint store unreachable, retrying", error=str(e), delay_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
 def make_result(req: wire.RolloutRequest, tokens: list[int], logprobs: list[float], worker_id: str, epoch: int,
                 segments: list[wire.Segment], error: str = "",
                 episode: wire.EpisodeState | None = None) -> wire.RolloutResult:
@@ -1113,13 +1126,4 @@ class RolloutWorker:
             await self._publish_outbox()
 
     async def _retrying(self, op: Callable[[], Awaitable[T]]) -> T:
-        """Redis unreachable for a moment: back off and retry instead of crashing. Nothing is
-        lost meanwhile: pending tokens stay in memory, messages stay in progress."""
-        delay = 0.05
-        while True:
-            try:
-                return await op()
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
-                self.log.warning("checkpoint store unreachable, retrying", error=str(e), delay_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        return await retrying(op, self.log)
