@@ -71,9 +71,20 @@ async def chaos(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: P
     actions: list[tuple[str, str, float]] = []  # (kind, worker id, time)
     async with open_clients(nats_url, redis_url, "rlboost-chaos", pools=(POOL,)) as c:
         requests = requests or make_requests(a.requests, step, rng, a.min_new, a.max_new)
-        acks = [await c.js.publish_async(wire.request_subject(POOL), wire.encode(r),
-                                         headers={wire.HDR_MSG_ID: r.request_id}) for r in requests]
-        await asyncio.gather(*acks)
+
+        async def publish(batch: list[wire.RolloutRequest]) -> None:
+            acks = [await c.js.publish_async(wire.request_subject(POOL), wire.encode(r),
+                                             headers={wire.HDR_MSG_ID: r.request_id}) for r in batch]
+            await asyncio.gather(*acks)
+
+        # --min-actions N: the requests go out in N + 1 stages, and stage s + 1 only after the
+        # s-th action, forced once half of stage s is done; so N actions happen with work in
+        # flight and work left, on a box of any speed (a timer alone let a fast machine finish
+        # before the second action).
+        min_actions = getattr(a, "min_actions", 0)
+        bounds = [round(len(requests) * i / (min_actions + 1)) for i in range(min_actions + 2)]
+        stage = 0
+        await publish(requests[:bounds[1]])
         for _ in range(a.workers):
             fleet.start()
         seen: set[str] = set()
@@ -93,7 +104,11 @@ async def chaos(a: argparse.Namespace, nats_url: str, redis_url: str, workdir: P
                 if now >= t:
                     fleet.resume(fleet.workers[wid])
                     del resume_at[wid]
-            if now < next_action or len(seen) >= len(requests) * a.chaos_until:
+            while stage < min(len(actions), min_actions):  # an action done: the next stage goes out
+                stage += 1
+                await publish(requests[bounds[stage]:bounds[stage + 1]])
+            forced = len(actions) == stage < min_actions and len(seen) >= (bounds[stage] + bounds[stage + 1]) / 2
+            if not forced and (now < next_action or len(seen) >= len(requests) * a.chaos_until):
                 continue
             next_action = now + rng.uniform(0.5, 1.5) * a.every
             # only workers that serve (in the registry): a process still importing on a busy box
@@ -234,6 +249,8 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--max-new", type=int, default=768)
     p.add_argument("--every", type=float, default=2.0, help="mean seconds between chaos actions")
     p.add_argument("--chaos-until", type=float, default=0.9, help="stop the chaos once this fraction is done")
+    p.add_argument("--min-actions", type=int, default=0,
+                   help="at least this many actions, whatever the box's speed: the requests go out in stages")
     p.add_argument("--ack-wait", type=float, default=3.0)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=1)

@@ -44,7 +44,7 @@ def test_torch_workers_under_chaos_match_an_uninterrupted_engine(services, tmp_p
         return expected[q.request_id]
 
     a = argparse.Namespace(requests=len(requests), workers=3, slots=6, k=8, speed=0, min_new=0, max_new=0,
-                           every=2.5, chaos_until=0.9, ack_wait=3.0, timeout=240.0, seed=11)
+                           every=2.5, chaos_until=0.9, min_actions=2, ack_wait=3.0, timeout=240.0, seed=11)
     out = asyncio.run(chaos(a, nats_url, redis_url, tmp_path / "workers",
                             engine_args=["--engine", "torch", "--model-dir", str(model_dir)],
                             reference=reference, requests=requests))

@@ -325,7 +325,7 @@ def test_chaos_with_real_processes_loses_duplicates_and_corrupts_nothing(service
     """SIGKILL, SIGTERM, SIGSTOP/SIGCONT and restarts of real worker processes."""
     nats_url, redis_url = services
     a = argparse.Namespace(requests=150, workers=3, slots=8, k=16, speed=2.0, min_new=48, max_new=400,
-                           every=1.2, chaos_until=0.85, ack_wait=2.0, timeout=150.0, seed=7)
+                           every=1.2, chaos_until=0.85, min_actions=3, ack_wait=2.0, timeout=150.0, seed=7)
     out = asyncio.run(chaos(a, nats_url, redis_url, tmp_path))
     assert out["lost"] == 0 and out["duplicated"] == 0 and out["mismatched"] == 0
     assert out["history_violations"] == 0 and out["history_ops"] > 0, out  # benchmarks/history.py
