@@ -340,11 +340,19 @@ class AlgorithmSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # pi_old/mu, tokens whose weight exceeds is_cap dropped from the gradient.
     off_policy: str = "none"
     is_cap: float = 2.0  # tis: the truncation C; decoupled: the drop threshold; none: only counted
+    # Episodes whose environment gives per-turn rewards (`Score.turn_rewards`, `Reply.turn_reward`):
+    # each model turn's tokens get the episode's advantage plus this times the turn's reward
+    # normalised over the group's episodes that reached that turn (turn-level credit, as MT-GRPO);
+    # 0 trains on the episode reward alone. Single-turn runs and environments without turn rewards
+    # are unaffected.
+    turn_reward_coef: float = 1.0
 
     def __post_init__(self) -> None:
         _check(0 < self.clip_eps < 1, "algorithm.clip_eps", "must be in (0, 1)")
         _check(self.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0")
         _check(self.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0")
+        _check(math.isfinite(self.turn_reward_coef) and self.turn_reward_coef >= 0, "algorithm.turn_reward_coef",
+               "must be a number >= 0")
         _check(self.off_policy in OFF_POLICY, "algorithm.off_policy",
                f"{self.off_policy!r}: use {', '.join(OFF_POLICY)}")
         # a cap of 1 or less would cut or drop on-policy tokens too (their ratio is 1 give or take rounding)

@@ -582,6 +582,17 @@ def trainable_mask(segments: list[Segment], n_tokens: int) -> list[bool]:
     return out
 
 
+def token_turns(segments: list[Segment], n_tokens: int) -> list[int]:
+    """Each of a response's `n_tokens` tokens' model turn: the number of environment segments
+    (kind "env") that start at or before it. A model turn handed off mid-way spans several
+    segments but no env segment, so it stays one turn; a single-turn response is all turn 0."""
+    out = [0] * n_tokens
+    for seg in sorted(segments, key=lambda s: s.offset):
+        if seg.kind == "env" and 0 <= seg.offset < n_tokens:
+            out[seg.offset:] = [out[seg.offset] + 1] * (n_tokens - seg.offset)
+    return out
+
+
 class WorkerHeartbeat(msgspec.Struct, frozen=True, kw_only=True):
     v: int = SCHEMA_VERSION
     worker_id: str

@@ -464,6 +464,25 @@ def test_a_perfect_policy_scores_1_with_at_least_2_calls_on_average(tok, templat
     assert all(r.metrics["correct"] == 1.0 and r.end_reason == "done" for r in results)
     wrong = run(runner.run(scripted(tokenizer, ["Answer: -1"]), "w", rows[0]))
     assert wrong.reward == 0.0 and wrong.tool_calls == 0
+    assert all(r.turn_rewards == [1.0] * (len(by_q[q]["steps"]) + 1) for r, q in zip(results, by_q, strict=True))
+    assert wrong.turn_rewards == [0.0]
+
+
+def test_calculator_turn_rewards_credit_each_right_step_however_written():
+    row = {"question": "q", "answer": "87", "steps": ["4*23", "{0}-5"]}  # 92, then 87
+    state = calc.CalculatorEnv().start(row, None).state
+    assert state["expect"] == ["92", "87"]
+
+    def turns(*texts):
+        msgs = [Message(role="assistant", tool_calls=[calc.ToolCall(key=f"k{i}", name="calc", arguments={"expression": t})])
+                if not t.startswith("Answer") else Message(role="assistant", content=t) for i, t in enumerate(texts)]
+        return calc.turn_rewards(msgs, state["expect"], state["answer"])
+
+    assert turns("23*4", "92-5", "Answer: 87") == [1.0, 1.0, 1.0]
+    assert turns("4*32", "128-5", "Answer: 123") == [0.0, 0.0, 0.0]  # one copying error costs every later turn
+    assert turns("4*23", "92-6", "Answer: 87") == [1.0, 0.0, 1.0]
+    assert turns("4**23", "92-5", "92-5", "Answer: 87") == [0.0, 1.0, 0.0, 1.0]  # a bad expression; a step past the last
+    assert calc.CalculatorEnv().start({"question": "q", "answer": "3"}, None).state.get("expect") is None  # a user's row without steps
 
 
 @pytest.mark.parametrize("template", [False, True])

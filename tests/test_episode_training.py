@@ -12,7 +12,7 @@ import torch
 
 from rlboost import wire
 from rlboost.config import AlgorithmSettings, TrainerSettings
-from trainer.grpo import group_advantages, grpo_loss, token_logprobs
+from trainer.grpo import group_advantages, grpo_loss, token_logprobs, turn_advantages
 from trainer.grpo_trainer import GRPOTrainer, sample_of, trained_mask
 from trainer.model import init_model_dir
 from trainer.run import weights_sha256
@@ -133,6 +133,74 @@ def test_environment_tokens_contribute_no_gradient(model_dir, off_policy):
     rep = t.finish_step()
     model_tokens = sum(sum(wire.trainable_mask(r.segments, len(r.token_ids))) for r in results)
     assert rep.tokens == model_tokens < sum(len(r.token_ids) for r in results)
+
+
+def test_turn_rewards_add_each_turns_normalised_reward_to_its_tokens(model_dir):
+    """An episode whose turns were rewarded trains with, per token of model turn t, the GRPO
+    advantage plus coef x the turn's reward normalised over the group at t: the gradient equals
+    the hand-built per-token loss; with coef 0 (or no turn rewards) it is the episode loss."""
+    rng = random.Random(6)
+    prompt = [rng.randrange(2, 16) for _ in range(4)]
+    results = [_episode(0, g, prompt, rng) for g in range(4)]  # 3 model turns each
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    turns = [[1.0, 0.0, 1.0], [1.0, 1.0, 0.0], None, [0.0, 1.0]]
+    coef = 0.5
+
+    t = _trainer(model_dir)
+    t.alg = AlgorithmSettings(turn_reward_coef=coef)
+    t.start_step(0)
+    t.add_group(0, results, rewards, turns)
+    got = _grads(t)
+
+    ref = _trainer(model_dir)
+    order = sorted(range(4), key=lambda i: results[i].request_id)
+    ordered = [results[i] for i in order]
+    logp, mask = token_logprobs(ref.model, [r.prompt_ids for r in ordered], [r.token_ids for r in ordered])
+    behaviour, mask = torch.zeros_like(logp), mask.clone()
+    adv = torch.zeros(logp.shape, dtype=torch.float32)  # as the trainer builds it
+    episode = group_advantages([rewards[i] for i in order], [0] * 4)
+    by_turn = turn_advantages([turns[i] for i in order])
+    assert by_turn[order.index(2)] == []  # no turn rewards: its tokens keep the episode advantage
+    for b, r in enumerate(ordered):
+        mask[b, : len(r.token_ids)] *= torch.tensor(wire.trainable_mask(r.segments, len(r.token_ids)), dtype=mask.dtype)
+        behaviour[b, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=logp.dtype)
+        for k, turn in enumerate(wire.token_turns(r.segments, len(r.token_ids))):
+            adv[b, k] = float(episode[b]) + (coef * by_turn[b][turn] if turn < len(by_turn[b]) else 0.0)
+    loss, _ = grpo_loss(logp, behaviour, adv, mask, num_tokens=1.0)
+    loss.backward()
+    want = _grads(ref)
+    assert max(float((got[k] - want[k]).abs().max()) for k in got) < 1e-12
+
+    plain = {}
+    for coef_, turns_ in ((0.0, turns), (coef, None)):
+        t2 = _trainer(model_dir)
+        t2.alg = AlgorithmSettings(turn_reward_coef=coef_)
+        t2.start_step(0)
+        t2.add_group(0, results, rewards, turns_)
+        plain[coef_] = _grads(t2)
+    t3 = _trainer(model_dir)
+    t3.start_step(0)
+    t3.add_group(0, results, rewards)
+    episode_only = _grads(t3)
+    for g in plain.values():
+        assert all(torch.equal(g[k], episode_only[k]) for k in g)
+    assert any(not torch.equal(got[k], episode_only[k]) for k in got)
+
+
+def test_turn_advantages_normalise_each_turn_over_the_episodes_that_reached_it():
+    out = turn_advantages([[1.0, 0.0, 1.0], [0.0, None, 1.0], None, [1.0]])
+    assert out[2] == []
+    assert out[0][0] == out[3][0] > 0 > out[1][0]  # turn 0: three episodes, 1, 0, 1
+    assert out[0][1] == out[1][1] == 0.0  # turn 1: 0 and a missing 0 agree: no signal
+    assert out[0][2] == out[1][2] == 0.0  # turn 2: both right
+    assert abs(sum(x[0] for x in out if x)) < 1e-9
+
+
+def test_token_turns_count_the_environment_segments_before_each_token():
+    segs = [wire.Segment(0, "w", 1, 0), wire.Segment(2, "v", 1, 0), wire.Segment(3, "w", 1, 0, kind="env"),
+            wire.Segment(5, "w", 1, 0), wire.Segment(6, "w", 1, 0, kind="env"), wire.Segment(7, "w", 1, 0)]
+    assert wire.token_turns(segs, 9) == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # a hand-off at 2 stays in turn 0
+    assert wire.token_turns([], 3) == [0, 0, 0]
 
 
 def msgspec_env_logprobs(r: wire.RolloutResult, value: float) -> wire.RolloutResult:

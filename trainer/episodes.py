@@ -257,6 +257,16 @@ class EpisodeStats:
                 "episode_ends": dict(sorted(self.ends.items()))}
 
 
+class EpisodeRewards(list):
+    """A group's episode rewards (a list of floats, as every scorer returns) with each episode's
+    per-model-turn rewards beside them (None where its environment gives none): the trainer's
+    turn credit (`algorithm.turn_reward_coef`)."""
+
+    def __init__(self, rewards: list[float], turn_rewards: list[list[float] | None]) -> None:
+        super().__init__(rewards)
+        self.turn_rewards = turn_rewards
+
+
 class EpisodeScorer:
     """A group's rewards from the environment (see the module doc: the trainer scores)."""
 
@@ -275,7 +285,7 @@ class EpisodeScorer:
             err = int(e.metrics.get("score_error", 0))
             self.step_errors += err
             self.errors += err
-        return [e.reward for e in scored]
+        return EpisodeRewards([e.reward for e in scored], [e.turn_rewards for e in scored])
 
     def begin_step(self) -> None:
         self.step = EpisodeStats()

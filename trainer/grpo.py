@@ -30,6 +30,23 @@ def group_advantages(rewards: Sequence[float] | torch.Tensor, groups: Sequence[i
     return adv.to(torch.float32)
 
 
+def turn_advantages(turn_rewards: Sequence[Sequence[float | None] | None], eps: float = 1e-6) -> list[list[float]]:
+    """Per episode of one group, per model turn t: (r_t - mean_t) / (std_t + eps) over the
+    group's episodes that reached turn t (population std; 0 where they all agree, or where an
+    episode is alone at its turn). A missing reward (None, or no list at all) counts as 0."""
+    rows = [[float(x or 0.0) for x in (r or [])] for r in turn_rewards]
+    out = [[0.0] * len(r) for r in rows]
+    for t in range(max((len(r) for r in rows), default=0)):
+        at = [i for i, r in enumerate(rows) if t < len(r)]
+        vals = [rows[i][t] for i in at]
+        mean = sum(vals) / len(vals)
+        std = (sum((v - mean) ** 2 for v in vals) / len(vals)) ** 0.5
+        if std > 0:
+            for i in at:
+                out[i][t] = (rows[i][t] - mean) / (std + eps)
+    return out
+
+
 def token_logprobs(model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]],
                    temperature: float = 1.0, pad_id: int = 0, with_entropy: bool = False,
                    entropy_grad: bool = False, device: torch.device | str | None = None) -> tuple[torch.Tensor, ...]:
@@ -126,7 +143,8 @@ def grpo_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantag
     """PPO-clipped surrogate, plus an optional KL to a reference, minus an optional entropy
     bonus, averaged over tokens.
 
-    Shapes: logprobs/behaviour/ref/mask (batch, T); advantages (batch,), one per response.
+    Shapes: logprobs/behaviour/ref/mask (batch, T); advantages (batch,), one per response, or
+    (batch, T), one per token (an episode whose turns carry rewards of their own).
     `mask` is the trainable mask: 1 on a token the loss trains, 0 on padding and on an
     episode's environment tokens (`grpo_trainer.trained_mask`): a masked token adds no loss,
     no ratio, KL or entropy term and no gradient, and is not counted in any statistic.
@@ -147,7 +165,8 @@ def grpo_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantag
     mask = mask.to(logprobs.dtype)
     denom = float(mask.sum()) if num_tokens is None else float(num_tokens)
     denom = max(denom, 1.0)
-    adv = advantages.to(logprobs.dtype)[:, None]
+    adv = advantages.to(logprobs.dtype)
+    adv = adv[:, None] if adv.dim() == 1 else adv  # one per response, or one per token (turn credit)
     behaviour = behaviour_logprobs.to(logprobs.dtype)
     prox = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.to(logprobs.dtype).detach()
     weight = None

@@ -36,7 +36,7 @@ from rlboost.config import AlgorithmSettings, TrainerSettings
 from rlboost.modeldir import check_model_dir
 from trainer import distributed
 from trainer.distributed import SINGLE, Ranks
-from trainer.grpo import group_advantages, grpo_loss, token_logprobs
+from trainer.grpo import group_advantages, grpo_loss, token_logprobs, turn_advantages
 from trainer.model import load_model, load_tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -103,6 +103,8 @@ class StepReport:
 # sampled it and the one trained (-1: unknown), and which tokens the loss trains (None: all of
 # them, a single-turn response; else False on an episode's environment tokens).
 Sample = tuple[list[int], list[int], list[float], bool, list[int], list[bool] | None]
+# A response's advantage: one number, or one per response token (turn credit, `_advantages`).
+Advantage = float | list[float]
 
 
 def sample_of(result: wire.RolloutResult, policy_version: int) -> Sample:
@@ -137,7 +139,7 @@ def trained_mask(mask: torch.Tensor, rows: list[Sample]) -> torch.Tensor:
 class _StepState:
     step: int
     policy_version: int = 0  # the version trained in this step: staleness is counted from it
-    pending: dict[int, tuple[list[Sample], list[float]]] = field(default_factory=dict)
+    pending: dict[int, tuple[list[Sample], list[Advantage]]] = field(default_factory=dict)
     next_group: int = 0
     rewards: dict[int, list[float]] = field(default_factory=dict)
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
@@ -218,21 +220,25 @@ class GRPOTrainer:
         own count); the staleness of each token is counted from it. Default: the trainer's own."""
         self._state = _StepState(step=step, policy_version=self.version if policy_version is None else policy_version)
 
-    def add_group(self, group: int, results: list[wire.RolloutResult], rewards: list[float]) -> float:
-        """One prompt's samples and their rewards (in the order of `results`). Back-propagated
-        now (`group_order` arrival), or once every group before it is done (ordered). Returns
-        the mean reward."""
+    def add_group(self, group: int, results: list[wire.RolloutResult], rewards: list[float],
+                  turn_rewards: list[list[float | None] | None] | None = None) -> float:
+        """One prompt's samples and their rewards (in the order of `results`; `turn_rewards`: an
+        episode's per-model-turn rewards, in the same order, where its environment gives them).
+        Back-propagated now (`group_order` arrival), or once every group before it is done
+        (ordered). Returns the mean reward."""
         st = self._state
         assert st is not None, "start_step first"
-        if len(rewards) != len(results):
+        if len(rewards) != len(results) or (turn_rewards is not None and len(turn_rewards) != len(results)):
             raise ValueError(f"group {group}: {len(results)} results but {len(rewards)} rewards")
-        paired = sorted(zip(results, rewards, strict=True), key=lambda x: x[0].request_id)  # arrival order must not matter
-        samples = [sample_of(r, st.policy_version) for r, _ in paired]
-        rewards = [float(x) for _, x in paired]
+        turns = turn_rewards if turn_rewards is not None else [None] * len(results)
+        paired = sorted(zip(results, rewards, turns, strict=True), key=lambda x: x[0].request_id)  # arrival order must not matter
+        samples = [sample_of(r, st.policy_version) for r, _, _ in paired]
+        rewards = [float(x) for _, x, _ in paired]
         st.rewards[group] = rewards
         st.lengths += [len(s[1]) for s in samples]
         st.truncated += sum(s[3] for s in samples)
-        st.pending[group] = (samples, self._trained_rewards(st.step, group, rewards))
+        trained, trained_turns = self._trained_rewards(st.step, group, rewards, [t for _, _, t in paired])
+        st.pending[group] = (samples, self._advantages([r for r, _, _ in paired], trained, trained_turns))
         if self.ranks.distributed:  # FSDP trains at finish_step
             pass
         elif self.ordered:  # streamed in group order: the same gradient sum whatever the arrival
@@ -243,11 +249,28 @@ class GRPOTrainer:
             self._backward_group(*st.pending.pop(group))
         return sum(rewards) / len(rewards)
 
-    def _trained_rewards(self, step: int, group: int, rewards: list[float]) -> list[float]:
-        out = list(rewards)
+    def _trained_rewards(self, step: int, group: int, rewards: list[float], turns: list) -> tuple[list[float], list]:
+        order = list(range(len(rewards)))
         if self.shuffle_rewards:  # the control: same reward statistics, no link to the response
-            random.Random(hash((self.seed, step, group))).shuffle(out)
-        return out
+            random.Random(hash((self.seed, step, group))).shuffle(order)
+        return [rewards[i] for i in order], [turns[i] for i in order]
+
+    def _advantages(self, results: list[wire.RolloutResult], rewards: list[float],
+                    turn_rewards: list[list[float | None] | None]) -> list[Advantage]:
+        """The group's advantages: GRPO's one per response (normalised over the whole group); an
+        episode whose environment rewarded its turns gets one per token instead, its turn's
+        normalised reward (`grpo.turn_advantages`) times `algorithm.turn_reward_coef` added to
+        every token of that model turn (environment tokens are masked out of the loss anyway)."""
+        adv: list[Advantage] = group_advantages(rewards, [0] * len(rewards)).tolist()
+        coef = self.alg.turn_reward_coef
+        if not coef or not any(any(x for x in (t or [])) for t in turn_rewards):
+            return adv
+        by_turn = turn_advantages(turn_rewards)
+        for i, (r, b) in enumerate(zip(results, by_turn, strict=True)):
+            if any(b):
+                a = adv[i]
+                adv[i] = [a + coef * b[t] if t < len(b) else a for t in wire.token_turns(r.segments, len(r.token_ids))]
+        return adv
 
     def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
         """Row indices cut by the token budget (prompt + response); a row never splits."""
@@ -262,17 +285,16 @@ class GRPOTrainer:
             used += n
         return out
 
-    def _plan(self, samples: list[Sample], rewards: list[float]) -> list[tuple[list[Sample], torch.Tensor]]:
-        """The group's micro-batches with their advantages (normalised over the whole group)."""
-        adv = group_advantages(rewards, [0] * len(rewards))
-        return [([samples[i] for i in rows], adv[rows]) for rows in self._micro_batches(samples)]
+    def _plan(self, samples: list[Sample], advantages: list[Advantage]) -> list[tuple[list[Sample], list[Advantage]]]:
+        """The group's micro-batches with their advantages."""
+        return [([samples[i] for i in rows], [advantages[i] for i in rows]) for rows in self._micro_batches(samples)]
 
-    def _backward_group(self, samples: list[Sample], rewards: list[float]) -> None:
+    def _backward_group(self, samples: list[Sample], advantages: list[Advantage]) -> None:
         """Accumulate the group's token-sum loss gradient into .grad."""
-        for rows, adv in self._plan(samples, rewards):
+        for rows, adv in self._plan(samples, advantages):
             self._backward_rows(rows, adv)
 
-    def _backward_rows(self, rows: list[Sample], adv: torch.Tensor) -> None:
+    def _backward_rows(self, rows: list[Sample], advantages: list[Advantage]) -> None:
         st = self._state
         t0 = time.perf_counter()
         prompts, responses = [s[0] for s in rows], [s[1] for s in rows]
@@ -291,6 +313,15 @@ class GRPOTrainer:
             behaviour[b, : len(s[2])] = torch.tensor(s[2], dtype=logp.dtype)
             staleness[b, : len(s[4])] = torch.tensor(s[4], dtype=torch.long)
         mask = trained_mask(mask, rows)
+        if all(isinstance(a, float) for a in advantages):  # one per response (single-turn: as always)
+            adv = torch.tensor(advantages, dtype=torch.float32)
+        else:  # one per token where an episode's turns were rewarded; padding's value is masked
+            adv = torch.zeros(logp.shape, dtype=torch.float32)
+            for b, a in enumerate(advantages):
+                if isinstance(a, float):
+                    adv[b] = a
+                else:
+                    adv[b, :len(a)] = torch.tensor(a, dtype=torch.float32)
         # num_tokens=1: a token *sum*; the optimizer step divides by the step's total token count.
         # tis/decoupled: pi_old is this very forward (detached): the weights change only at the
         # step's one optimizer step, after every group has been back-propagated.
@@ -318,10 +349,10 @@ class GRPOTrainer:
                                 logits_to_keep=1, use_cache=False).logits
         (logits.sum() * 0.0).backward()
 
-    def train_share(self, share: list[tuple[int, list[Sample], list[float]]]) -> None:
+    def train_share(self, share: list[tuple[int, list[Sample], list[Advantage]]]) -> None:
         """Every rank (FSDP): back-propagate this rank's groups, then as many empty passes as
         it takes to match the rank with the most."""
-        plan = [mb for _, samples, rewards in sorted(share, key=lambda x: x[0]) for mb in self._plan(samples, rewards)]
+        plan = [mb for _, samples, advs in sorted(share, key=lambda x: x[0]) for mb in self._plan(samples, advs)]
         passes = distributed.max_over_ranks(len(plan), self.ranks)  # agreed before any pass: each is a collective
         for rows, adv in plan:
             self._backward_rows(rows, adv)

@@ -47,7 +47,9 @@ class GRPOPort:
         index = self._batch_position if self.partial else key[1]
         self._batch_position += 1
         self.source.trained(key)
-        await asyncio.to_thread(self.trainer.add_group, index, results, rewards)
+        # an episode scorer's rewards carry each episode's turn rewards (trainer.episodes.EpisodeRewards)
+        await asyncio.to_thread(self.trainer.add_group, index, results, list(rewards),
+                                getattr(rewards, "turn_rewards", None))
         return time.monotonic()
 
     async def finish_step(self, step: int):

@@ -220,6 +220,26 @@ def final_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+def turn_rewards(transcript: list[Message], expect: list[str], answer: str) -> list[float]:
+    """One per model turn: 1 if the turn did the next right thing, else 0. A turn that calls
+    the tool is right when its (first) expression's value is the worked step's result at that
+    turn (`expect`, the step's value however it is written: 23*4 as well as 4*23); a turn without
+    a call is right when it answers `answer`. Dense credit for a small model whose failures are
+    one wrong number copied in one of three turns (the trainer's `algorithm.turn_reward_coef`)."""
+    out = []
+    for j, m in enumerate(x for x in transcript if x.role == "assistant"):
+        if m.tool_calls:
+            try:  # both as the tool prints them (`_fmt`: 1/3 is 0.333333 on both sides)
+                value = evaluate(str(m.tool_calls[0].arguments.get("expression", "")))
+            except CalcError:
+                value = None
+            out.append(float(value is not None and j < len(expect) and value == expect[j]))
+        else:
+            got = final_answer(m.content)
+            out.append(float(got is not None and Fraction(got) == Fraction(answer)))
+    return out
+
+
 # ---------------------------------------------------------------- the environment
 
 
@@ -243,8 +263,13 @@ class CalculatorEnv(Env):
     def start(self, row: dict[str, Any], ctx: Context) -> Opening:
         if "question" not in row or "answer" not in row:
             raise ValueError("a calculator row needs question and answer")
-        return Opening(messages=self.opening_messages(row), tools=[CALC],
-                       state={"answer": str(row["answer"]), "calls": 0, "bad": 0})
+        state = {"answer": str(row["answer"]), "calls": 0, "bad": 0}
+        if isinstance(row.get("steps"), list):  # the worked steps' results: each turn's reward
+            try:
+                state["expect"] = [result for _, result in work([str(x) for x in row["steps"]])]
+            except (CalcError, IndexError, ValueError):
+                pass  # a row of the user's whose steps do not work out: episode reward only
+        return Opening(messages=self.opening_messages(row), tools=[CALC], state=state)
 
     def call_tool(self, call: ToolCall, state: Any, ctx: Context) -> ToolResult:
         if call.name != "calc":
@@ -261,9 +286,13 @@ class CalculatorEnv(Env):
         last = next((m for m in reversed(transcript) if m.role == "assistant"), None)
         got = final_answer(last.content) if last is not None and not last.tool_calls else None
         correct = got is not None and Fraction(got) == Fraction(state["answer"])
-        return Score(reward=float(correct), metrics={"correct": float(correct), "calc_calls": float(state["calls"]),
-                                                     "bad_expressions": float(state["bad"]),
-                                                     "answered": float(got is not None)})
+        metrics = {"correct": float(correct), "calc_calls": float(state["calls"]),
+                   "bad_expressions": float(state["bad"]), "answered": float(got is not None)}
+        turns = None
+        if "expect" in state:
+            turns = turn_rewards(transcript, state["expect"], state["answer"])
+            metrics["turns_right"] = sum(turns) / len(turns) if turns else 0.0
+        return Score(reward=float(correct), turn_rewards=turns, metrics=metrics)
 
     def solution(self, row: dict[str, Any]) -> list[Message]:
         """The worked conversation for `row` in this environment's opening (a warm start's data)."""
