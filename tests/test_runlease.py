@@ -80,8 +80,9 @@ async def test_a_second_run_is_refused_naming_the_holder_and_a_clean_exit_releas
             await runlease.RunLease.take(js, "rfirst", ttl_s=TTL, resume=True)
         assert (await runlease.read(kv))[1].token == first.me.token
     assert await runlease.read(kv) is None  # gone at once, not after the TTL
-    second = await runlease.RunLease.take(js, "rsecond", ttl_s=TTL)
+    second = await runlease.RunLease.take(js, "rsecond", ttl_s=TTL + 1)
     assert (await runlease.read(kv))[1].run_id == "rsecond"
+    assert (await kv.status()).ttl == TTL + 1  # the holder's TTL is the bucket's (its max age)
     assert await second.release()
 
 
