@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
@@ -24,10 +25,14 @@ class Clients:
 @asynccontextmanager
 async def open_clients(nats_url: str, redis_url: str, name: str, settings: Settings | None = None,
                        pools: tuple[str, ...] = (), wait_provisioned: bool = False,
-                       nats_options: dict | None = None) -> AsyncIterator[Clients]:
+                       nats_options: dict | None = None,
+                       guard: Callable[[JetStreamContext], AbstractAsyncContextManager] | None = None,
+                       ) -> AsyncIterator[Clients]:
     """Connect, provision (idempotent), and close everything on the way out. `wait_provisioned`:
     an identity that may not provision (a worker) waits for the trainer to do it (`bus.provision_or_wait`).
-    `nats_options`: more options of the NATS connection (nats-py's `connect`)."""
+    `nats_options`: more options of the NATS connection (nats-py's `connect`). `guard`: entered
+    once connected, before provisioning, and left before closing: the run lease
+    (`rlboost.runlease.hold`), so a run refused its servers changes nothing on them."""
     nc = await bus.connect(nats_url, name=name, services=settings.services if settings else None,
                            **(nats_options or {}))
     store = CheckpointStore(redis_url)
@@ -41,11 +46,12 @@ async def open_clients(nats_url: str, redis_url: str, name: str, settings: Setti
         w = settings.worker if settings else None
         spec = wire.ConsumerSpec(ack_wait_s=w.ack_wait_s, max_deliver=w.max_deliver) if w else wire.ConsumerSpec()
         replicas = settings.services.nats_replicas if settings else 1
-        if wait_provisioned:
-            await bus.provision_or_wait(js, pools=pools, consumer=spec, replicas=replicas)
-        else:
-            await bus.provision(js, pools=pools, consumer=spec, replicas=replicas)
-        yield Clients(nc=nc, js=js, store=store)
+        async with guard(js) if guard is not None else contextlib.nullcontext():
+            if wait_provisioned:
+                await bus.provision_or_wait(js, pools=pools, consumer=spec, replicas=replicas)
+            else:
+                await bus.provision(js, pools=pools, consumer=spec, replicas=replicas)
+            yield Clients(nc=nc, js=js, store=store)
     finally:
         await store.close()
         if nc.is_connected:

@@ -190,6 +190,10 @@ class RunSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # `--env`'s demo model: stop its warm start after this many steps (0 = no cap). Unlike the
     # seconds, a step count gives the same model on a loaded box as on an idle one
     bootstrap_steps: int = 0
+    # The run lease (rlboost/runlease.py): one run per set of servers. A run renews it every third
+    # of this; a run killed without a chance to release it (SIGKILL, a lost machine) blocks its
+    # servers this long at most. Kept by the servers for all runs: the last run to take it sets it
+    lease_ttl_s: float = 20.0
     gpu_hour_dollars: float = 0.0  # price of the trainer's reserved capacity; 0 = no cost metric
     worker_hour_dollars: float = 0.0  # price of one preemptible worker
 
@@ -202,6 +206,8 @@ class RunSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _check(self.keep_checkpoints >= 1, "run.keep_checkpoints", "must be >= 1")
         _check(self.eval_every >= 1, "run.eval_every", "must be >= 1")
         _check(self.bootstrap_steps >= 0, "run.bootstrap_steps", "must be >= 0 (0 = no cap)")
+        # under 1 s a renewal (every third) races the servers' expiry; over an hour a dead run blocks too long
+        _check(1.0 <= self.lease_ttl_s <= 3600.0, "run.lease_ttl_s", "must be in [1, 3600] seconds")
         bad = [x for x in self.loggers if x not in LOGGERS]
         _check(not bad, "run.loggers", f"unknown {bad}: use {list(LOGGERS)}")
         _check(self.wandb_mode in ("offline", "online", "disabled"), "run.wandb_mode", "offline | online | disabled")

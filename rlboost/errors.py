@@ -51,6 +51,27 @@ class CorruptCheckpoint(CheckpointError):
     is dead-lettered at once with this reason."""
 
 
+# ---------------------------------------------------------------- the run lease (rlboost/runlease.py)
+
+
+class RunLeaseError(RlboostError, RuntimeError):
+    pass
+
+
+class RunLeaseHeld(RunLeaseError):
+    """Another `rlboost run` holds these servers: this one refuses to start (exit 2). `holder`:
+    its lease record (`wire.RunLease`); `lapses_in_s`: when its lease lapses if it died."""
+
+    def __init__(self, message: str, holder: object, lapses_in_s: float) -> None:
+        super().__init__(message)
+        self.holder, self.lapses_in_s = holder, lapses_in_s
+
+
+class RunLeaseLost(RunLeaseError):
+    """This run's lease lapsed and another run took the servers: this one stops (sharing them
+    is what the lease prevents)."""
+
+
 # One vocabulary for every script: a code means the same thing whichever script answers it.
 # Codes >= 0 are successes (a new length, an epoch, 1).
 STALE_EPOCH, OFFSET_MISMATCH, FINISHED, REDIS_REFUSED, LEASE_HELD = -1, -2, -3, -4, -5

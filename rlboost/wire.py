@@ -44,6 +44,8 @@ STREAM_DLQ = "RB_DLQ"  # limits: dead letters with the reason in a header
 BUCKET_WORKERS = "rb-workers"  # worker registry, heartbeat values with a TTL
 BUCKET_POLICY = "rb-policy"  # latest policy version pointer
 BUCKET_CONTROL = "rb-control"  # per-worker control (drain / abort)
+BUCKET_RUN = "rb-run"  # the run lease: one `rlboost run` per set of servers (rlboost/runlease.py)
+RUN_LEASE_KEY = "lease"  # its one key; the bucket's max age is the lease's TTL
 
 
 def request_subject(pool: str) -> str:
@@ -662,8 +664,29 @@ class LeaseEvent(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
 
 
+class RunLease(msgspec.Struct, frozen=True, kw_only=True):
+    """Who holds the servers (BUCKET_RUN, RUN_LEASE_KEY): the one `rlboost run` whose pools,
+    version pointer and weight store they are. Written by the holder when it takes the lease and
+    at each renewal (`renewed`); the entry lapses `ttl_s` after its last write (the bucket's max
+    age). `pid_space` and `proc_start` let a process that shares the holder's pid space prove the
+    holder dead (its pid gone, or now another process) and take the lease over at once."""
+
+    v: int = SCHEMA_VERSION
+    run_id: str
+    token: str  # this holder's own (one per take): its renewals and release touch only its own lease
+    host: str
+    pid: int
+    started: float  # unix time the lease was taken
+    renewed: float  # unix time of the last renewal (the holder's clock)
+    ttl_s: float
+    data_dir: str = ""  # services.data_dir of the holder (the embedded servers' home)
+    run_dir: str = ""
+    pid_space: str = ""  # host, boot id and pid namespace; empty: unknown (no takeover by death)
+    proc_start: int = 0  # the holder's start in clock ticks after boot (/proc); 0: unknown
+
+
 Message = (RolloutRequest | TokenFlush | TokenChunk | RolloutResult | WorkerHeartbeat | Control | LeaseEvent
-           | EpisodeState)
+           | EpisodeState | RunLease)
 
 
 class _Header(msgspec.Struct):

@@ -33,6 +33,13 @@ def test_bad_config_is_refused_clearly(tmp_path, toml, match):
         load_settings(f, environ={})
 
 
+@pytest.mark.parametrize("ttl", ["0.5", "7200"])
+def test_run_lease_ttl_is_checked(ttl):
+    assert load_settings(None, environ={}).run.lease_ttl_s == 20.0
+    with pytest.raises(ConfigError, match=r"run.lease_ttl_s: must be in \[1, 3600\]"):
+        load_settings(None, environ={"RLBOOST_RUN__LEASE_TTL_S": ttl})
+
+
 def test_bad_environment_value_is_refused():
     with pytest.raises(ConfigError, match="slots"):
         load_settings(None, environ={"RLBOOST_WORKER__SLOTS": "lots"})

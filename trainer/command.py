@@ -29,6 +29,7 @@ import torch
 
 from rlboost.config import ConfigError, EnvSettings, RunSettings, Settings, apply_overrides, dump_toml, load_settings, \
     parse_overrides
+from rlboost.errors import RunLeaseError
 from rlboost.logs import configure_logging, print_result
 from rlboost.modeldir import ModelDirError, check_model_dir
 from rlboost.services import running_services
@@ -283,7 +284,7 @@ def main(argv: list[str], s: Settings, demo: bool = False) -> int:
         configure_logging(json=s.log_json, level="warning")
     try:
         out = execute(inv)
-    except (ModelDirError, DataError, RewardError, EngineError) as e:  # the user's input: one line, no traceback
+    except (ModelDirError, DataError, RewardError, EngineError, RunLeaseError) as e:  # one line, no traceback
         print(f"rlboost {'demo' if demo else 'run'}: error: {e}", file=sys.stderr)
         code = 2
     else:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from rlboost import metrics, wire
+from rlboost import metrics, runlease, wire
 from rlboost.clients import Clients, open_clients
 from rlboost.config import DataSettings, Settings
 from rlboost.logs import get_logger
@@ -331,12 +332,21 @@ async def train(inv: Invocation, model_dir: str, nats_url: str, redis_url: str, 
     """`settings`: the servers' and the metrics endpoint's (default: the run's own)."""
     s = inv.settings
     settings = settings or s
-    report = RunReport(run_dir, s.run.steps)
     run_id = run_identity(run_dir, inv.resume, s.run.run_id)
-    trainer = make_trainer(s, model_dir, ranks)
-    ops = distributed.Lockstep(trainer, ranks)
+    # the servers are this run's alone (rlboost/runlease.py): the lease is taken once connected,
+    # before provisioning and before the model loads, so a second run on them is refused at once
+    # and changes nothing there
+    lease = functools.partial(runlease.hold, run_id=run_id, ttl_s=s.run.lease_ttl_s, run_dir=str(run_dir),
+                              data_dir=settings.services.data_dir, resume=inv.resume,
+                              replicas=settings.services.nats_replicas)
     async with open_clients(nats_url, redis_url, "rlboost-trainer", settings=settings,
-                            pools=(POOL, RESERVED_POOL)) as c, contextlib.AsyncExitStack() as stack:
+                            pools=(POOL, RESERVED_POOL), guard=lease) as c, contextlib.AsyncExitStack() as stack:
+        # one process: the model loads off the event loop, which renews the lease meanwhile
+        # (torchrun ranks build theirs together, in the thread the process group was made in)
+        trainer = make_trainer(s, model_dir, ranks) if ranks.distributed else \
+            await asyncio.to_thread(make_trainer, s, model_dir, ranks)
+        ops = distributed.Lockstep(trainer, ranks)
+        report = RunReport(run_dir, s.run.steps)
         stack.callback(report.close)
         stack.callback(ops.stop)  # followers (FSDP ranks) leave their loop
         t0 = time.monotonic()
