@@ -25,7 +25,10 @@ FIELDS = ("generated", "checkpointed", "fenced", "handed_off", "results", "claim
           # an environment worker's (workers/env_worker.py):
           "tool_phases", "tool_calls",  # tool phases run (each a model turn's calls and the reply), calls run
           "sent_back",  # episodes sent back to their pool's resume lane after their tools
-          "handed_back")  # episodes handed back to the environment lane (a drain past its grace, a failure)
+          "handed_back",  # episodes handed back to the environment lane (a drain past its grace, a failure)
+          # a gauge, not a counter (`set`, not `add`): the worker's live asyncio tasks at its last
+          # heartbeat tick, so `rlboost bench soak` can watch for leaked tasks from outside the process
+          "asyncio_tasks")
 _FMT = "<" + "q" * len(FIELDS)
 _SIZE = struct.calcsize(_FMT)
 
@@ -49,6 +52,10 @@ class Counters:
         off = self._index[name]
         (v,) = struct.unpack_from("<q", self._map, off)
         struct.pack_into("<q", self._map, off, v + n)
+
+    def set(self, name: str, value: int) -> None:
+        """For a gauge field (`asyncio_tasks`)."""
+        struct.pack_into("<q", self._map, self._index[name], value)
 
     def get(self, name: str) -> int:
         return struct.unpack_from("<q", self._map, self._index[name])[0]

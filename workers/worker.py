@@ -1009,6 +1009,8 @@ class RolloutWorker:
                 await asyncio.wait_for(stop.wait(), timeout=self.cfg.heartbeat_s)
             if stop.is_set():
                 return
+            # before the stall check, so a stalled worker's tasks are still seen (bench soak)
+            self.counters.set("asyncio_tasks", len(asyncio.all_tasks()))
             if self.stalled():
                 # Keeping our requests alive while making no progress would hold them forever.
                 self.counters.add("stalls")
