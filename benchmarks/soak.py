@@ -32,7 +32,8 @@ What is judged, and why:
   fleet totals are printed, not judged;
 - bounded state (the work queue RB_REQUESTS, the KV buckets, the cache dir): judged;
 - retained state (Redis keys and memory, RB_RESULTS / RB_TOKENS / RB_EVENTS / RB_DLQ, the data
-  dir) grows with the work by design: checkpoints are kept a day (`CheckpointStore.keep_s`),
+  dir, and the servers' RSS, which holds that state and NATS' de-duplication windows: an hour of
+  result ids, ten minutes of request ids) grows with the work by design: checkpoints are kept a day (`CheckpointStore.keep_s`),
   tokens and events 7 days, results with no age limit. Under a steady stream work and time are
   proportional, so a leak cannot be told from retention in a run shorter than the retention
   window: printed with their cost per 1000 completed requests and marked `retained`, not judged.
@@ -196,7 +197,10 @@ class Sampler:
         totals: dict[str, float] = defaultdict(float)
         for label, pid, w in procs:
             rss, fds = proc_rss_mb(pid), proc_fds(pid)
-            self.add(f"rss_mb {label}", "process", t, rss, abs_tol=2.0)
+            # A server's memory holds what it keeps for us by design (Redis: the checkpoints;
+            # NATS: the de-duplication windows' message ids, stream indexes), so it grows with
+            # the retained state; a worker's must not.
+            self.add(f"rss_mb {label}", "process" if w is not None else "retained", t, rss, abs_tol=2.0)
             self.add(f"fds {label}", "process", t, fds, abs_tol=2.0)
             if w is not None:
                 tasks = w.counters().get("asyncio_tasks", 0)
@@ -329,12 +333,9 @@ async def soak(a: argparse.Namespace, root: Path) -> dict:
             while time.monotonic() - t0 < run_s:
                 await asyncio.sleep(0.25)
                 now = time.monotonic()
-                for due, what, arg in [x for x in timers if x[0] <= now]:
-                    timers.remove((due, what, arg))
-                    if what == "resume" and arg.alive():  # type: ignore[union-attr]
-                        fleet.resume(arg)  # type: ignore[arg-type]
-                    elif what == "heal":
-                        await asyncio.to_thread(arg.restore)  # type: ignore[union-attr]
+                for x in [x for x in timers if x[0] <= now]:
+                    timers.remove(x)
+                    await undo(fleet, x)
                 for step in list(pending):  # a complete batch: the next one goes out
                     if await faults._results_so_far(c.js, step) >= a.batch:
                         pending.remove(step)
@@ -351,11 +352,8 @@ async def soak(a: argparse.Namespace, root: Path) -> dict:
                 next_action = now + rng.uniform(0.5, 1.5) * a.every
                 await act(a, rng, now - t0 < run_s / 2, fleet, srv, slots, relays, start, timers, actions)
             # The end: faults stop, every link and worker comes back, the published batches finish.
-            for _, what, arg in timers:
-                if what == "resume" and arg.alive():  # type: ignore[union-attr]
-                    fleet.resume(arg)  # type: ignore[arg-type]
-                elif what == "heal":
-                    await asyncio.to_thread(arg.restore)  # type: ignore[union-attr]
+            for x in timers:
+                await undo(fleet, x)
             await sampler.sample(time.monotonic() - t0, fleet, srv, c.js, srv.redis_url, dirs, completed)
             drain_t = time.monotonic()
             while pending and time.monotonic() - drain_t < a.drain_timeout:
@@ -384,6 +382,15 @@ async def soak(a: argparse.Namespace, root: Path) -> dict:
     return {**totals, "batches": len(requests), "completed": completed, "seconds": round(elapsed, 1),
             "workers_started": len(fleet.workers), "actions": {k: count(k) for k in sorted({x[0] for x in actions})},
             "resources": rows, "resources_ok": resources_ok}
+
+
+async def undo(fleet: WorkerFleet, timer: tuple[float, str, object]) -> None:
+    """The end of a timed fault: a stopped worker resumed, a cut link restored."""
+    _, what, arg = timer
+    if what == "resume" and arg.alive():  # type: ignore[union-attr]
+        fleet.resume(arg)  # type: ignore[arg-type]
+    elif what == "heal":
+        await asyncio.to_thread(arg.restore)  # type: ignore[union-attr]
 
 
 async def act(a, rng: random.Random, servers_too: bool, fleet: WorkerFleet, srv: faults.Servers,
