@@ -75,3 +75,14 @@ def test_a_one_minute_soak_loses_nothing_and_samples_every_resource(tmp_path):
     assert any(s.startswith("rss_mb nats-server[") for s in series)
     assert any(s.startswith("fds redis-server[") for s in series)
     assert any(s.startswith("asyncio_tasks w001") for s in series)  # slot 1's worker: never killed
+
+
+def test_the_task_gauge_is_set_not_added(tmp_path):
+    from workers.counters import Counters, read_counters
+
+    c = Counters(tmp_path / "w.counters")
+    c.set("asyncio_tasks", 7)
+    c.set("asyncio_tasks", 5)
+    c.add("generated", 3)
+    got = read_counters(tmp_path / "w.counters")
+    assert got["asyncio_tasks"] == 5 and got["generated"] == 3
