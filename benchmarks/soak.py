@@ -287,7 +287,8 @@ def print_table(rows: list[dict]) -> None:
 # ---------------------------------------------------------------- the run
 
 
-async def soak(a: argparse.Namespace, root: Path) -> dict:
+async def soak(a: argparse.Namespace, root: Path, launcher: tuple[str, ...] = ("-m", "rlboost.cli")) -> dict:
+    """`launcher`: what the worker processes run (`WorkerFleet`; a test's leaking worker)."""
     rng = random.Random(a.seed)
     srv = await asyncio.to_thread(faults.Servers, root / "servers")
     cache = root / "cache"
@@ -299,7 +300,7 @@ async def soak(a: argparse.Namespace, root: Path) -> dict:
         "--engine", "emulated", "--speed", str(a.speed), "--slots", str(a.slots), "--checkpoint-tokens", "16",
         "--ack-wait", str(a.ack_wait), "--lease-ttl", str(a.ack_wait * 0.6)],
         env={"RLBOOST_WORKER__CACHE_DIR": str(cache), "RLBOOST_WORKER__STALL_S": str(a.ack_wait)},
-        die_with_parent=True)
+        die_with_parent=True, launcher=launcher)
     slots: list[WorkerProc | None] = [None] * a.workers
 
     def start(i: int) -> None:

@@ -86,3 +86,19 @@ def test_the_task_gauge_is_set_not_added(tmp_path):
     c.add("generated", 3)
     got = read_counters(tmp_path / "w.counters")
     assert got["asyncio_tasks"] == 5 and got["generated"] == 3
+
+
+@pytest.mark.slow
+def test_a_soak_fails_a_worker_that_leaks_tasks_and_memory(tmp_path):
+    import asyncio
+    from pathlib import Path
+
+    from benchmarks import soak
+
+    a = soak.parser().parse_args(["--minutes", "1", "--workers", "2", "--every", "6", "--sample-s", "3"])
+    out = asyncio.run(soak.soak(a, tmp_path, launcher=(str(Path(__file__).with_name("leaky_worker.py")),)))
+    rows = {r["series"]: r for r in out["resources"]}
+    assert out["lost"] == out["duplicated"] == 0
+    assert not out["resources_ok"]
+    assert rows["asyncio_tasks w001"]["verdict"] == "grows", rows["asyncio_tasks w001"]
+    assert rows["rss_mb w001"]["verdict"] == "grows", rows["rss_mb w001"]
