@@ -143,7 +143,8 @@ def test_protocol_messages_and_snapshots_round_trip_as_json(tok, fmt):
     snap = run(runner.run(gen, "ep", row, stop_after=2))  # a model turn and its tool call
     assert isinstance(snap, Snapshot) and snap.phase == "generate" and snap.tool_calls == 1
     back = Snapshot.decode(snap.encode())
-    assert back == snap and back.state == {"answer": row["answer"], "calls": 1, "bad": 0}
+    expect = [result for _, result in calc.work(row["steps"])]  # the worked steps' results: the turn rewards
+    assert back == snap and back.state == {"answer": row["answer"], "calls": 1, "bad": 0, "expect": expect}
     assert [s.kind for s in back.segments] == ["prompt", "model", "env"]
     with pytest.raises(EnvError, match="version"):
         Snapshot.decode(snap.encode().replace(b'"version":1,', b'"version":9,'))

@@ -363,7 +363,8 @@ async def test_replay_shows_an_episode_turn_by_turn_with_its_tool_calls_hand_off
     release = [i for i, k, w in events if k == "release" and w == first.worker_id]
     claim = [i for i, k, w in events if k == "claim" and w == second.worker_id]
     assert release and claim and claim[0] >= release[0] and turns[release[0]]["start"] > 0
-    assert out["reward"] == {"env": episode_env.ENV_REF, "reward": 1.0, "turn_rewards": None}
+    n_turns = len(calls) + 1  # a call per step, then the answer: each the right next step
+    assert out["reward"] == {"env": episode_env.ENV_REF, "reward": 1.0, "turn_rewards": [1.0] * n_turns}
     assert out["handoffs"] >= 1 and out["finished"]
     text = (await show(False)).splitlines()
     turn_lines = [line.split()[:3] for line in text if line.strip().startswith("turn ")]
