@@ -109,7 +109,10 @@ def holder_dead(h: wire.RunLease) -> bool:
 
 
 def describe(h: wire.RunLease, lapses_in_s: float) -> str:
-    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(h.started))
+    try:
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(h.started))
+    except (OverflowError, ValueError, OSError):  # a time from the wire that is no date
+        since = "?"
     where = f", data dir {h.data_dir}" if h.data_dir else ""
     return (f"run {h.run_id} (host {h.host}, pid {h.pid}, run dir {h.run_dir or '?'}{where}, since {since}; "
             f"if it died, its lease lapses in {max(0.0, lapses_in_s):.0f} s)")
@@ -158,7 +161,12 @@ async def read(kv: KeyValue) -> tuple[int, wire.RunLease] | None:
         return None
     if not entry.value:
         return None
-    return entry.revision, wire.decode(wire.RunLease, entry.value)
+    try:
+        return entry.revision, wire.decode(wire.RunLease, entry.value)
+    except wire.WireError as e:  # another rlboost version's lease, or an entry written by hand
+        raise RunLeaseError(f"the run lease on these servers ({wire.BUCKET_RUN}/{KEY}) is not one this rlboost "
+                            f"reads ({e}): a run of another rlboost version may hold them. Stop it, or wait: an "
+                            "entry nobody renews lapses after the bucket's TTL") from None
 
 
 class RunLease:

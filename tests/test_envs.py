@@ -484,6 +484,8 @@ def test_calculator_turn_rewards_credit_each_right_step_however_written():
     assert turns("4*23", "92-6", "Answer: 87") == [1.0, 0.0, 1.0]
     assert turns("4**23", "92-5", "92-5", "Answer: 87") == [0.0, 1.0, 0.0, 1.0]  # a bad expression; a step past the last
     assert calc.CalculatorEnv().start({"question": "q", "answer": "3"}, None).state.get("expect") is None  # a user's row without steps
+    for steps in (["{name}+1"], ["{3}+1"], ["{0.real}"], ["2**9"]):  # a user's steps that do not work out
+        assert calc.CalculatorEnv().start({"question": "q", "answer": "3", "steps": steps}, None).state.get("expect") is None
 
 
 @pytest.mark.parametrize("template", [False, True])

@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 
 from rlboost import bus, runlease, wire
-from rlboost.errors import RunLeaseHeld, RunLeaseLost
+from rlboost.errors import RunLeaseError, RunLeaseHeld, RunLeaseLost
 
 TTL = 2.0  # seconds: short, so a lapse is seen within the test; renewals every 2/3 s
 ROOT = Path(__file__).parents[1]
@@ -61,6 +61,21 @@ def _forged(run_id: str, host: str = "elsewhere") -> bytes:
     now = time.time()
     return wire.encode(wire.RunLease(run_id=run_id, token="t-" + run_id, host=host, pid=4242, started=now,
                                      renewed=now, ttl_s=TTL, data_dir="/somewhere/data", run_dir="runs/x"))
+
+
+async def test_a_lease_this_rlboost_cannot_read_refuses_the_run_in_one_line(nc, kv):
+    """An entry from the wire that is no lease of this schema (another version's, or junk) is
+    refused with a reason, never a traceback; an absurd time in a valid one still describes."""
+    js = nc.jetstream()
+    other_version = wire.RunLease(v=999, run_id="rother", token="t", host="h", pid=1, started=0.0, renewed=0.0, ttl_s=TTL)
+    await kv.put(runlease.KEY, wire.encode(other_version))
+    with pytest.raises(RunLeaseError, match="not one this rlboost reads.*schema version 999"):
+        await runlease.RunLease.take(js, "rmine", ttl_s=TTL)
+    await kv.put(runlease.KEY, b"\xff not json")
+    with pytest.raises(RunLeaseError, match="not one this rlboost reads"):
+        await runlease.RunLease.take(js, "rmine", ttl_s=TTL)
+    odd = wire.RunLease(run_id="rodd", token="t", host="h", pid=1, started=1e300, renewed=time.time(), ttl_s=TTL)
+    assert "since ?" in runlease.describe(odd, 1.0)
 
 
 async def test_a_second_run_is_refused_naming_the_holder_and_a_clean_exit_releases_at_once(nc, kv):

@@ -228,8 +228,10 @@ class GRPOTrainer:
         (ordered). Returns the mean reward."""
         st = self._state
         assert st is not None, "start_step first"
-        if len(rewards) != len(results) or (turn_rewards is not None and len(turn_rewards) != len(results)):
+        if len(rewards) != len(results):
             raise ValueError(f"group {group}: {len(results)} results but {len(rewards)} rewards")
+        if turn_rewards is not None and len(turn_rewards) != len(results):
+            raise ValueError(f"group {group}: {len(results)} results but {len(turn_rewards)} turn reward lists")
         turns = turn_rewards if turn_rewards is not None else [None] * len(results)
         paired = sorted(zip(results, rewards, turns, strict=True), key=lambda x: x[0].request_id)  # arrival order must not matter
         samples = [sample_of(r, st.policy_version) for r, _, _ in paired]

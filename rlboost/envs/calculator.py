@@ -267,8 +267,8 @@ class CalculatorEnv(Env):
         if isinstance(row.get("steps"), list):  # the worked steps' results: each turn's reward
             try:
                 state["expect"] = [result for _, result in work([str(x) for x in row["steps"]])]
-            except (CalcError, IndexError, ValueError):
-                pass  # a row of the user's whose steps do not work out: episode reward only
+            except (CalcError, IndexError, KeyError, AttributeError, ValueError):
+                pass  # a row of the user's whose steps do not work out (`{name}`, `{9}`): episode reward only
         return Opening(messages=self.opening_messages(row), tools=[CALC], state=state)
 
     def call_tool(self, call: ToolCall, state: Any, ctx: Context) -> ToolResult:
