@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import os
 import random
 import shutil
@@ -125,13 +124,16 @@ async def _progress_after(w, since: float, timeout_s: float, all_in, nats: bool 
 class Trainer:
     """The trainer's side of one step, as `trainer/run.py` drives it: a PoolClient that publishes
     the step's requests and takes their results (`PoolClient.results`), reaching NATS through a
-    link of its own (a relay's URL) and Redis directly. Records each result it takes, and when."""
+    link of its own (a relay's URL) and Redis directly. Records each result it takes, when, and
+    over which of its connections."""
 
     def __init__(self, nats_url: str, redis_url: str, timeout_s: float) -> None:
         self.nats_url, self.redis_url, self.timeout_s = nats_url, redis_url, timeout_s
         self.taken: list[wire.RolloutResult] = []
         self.taken_at: list[float] = []  # time.monotonic() of each
+        self.taken_on: list[int] = []  # the NATS connection's reconnects so far, at each
         self.outcome = "running"
+        self.nc = None
         self.task: asyncio.Task | None = None
         self._published = asyncio.Event()
 
@@ -160,20 +162,27 @@ class Trainer:
     async def _run(self, reqs: list[wire.RolloutRequest]) -> None:
         async with open_clients(self.nats_url, self.redis_url, "rlboost-partitions-trainer", pools=(faults.POOL,),
                                 nats_options=pool_client.NATS_OPTIONS) as c:  # as trainer/run.py connects
+            self.nc = c.nc
             pool = PoolClient(c, faults.POOL)
             await pool.publish_step(reqs)
             self._published.set()
             async for r in pool.results(reqs[0].step, reqs, timeout_s=self.timeout_s):
                 self.taken.append(r)
                 self.taken_at.append(time.monotonic())
+                self.taken_on.append(self.reconnects())
 
-    async def next_taken_after(self, since: float, timeout_s: float, want: int) -> float | None:
-        """Seconds from `since` to the first result taken after it; None if none within
-        `timeout_s`, or every result (`want`) was taken by then."""
+    def reconnects(self) -> int:
+        return self.nc.stats["reconnects"] if self.nc is not None else 0
+
+    async def heard_again(self, since: float, reconnects: int, timeout_s: float, want: int) -> float | None:
+        """Seconds from `since` to the first result taken after it over a newer connection than
+        the `reconnects`-th: results the old connection delivered before it died, taken a little
+        later, do not count. None if none within `timeout_s`, or every result (`want`) was taken."""
         while True:
-            i = bisect.bisect_right(self.taken_at, since)  # taken_at only grows
-            if i < len(self.taken_at):
-                return round(self.taken_at[i] - since, 2)
+            first = next((t for t, n in zip(self.taken_at, self.taken_on, strict=True) if t > since and n > reconnects),
+                         None)
+            if first is not None:
+                return round(first - since, 2)
             if (time.monotonic() - since > timeout_s or len(self.taken) >= want
                     or (self.task is not None and self.task.done())):
                 return None
@@ -224,13 +233,14 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
                 await asyncio.sleep(0.02)
             js = watch.jetstream()
             taken0, published0 = len(trainer.taken), await faults._results_so_far(js, step)
+            link = trainer.reconnects()
             hurt(trainer_relay)
             t = time.monotonic()  # a half-open link: recovery counts from the moment it went dead
             await asyncio.sleep(hold_s)
             trainer_relay.restore()
             if hold_s > 0:
                 t = time.monotonic()
-            extra["recovery_s"] = await trainer.next_taken_after(t, a.timeout / 2, len(reqs))
+            extra["recovery_s"] = await trainer.heard_again(t, link, a.timeout / 2, len(reqs))
             # what the workers published while the trainer could not hear (until it did again)
             extra.update(taken_at_cut=taken0, results_during_cut=await faults._results_so_far(js, step) - published0)
 
