@@ -94,3 +94,21 @@ def test_a_worker_whose_nats_connection_goes_half_open_notices_and_comes_back(tm
     out = asyncio.run(partitions.run_partition("nats_half_open", _args(requests=180, timeout=60.0), tmp_path))
     _assert_clean(out)
     assert out["victim_resumed_s"] is not None and out["victim_resumed_s"] < 10  # from the link going dead
+
+
+@pytest.mark.slow
+def test_a_nats_node_cut_off_from_its_peers_with_workers_on_both_sides_loses_nothing_and_comes_back(tmp_path):
+    """`rlboost up --cluster 3` (replication 3) with the routes through relays: the node leading the
+    work queue loses every route while w001 and w004 stay connected to it. The majority elects
+    another leader and carries on; the isolated workers' publishes go unanswered (their leases, in
+    Redis, hold), and once the routes return they store their results, each once."""
+    out = asyncio.run(partitions.run_partition("nats_node_isolated", _args(requests=120, workers=4, cut_s=12.0,
+                                                                           timeout=90.0), tmp_path))
+    _assert_clean(out)
+    assert out["isolated_routes_during_cut"] == 0, "a route around the relays: the node was never isolated"
+    assert out["isolated_workers"] == ["w001", "w004"]
+    assert out["leader_during_cut"] not in (None, out["isolated_node"]), out  # the majority elected its own
+    assert out["results_during_cut"] > 0, "the majority stopped while one node of three was cut off"
+    assert out["cpu_pct_max"] < 10.0, out["cpu_pct"]  # waiting, not spinning
+    assert out["recovery_s"] is not None and out["recovery_s"] < 15, out["isolated_resumed_s"]
+    assert out["all_in_s"] is not None
