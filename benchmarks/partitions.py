@@ -14,6 +14,12 @@ Scenarios (each on fresh servers, one after the other):
 - `nats_cut`: the same cut on one worker's link to NATS, Redis up;
 - `nats_half_open`: one worker's NATS connection stops answering (no FIN, no RST; new connections
   work): recovery is from the moment it went dead to the worker's next claim or result;
+- `trainer_nats_cut`: the trainer's link to NATS (the PoolClient that published the step and
+  takes its results) is cut mid-step, some results taken and the rest in flight, for `--cut-s`
+  while the workers keep generating and publishing results, then restored: every result must
+  still be taken exactly once;
+- `trainer_nats_half_open`: the trainer's NATS connection stops answering (new connections
+  work), mid-step as above;
 - `nats_node_isolated`: a JetStream cluster of 3 (`rlboost up --cluster 3`: streams, consumers and
   KV buckets at replication 3) whose route links run through fault relays, one per ordered pair of
   nodes; the node leading the work queue (RB_REQUESTS) has every route to and from it cut for
@@ -33,7 +39,9 @@ Scenarios (each on fresh servers, one after the other):
 Per scenario, besides `rlboost bench faults`' counts (lost, duplicated, mismatched,
 wrong-version tokens, stale writes accepted, epochs reused, regenerated tokens, recovery s):
 `recovery_s` here is from the link's return to the affected worker's next store answer (for
-`all_unreachable`: the last worker's); `writes_after_takeover`, from what the store accepted (every token chunk on the stream is an
+`all_unreachable`: the last worker's; for the trainer's link: from its return, or for a half-open
+one from the moment it went dead, to the next result the trainer takes); `writes_after_takeover`,
+from what the store accepted (every token chunk on the stream is an
 append the store accepted): chunks of an older lease at or past the offset a newer lease of the
 same request resumed from (two holders with writes accepted); `victim_resumed_s` (link restored
 -> the affected worker's next checkpointed token, refused write, claim or result); `taken_over` (requests the affected
@@ -42,6 +50,10 @@ writes the store refused); for `all_unreachable`, `cpu_pct` (per worker, % of on
 `resumed_s` (per worker). `history_violations` (and `history_<invariant>` counts): every store
 operation of the workers is recorded with its outcome (`RLBOOST_STORE_HISTORY`) and checked over the
 whole history against the final checkpoints and the results (benchmarks/history.py); must be 0.
+For the trainer's link, what the trainer took (`PoolClient.results`) is counted as well:
+`taken_lost`, `taken_duplicated`, `taken_mismatched`, `taken_wrong_version_tokens` (must be 0),
+`trainer` (how its collection ended: `returned`, or why not), `results_during_cut` (results the
+workers published while the trainer could not hear them).
 """
 
 from __future__ import annotations
@@ -64,6 +76,7 @@ from rlboost import wire
 from rlboost.checkpoint import HISTORY_ENV
 from rlboost.clients import open_clients
 from rlboost.logs import print_result
+from rlboost import pool_client
 from rlboost.pool_client import PoolClient
 from rlboost.replay import read_chunks, read_subject
 from rlboost.config import ServicesSettings, Settings
@@ -72,7 +85,8 @@ from benchmarks import faults, history
 from benchmarks.relay import Relay
 
 SCENARIOS = ("redis_cut", "redis_slow", "redis_half_open", "all_unreachable", "nats_cut", "nats_half_open",
-             "nats_node_isolated")
+             "trainer_nats_cut", "trainer_nats_half_open", "nats_node_isolated")
+TRAINER_SCENARIOS = ("trainer_nats_cut", "trainer_nats_half_open")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -209,12 +223,81 @@ async def _progress_after(w, since: float, timeout_s: float, all_in, nats: bool 
     return None
 
 
+class Trainer:
+    """The trainer's side of one step, as `trainer/run.py` drives it: a PoolClient that publishes
+    the step's requests and takes their results (`PoolClient.results`), reaching NATS through a
+    link of its own (a relay's URL) and Redis directly. Records each result it takes, when, and
+    over which of its connections."""
+
+    def __init__(self, nats_url: str, redis_url: str, timeout_s: float) -> None:
+        self.nats_url, self.redis_url, self.timeout_s = nats_url, redis_url, timeout_s
+        self.taken: list[wire.RolloutResult] = []
+        self.taken_at: list[float] = []  # time.monotonic() of each
+        self.taken_on: list[int] = []  # the NATS connection's reconnects so far, at each
+        self.outcome = "running"
+        self.nc = None
+        self.task: asyncio.Task | None = None
+        self._published = asyncio.Event()
+
+    async def publish(self, reqs: list[wire.RolloutRequest]) -> None:
+        """`faults.run_load`'s publish hook: start the trainer; return once its step is stored."""
+        self.task = asyncio.create_task(self._run(reqs))
+        published = asyncio.create_task(self._published.wait())
+        await asyncio.wait({self.task, published}, return_when=asyncio.FIRST_COMPLETED)
+        published.cancel()
+        if self.task.done():
+            self.task.result()  # raises what stopped it
+            raise RuntimeError("the trainer returned before publishing")
+
+    async def finish(self, timeout_s: float) -> None:
+        """Wait for the trainer to have taken every result; `outcome` says how it ended."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), timeout_s)
+            self.outcome = "returned"
+        except (TimeoutError, asyncio.TimeoutError):
+            self.outcome = f"hung: {len(self.taken)} results taken after {timeout_s:g} s more"
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        except Exception as e:
+            self.outcome = f"raised: {str(e)[:200]}"
+
+    async def _run(self, reqs: list[wire.RolloutRequest]) -> None:
+        async with open_clients(self.nats_url, self.redis_url, "rlboost-partitions-trainer", pools=(faults.POOL,),
+                                nats_options=pool_client.NATS_OPTIONS) as c:  # as trainer/run.py connects
+            self.nc = c.nc
+            pool = PoolClient(c, faults.POOL)
+            await pool.publish_step(reqs)
+            self._published.set()
+            async for r in pool.results(reqs[0].step, reqs, timeout_s=self.timeout_s):
+                self.taken.append(r)
+                self.taken_at.append(time.monotonic())
+                self.taken_on.append(self.reconnects())
+
+    def reconnects(self) -> int:
+        return self.nc.stats["reconnects"] if self.nc is not None else 0
+
+    async def heard_again(self, since: float, reconnects: int, timeout_s: float, want: int) -> float | None:
+        """Seconds from `since` to the first result taken after it over a newer connection than
+        the `reconnects`-th: results the old connection delivered before it died, taken a little
+        later, do not count. None if none within `timeout_s`, or every result (`want`) was taken."""
+        while True:
+            first = next((t for t, n in zip(self.taken_at, self.taken_on, strict=True) if t > since and n > reconnects),
+                         None)
+            if first is not None:
+                return round(first - since, 2)
+            if (time.monotonic() - since > timeout_s or len(self.taken) >= want
+                    or (self.task is not None and self.task.done())):
+                return None
+            await asyncio.sleep(0.02)
+
+
 async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
     rng = random.Random(a.seed)
     split = name == "nats_node_isolated"
     srv = await asyncio.to_thread(SplitServers, root / name, a.replicas) if split else \
         await asyncio.to_thread(faults.Servers, root / name)
     relays: dict[str, tuple[Relay, Relay]] = {}
+    trainer = trainer_relay = None  # set before anything can raise: the finally closes its relay
     try:
         if split:
             # The node to isolate: the work queue's leader, so the majority has to elect another.
@@ -232,6 +315,9 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
                                            Relay.to_url(srv.redis_url, f"redis-{i}"))
             urls = [(n.url(srv.nats_url), r.url(srv.redis_url)) for n, r in relays.values()]
         extra: dict = dict(extra_at_start) if split else {}
+        if name in TRAINER_SCENARIOS:  # the trainer reaches NATS through a relay of its own
+            trainer_relay = Relay.to_url(srv.nats_url, "nats-trainer")
+            trainer = Trainer(trainer_relay.url(srv.nats_url), srv.redis_url, a.timeout)
         step = 20 + SCENARIOS.index(name) if name in SCENARIOS else 0
         reqs = faults.make_requests(step, a.requests, rng, a.min_new, a.max_new)
         from rlboost import bus
@@ -256,6 +342,24 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
             extra.update(victim=w.worker_id, victim_resumed_s=resumed, recovery_s=resumed)
             ctx["victim"], ctx["fenced0"] = w, fenced0
 
+        async def trainer_fault(hurt, hold_s: float) -> None:
+            # mid-step: some results taken, the rest in flight (the workers are at it)
+            t_wait = time.monotonic()
+            while not trainer.taken and time.monotonic() - t_wait < a.timeout / 2:
+                await asyncio.sleep(0.02)
+            js = watch.jetstream()
+            taken0, published0 = len(trainer.taken), await faults._results_so_far(js, step)
+            link = trainer.reconnects()
+            hurt(trainer_relay)
+            t = time.monotonic()  # a half-open link: recovery counts from the moment it went dead
+            await asyncio.sleep(hold_s)
+            trainer_relay.restore()
+            if hold_s > 0:
+                t = time.monotonic()
+            extra["recovery_s"] = await trainer.heard_again(t, link, a.timeout / 2, len(reqs))
+            # what the workers published while the trainer could not hear (until it did again)
+            extra.update(taken_at_cut=taken0, results_during_cut=await faults._results_so_far(js, step) - published0)
+
         if name == "redis_cut":
             async def fault(ctx):
                 await one_worker_fault(ctx, Relay.cut, Relay.restore, a.cut_s)
@@ -274,6 +378,12 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
                 # the connection dies and new ones work: resumed = how soon the worker notices it
                 # (its pings) and reconnects, from the moment it went dead
                 await one_worker_fault(ctx, Relay.half_open, lambda r: None, 0.0, link=0)
+        elif name == "trainer_nats_cut":
+            async def fault(ctx):
+                await trainer_fault(Relay.cut, a.cut_s)
+        elif name == "trainer_nats_half_open":
+            async def fault(ctx):
+                await trainer_fault(Relay.half_open, 0.0)
         elif name == "all_unreachable":
             async def fault(ctx):
                 live = ctx["fleet"].live()
@@ -356,7 +466,10 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
 
         try:
             out = await faults.run_load(srv, root, name, reqs, a.workers, fault_and_keep, at=a.at,
-                                        timeout_s=a.timeout, speed=a.speed, worker_urls=urls, worker_env=worker_env)
+                                        timeout_s=a.timeout, speed=a.speed, worker_urls=urls, worker_env=worker_env,
+                                        publish=trainer.publish if trainer else None)
+            if trainer is not None:  # the workers are done: the trainer has everything to take
+                await trainer.finish(a.timeout / 2)
         finally:
             if (task := captured.get("all_in_task")) is not None:  # it sees the last result a poll later
                 with contextlib.suppress(Exception, asyncio.TimeoutError):
@@ -367,6 +480,10 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
         if "victim" in captured:
             out["fenced"] = captured["victim"].counters()["fenced"] - captured["fenced0"]
         out.update(extra)
+        if trainer is not None:
+            took = faults.analyse(reqs, trainer.taken, [], [])
+            out.update(trainer=trainer.outcome, taken=len(trainer.taken),
+                       **{f"taken_{k}": took[k] for k in ("lost", "duplicated", "mismatched", "wrong_version_tokens")})
         async with open_clients(srv.nats_url, srv.redis_url, f"rlboost-partitions-{name}") as c:
             events = await read_subject(c.js, f"rb.evt.{step}.>", wire.LeaseEvent)
             chunks = await read_chunks(c.js, step)
@@ -388,6 +505,8 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
         for n, r in relays.values():
             n.close()
             r.close()
+        if trainer_relay is not None:
+            trainer_relay.close()
         srv.close()
 
 
@@ -398,12 +517,16 @@ def clean(out: dict, a: argparse.Namespace) -> bool:
         ok = ok and out.get("resumed_s_max") is not None and out["resumed_s_max"] <= a.max_resume_s
     if out["scenario"] == "nats_node_isolated":  # a route left around the relays: nothing was isolated
         ok = ok and out.get("isolated_routes_during_cut") == 0
+    if out["scenario"] in TRAINER_SCENARIOS:  # the trainer took every result once, and did not hang
+        ok = ok and out["trainer"] == "returned" and out["recovery_s"] is not None and out["taken_lost"] == \
+            out["taken_duplicated"] == out["taken_mismatched"] == out["taken_wrong_version_tokens"] == 0
     return ok
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlboost bench partitions", description=__doc__.splitlines()[0])
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help=f"comma-separated, run in this order (default: all): {', '.join(SCENARIOS)}")
     p.add_argument("--requests", type=int, default=180)
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--min-new", type=int, default=48)
@@ -411,7 +534,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--speed", type=float, default=0.5, help="emulated engine speed (x H100)")
     p.add_argument("--at", type=float, default=0.1, help="inject the fault once this share of the results is in")
     p.add_argument("--cut-s", type=float, default=8.0, help="redis_cut, redis_half_open, nats_cut, "
-                   "nats_node_isolated: how long")
+                   "trainer_nats_cut, nats_node_isolated: how long")
     p.add_argument("--slow-s", type=float, default=4.0, help="redis_slow: added latency to Redis (s; an eighth of it back)")
     p.add_argument("--slow-for-s", type=float, default=10.0, help="redis_slow: how long")
     p.add_argument("--outage-s", type=float, default=60.0, help="all_unreachable: how long")
@@ -442,6 +565,10 @@ def main(argv: list[str], s: Settings) -> int:
                     f"{out.get('leader_during_cut')} (in {out.get('failover_s')} s) after {out.get('leader_after')} "
                     f"taken over {out.get('taken_over')} fenced {out.get('fenced')}"
                     if name == "nats_node_isolated" else
+                    f" taken {out['taken']} (lost {out['taken_lost']} dup {out['taken_duplicated']} mismatched "
+                    f"{out['taken_mismatched']} wrong-version {out['taken_wrong_version_tokens']}) published during "
+                    f"the cut {out.get('results_during_cut')} trainer {out['trainer']}"
+                    if name in TRAINER_SCENARIOS else
                     f" victim resumed {out.get('victim_resumed_s')} s taken over {out.get('taken_over')} fenced "
                     f"{out.get('fenced')}")
             print(f"{name:<16} requests {out['requests']} lost {out['lost']} dup {out['duplicated']} mismatched "
