@@ -20,6 +20,18 @@ Scenarios (each on fresh servers, one after the other):
   still be taken exactly once;
 - `trainer_nats_half_open`: the trainer's NATS connection stops answering (new connections
   work), mid-step as above;
+- `nats_node_isolated`: a JetStream cluster of 3 (`rlboost up --cluster 3`: streams, consumers and
+  KV buckets at replication 3) whose route links run through fault relays, one per ordered pair of
+  nodes; the node leading the work queue (RB_REQUESTS) has every route to and from it cut for
+  `--cut-s` while its clients stay connected to it, then restored. Workers are spread over the
+  nodes (w001, w004, ... on the isolated one, the others on the majority), the publisher and the
+  checks on the majority (`--replicas 1`: the same at replication 1). `isolated_routes_during_cut`
+  (must be 0: no route around the relays), `failover_s` (cut -> the majority sees a work queue
+  leader of its own, `leader_during_cut`), `results_during_cut` (the majority carried on; None: it
+  could not read them), `cpu_pct` (per worker on the isolated node, % of one core over the cut),
+  `isolated_resumed_s` (restore -> each one's next result stored), `all_in_s` (restore -> every
+  result in), `taken_over` / `fenced` (summed over the isolated workers), `stream_leaders` (at the
+  start), `leader_after`; `recovery_s` is the isolated side's slowest resumption;
 - `all_unreachable`: every worker's links to NATS and Redis are cut for `--outage-s`: each
   worker's CPU time over the outage (it must back off, not spin) and how long after the links
   return each one generates again.
@@ -48,11 +60,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import random
 import shutil
+import socket
 import tempfile
 import time
+import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
@@ -63,12 +79,13 @@ from rlboost.logs import print_result
 from rlboost import pool_client
 from rlboost.pool_client import PoolClient
 from rlboost.replay import read_chunks, read_subject
-from rlboost.config import Settings
+from rlboost.config import ServicesSettings, Settings
+from rlboost.services import EmbeddedServices, free_port, provision_cluster
 from benchmarks import faults, history
 from benchmarks.relay import Relay
 
 SCENARIOS = ("redis_cut", "redis_slow", "redis_half_open", "all_unreachable", "nats_cut", "nats_half_open",
-             "trainer_nats_cut", "trainer_nats_half_open")
+             "trainer_nats_cut", "trainer_nats_half_open", "nats_node_isolated")
 TRAINER_SCENARIOS = ("trainer_nats_cut", "trainer_nats_half_open")
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -78,6 +95,89 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
+
+
+class RelayedCluster(EmbeddedServices):
+    """`rlboost up --cluster N` with every route link through a fault relay of its own: one per
+    ordered pair of nodes (the connections node a dials to node b), so that cutting a node's
+    relays, both ways, leaves it with no route to any peer while its clients stay connected."""
+
+    def __init__(self, settings: ServicesSettings) -> None:
+        super().__init__(settings)
+        self.route_relays: dict[tuple[int, int], Relay] = {}
+        self.monitor_ports: dict[int, int] = {}
+        # Nodes tell each other the route URL a new peer advertised and dial it when they have no
+        # route to that peer yet (implicit routes): that dial would go around the relays. So every
+        # node advertises a port held bound and never listened on: such a dial is refused (and
+        # not retried: it is no configured route); the configured ones, the relays, are retried.
+        self._nowhere = socket.socket()
+        self._nowhere.bind(("127.0.0.1", 0))
+
+    def _route_flags(self, node: int, host: str, routes: list[int]) -> list[str]:
+        urls = []
+        for peer, port in enumerate(routes):
+            if peer != node:
+                if (node, peer) not in self.route_relays:  # a restarted node dials through the same relay
+                    self.route_relays[node, peer] = Relay(host, port, name=f"route-{node}-{peer}").start()
+                urls.append(f"nats://{host}:{self.route_relays[node, peer].port}")
+        self.monitor_ports.setdefault(node, free_port(host))
+        return ["--routes", ",".join(urls), "--cluster_advertise", f"{host}:{self._nowhere.getsockname()[1]}",
+                "-m", str(self.monitor_ports[node])]
+
+    def links_of(self, node: int) -> list[Relay]:
+        return [r for (a, b), r in self.route_relays.items() if node in (a, b)]
+
+    def routes_of(self, node: int) -> int:
+        """Route connections node `node` has now (its monitoring endpoint), -1 if it does not answer."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_ports[node]}/routez", timeout=2.0) as f:
+                return int(json.load(f)["num_routes"])
+        except (OSError, ValueError, KeyError):
+            return -1
+
+    def close_relays(self) -> None:
+        for r in self.route_relays.values():
+            r.close()
+        self._nowhere.close()
+
+
+class SplitServers(faults.Servers):
+    """faults.Servers on a 3-node JetStream cluster whose routes run through relays (RelayedCluster)."""
+
+    def __init__(self, root: Path, replicas: int = 3) -> None:
+        self.dir = root
+        self.svc = RelayedCluster(ServicesSettings(data_dir=str(root / "data"), nats_cluster=3))
+        try:
+            st, _ = self.svc.up()
+            self.node_urls = [f"nats://127.0.0.1:{port}" for port, _ in st.nats_nodes()]
+            self.nats_url, self.redis_url = self.svc.nats_url(st), self.svc.redis_url(st)
+            asyncio.run(provision_cluster(self.nats_url, replicas))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        super().close()
+        self.svc.close_relays()
+
+
+async def _stream_leader(url: str, stream: str, timeout_s: float = 30.0, other_than: str = "") -> str:
+    """The stream's leader as the node at `url` sees it, once there is one (other than `other_than`)."""
+    from rlboost import bus
+
+    nc = await bus.connect(url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(Exception):
+                info = await nc.jetstream(timeout=2.0).stream_info(stream)
+                if info.cluster and info.cluster.leader and info.cluster.leader != other_than:
+                    return info.cluster.leader
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no leader of {stream} seen from {url} in {timeout_s:g} s")
+            await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
 
 
 def writes_after_takeover(events, chunks) -> int:
@@ -101,15 +201,17 @@ def taken_over(events, worker: str) -> int:
                       for i, e in enumerate(cl)))
 
 
-async def _progress_after(w, since: float, timeout_s: float, all_in, nats: bool = False) -> float | None:
+async def _progress_after(w, since: float, timeout_s: float, all_in, nats: bool = False,
+                          fields: tuple[str, ...] = ("checkpointed", "fenced", "claims", "results")) -> float | None:
     """Seconds from `since` until worker `w` hears from the store again: a token checkpointed, a
-    write refused (fenced), a claim or a result more than it had at `since`. None if it did not
-    within `timeout_s`, or the step completed first (nothing left for it)."""
+    write refused (fenced), a claim or a result (`fields` of its counters) more than it had at
+    `since`. None if it did not within `timeout_s`, or the step completed first (nothing left for it)."""
+    if nats:  # a fault of its NATS link: a request fetched (and claimed) or a result stored
+        fields = ("claims", "results")
+
     def heard() -> int:
         c = w.counters()
-        if nats:  # a fault of its NATS link: a request fetched (and claimed) or a result stored
-            return c["claims"] + c["results"]
-        return c["checkpointed"] + c["fenced"] + c["claims"] + c["results"]
+        return sum(c[f] for f in fields)
 
     start = heard()
     while time.monotonic() - since < timeout_s and w.alive():
@@ -191,14 +293,28 @@ class Trainer:
 
 async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
     rng = random.Random(a.seed)
-    srv = await asyncio.to_thread(faults.Servers, root / name)
+    split = name == "nats_node_isolated"
+    srv = await asyncio.to_thread(SplitServers, root / name, a.replicas) if split else \
+        await asyncio.to_thread(faults.Servers, root / name)
     relays: dict[str, tuple[Relay, Relay]] = {}
+    trainer = trainer_relay = None  # set before anything can raise: the finally closes its relay
     try:
-        for i in range(a.workers):  # workers start as w001, w002, ... (WorkerFleet)
-            relays[f"w{i + 1:03d}"] = (Relay.to_url(srv.nats_url, f"nats-{i}"), Relay.to_url(srv.redis_url, f"redis-{i}"))
-        urls = [(n.url(srv.nats_url), r.url(srv.redis_url)) for n, r in relays.values()]
-        extra: dict = {}
-        trainer = trainer_relay = None
+        if split:
+            # The node to isolate: the work queue's leader, so the majority has to elect another.
+            iso = int((await _stream_leader(srv.node_urls[0], wire.STREAM_REQUESTS)).removeprefix("rb-n"))
+            majority = [u for i, u in enumerate(srv.node_urls) if i != iso]
+            # where each stream leads (at replication 1: the one node that has it)
+            extra_at_start = {"stream_leaders": {spec.name: await _stream_leader(srv.node_urls[0], spec.name)
+                                                 for spec in wire.STREAMS}}
+            srv.nats_url = majority[0]  # the publisher, the watcher and the checks: the majority side
+            order = [srv.node_urls[iso], *majority]
+            urls = [(order[i % 3], srv.redis_url) for i in range(a.workers)]  # w001, w004, ...: isolated
+        else:
+            for i in range(a.workers):  # workers start as w001, w002, ... (WorkerFleet)
+                relays[f"w{i + 1:03d}"] = (Relay.to_url(srv.nats_url, f"nats-{i}"),
+                                           Relay.to_url(srv.redis_url, f"redis-{i}"))
+            urls = [(n.url(srv.nats_url), r.url(srv.redis_url)) for n, r in relays.values()]
+        extra: dict = dict(extra_at_start) if split else {}
         if name in TRAINER_SCENARIOS:  # the trainer reaches NATS through a relay of its own
             trainer_relay = Relay.to_url(srv.nats_url, "nats-trainer")
             trainer = Trainer(trainer_relay.url(srv.nats_url), srv.redis_url, a.timeout)
@@ -289,6 +405,49 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
                              resumed_s=dict(zip((w.worker_id for w in live), resumed)),
                              resumed_s_max=None if None in resumed else max(resumed, default=None))
                 extra["recovery_s"] = extra["resumed_s_max"]
+        elif split:
+            async def fault(ctx):
+                isolated = [w for w in ctx["fleet"].live() if (int(w.worker_id[1:]) - 1) % 3 == 0]
+                fenced0 = sum(w.counters()["fenced"] for w in isolated)
+                before = await faults._results_so_far(watch.jetstream(), step)
+                for r in srv.svc.links_of(iso):
+                    r.cut()
+                t0 = time.monotonic()
+                # the state the cut is for: the node has no route left (not one around the relays)
+                while (n := await asyncio.to_thread(srv.svc.routes_of, iso)) != 0 and time.monotonic() - t0 < 10:
+                    await asyncio.sleep(0.1)
+                extra["isolated_routes_during_cut"] = n
+                if a.replicas > 1:  # the majority elects a leader of its own
+                    with contextlib.suppress(TimeoutError):
+                        extra["leader_during_cut"] = await _stream_leader(srv.nats_url, wire.STREAM_REQUESTS,
+                                                                          a.cut_s, other_than=f"rb-n{iso}")
+                        extra["failover_s"] = round(time.monotonic() - t0, 2)
+                cpu0 = {w.worker_id: cpu_seconds(w.proc.pid) for w in isolated}
+                await asyncio.sleep(max(0.0, a.cut_s - (time.monotonic() - t0)))
+                window = time.monotonic() - t0
+                cpu = {w.worker_id: round(100 * (cpu_seconds(w.proc.pid) - cpu0[w.worker_id]) / window, 2)
+                       for w in isolated if w.alive()}
+                after = await faults._results_so_far(watch.jetstream(), step)
+                during = after - before if min(before, after) >= 0 else None  # None: the majority cannot read them
+                for r in srv.svc.links_of(iso):
+                    r.restore()
+                t = time.monotonic()
+
+                async def all_in_after() -> None:
+                    while not await all_in():
+                        await asyncio.sleep(0.1)
+                    extra["all_in_s"] = round(time.monotonic() - t, 2)
+
+                ctx["all_in_task"] = asyncio.create_task(all_in_after())
+                # producing again: a result stored (a claim needs Redis only, which it never lost)
+                resumed = await asyncio.gather(*(_progress_after(w, t, a.timeout / 2, all_in, fields=("results",))
+                                                 for w in isolated))
+                extra.update(isolated_node=f"rb-n{iso}", replicas=a.replicas,
+                             isolated_workers=[w.worker_id for w in isolated],
+                             cpu_pct=cpu, cpu_pct_max=max(cpu.values(), default=None), results_during_cut=during,
+                             isolated_resumed_s=dict(zip((w.worker_id for w in isolated), resumed)),
+                             recovery_s=None if None in resumed else max(resumed, default=None))
+                ctx["isolated"], ctx["fenced0"] = isolated, fenced0
         else:
             raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
 
@@ -312,7 +471,12 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
             if trainer is not None:  # the workers are done: the trainer has everything to take
                 await trainer.finish(a.timeout / 2)
         finally:
+            if (task := captured.get("all_in_task")) is not None:  # it sees the last result a poll later
+                with contextlib.suppress(Exception, asyncio.TimeoutError):
+                    await asyncio.wait_for(task, 5.0)
             await watch.close()
+        if split:
+            extra["leader_after"] = await _stream_leader(srv.nats_url, wire.STREAM_REQUESTS)
         if "victim" in captured:
             out["fenced"] = captured["victim"].counters()["fenced"] - captured["fenced0"]
         out.update(extra)
@@ -333,6 +497,9 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
         out["writes_after_takeover"] = writes_after_takeover(events, chunks)
         if "victim" in extra:
             out["taken_over"] = taken_over(events, extra["victim"])
+        if "isolated" in captured:  # what the isolated side held that the majority finished, and refused writes
+            out["taken_over"] = sum(taken_over(events, w.worker_id) for w in captured["isolated"])
+            out["fenced"] = sum(w.counters()["fenced"] for w in captured["isolated"]) - captured["fenced0"]
         return out
     finally:
         for n, r in relays.values():
@@ -348,6 +515,8 @@ def clean(out: dict, a: argparse.Namespace) -> bool:
     if out["scenario"] == "all_unreachable":
         ok = ok and out.get("cpu_pct_max") is not None and out["cpu_pct_max"] < a.max_cpu_pct
         ok = ok and out.get("resumed_s_max") is not None and out["resumed_s_max"] <= a.max_resume_s
+    if out["scenario"] == "nats_node_isolated":  # a route left around the relays: nothing was isolated
+        ok = ok and out.get("isolated_routes_during_cut") == 0
     if out["scenario"] in TRAINER_SCENARIOS:  # the trainer took every result once, and did not hang
         ok = ok and out["trainer"] == "returned" and out["recovery_s"] is not None and out["taken_lost"] == \
             out["taken_duplicated"] == out["taken_mismatched"] == out["taken_wrong_version_tokens"] == 0
@@ -356,20 +525,23 @@ def clean(out: dict, a: argparse.Namespace) -> bool:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlboost bench partitions", description=__doc__.splitlines()[0])
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help=f"comma-separated, run in this order (default: all): {', '.join(SCENARIOS)}")
     p.add_argument("--requests", type=int, default=180)
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--min-new", type=int, default=48)
     p.add_argument("--max-new", type=int, default=320)
     p.add_argument("--speed", type=float, default=0.5, help="emulated engine speed (x H100)")
     p.add_argument("--at", type=float, default=0.1, help="inject the fault once this share of the results is in")
-    p.add_argument("--cut-s", type=float, default=8.0, help="redis_cut, redis_half_open, nats_cut, trainer_nats_cut: "
-                   "how long")
+    p.add_argument("--cut-s", type=float, default=8.0, help="redis_cut, redis_half_open, nats_cut, "
+                   "trainer_nats_cut, nats_node_isolated: how long")
     p.add_argument("--slow-s", type=float, default=4.0, help="redis_slow: added latency to Redis (s; an eighth of it back)")
     p.add_argument("--slow-for-s", type=float, default=10.0, help="redis_slow: how long")
     p.add_argument("--outage-s", type=float, default=60.0, help="all_unreachable: how long")
     p.add_argument("--max-cpu-pct", type=float, default=5.0, help="all_unreachable: a worker's bound (%% of a core)")
     p.add_argument("--max-resume-s", type=float, default=5.0, help="all_unreachable: bound on resuming")
+    p.add_argument("--replicas", type=int, default=3, help="nats_node_isolated: the streams' replication "
+                   "(3: what `rlboost up --cluster 3` and infra/*cluster* provision)")
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep the servers' data dirs and worker logs")
@@ -387,6 +559,12 @@ def main(argv: list[str], s: Settings) -> int:
             rows.append(out)
             more = (f" cpu max {out['cpu_pct_max']}% resumed max {out['resumed_s_max']} s"
                     if name == "all_unreachable" else
+                    f" isolated {out.get('isolated_node')} ({','.join(out.get('isolated_workers', []))}) cpu max "
+                    f"{out.get('cpu_pct_max')}% results during cut {out.get('results_during_cut')} resumed "
+                    f"{out.get('isolated_resumed_s')} all in {out.get('all_in_s')} s leader during cut "
+                    f"{out.get('leader_during_cut')} (in {out.get('failover_s')} s) after {out.get('leader_after')} "
+                    f"taken over {out.get('taken_over')} fenced {out.get('fenced')}"
+                    if name == "nats_node_isolated" else
                     f" taken {out['taken']} (lost {out['taken_lost']} dup {out['taken_duplicated']} mismatched "
                     f"{out['taken_mismatched']} wrong-version {out['taken_wrong_version_tokens']}) published during "
                     f"the cut {out.get('results_during_cut')} trainer {out['trainer']}"

@@ -123,3 +123,21 @@ def test_a_trainer_whose_nats_connection_goes_half_open_notices_and_takes_every_
     assert out["taken_lost"] == out["taken_duplicated"] == out["taken_mismatched"] == 0, out
     assert 0 < out["taken_at_cut"] < 120, "not mid-step: nothing was tested"
     assert out["recovery_s"] is not None and out["recovery_s"] < 20, out["recovery_s"]  # from the link going dead
+
+
+@pytest.mark.slow
+def test_a_nats_node_cut_off_from_its_peers_with_workers_on_both_sides_loses_nothing_and_comes_back(tmp_path):
+    """`rlboost up --cluster 3` (replication 3) with the routes through relays: the node leading the
+    work queue loses every route while w001 and w004 stay connected to it. The majority elects
+    another leader and carries on; the isolated workers' publishes go unanswered (their leases, in
+    Redis, hold), and once the routes return they store their results, each once."""
+    out = asyncio.run(partitions.run_partition("nats_node_isolated", _args(requests=120, workers=4, cut_s=12.0,
+                                                                           timeout=90.0), tmp_path))
+    _assert_clean(out)
+    assert out["isolated_routes_during_cut"] == 0, "a route around the relays: the node was never isolated"
+    assert out["isolated_workers"] == ["w001", "w004"]
+    assert out["leader_during_cut"] not in (None, out["isolated_node"]), out  # the majority elected its own
+    assert out["results_during_cut"] > 0, "the majority stopped while one node of three was cut off"
+    assert out["cpu_pct_max"] < 10.0, out["cpu_pct"]  # waiting, not spinning
+    assert out["recovery_s"] is not None and out["recovery_s"] < 15, out["isolated_resumed_s"]
+    assert out["all_in_s"] is not None
