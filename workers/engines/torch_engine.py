@@ -334,7 +334,8 @@ class TorchEngine(Engine):
                 self._remember(batch, live, range(len(live)), fed, cache, mask)
                 return out
             if len(keep) < len(live):  # finished rows leave the batch and the cache
-                self._remember(batch, live, [r for r in range(len(live)) if r not in set(keep)], fed, cache, mask)
+                kept = set(keep)
+                self._remember(batch, live, [r for r in range(len(live)) if r not in kept], fed, cache, mask)
                 idx = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(idx)
                 mask, next_pos = mask[idx], next_pos[idx]
