@@ -129,8 +129,11 @@ def test_a_worker_whose_veth_to_nats_goes_down_with_redis_up_loses_nothing_and_c
 
 @pytest.mark.slow
 @needs_netns
-def test_a_worker_whose_link_to_redis_flaps_loses_nothing_and_comes_back(tmp_path):
-    out = _run_netns("netns_flap", tmp_path, requests=180)
+def test_a_worker_whose_link_to_redis_flaps_past_the_ack_wait_is_fenced_each_time_and_comes_back(tmp_path):
+    """Downs of 6 s (ack wait 3 s): its requests are handed on while it cannot write, then it
+    writes again over the restored link; none of its late writes may be accepted."""
+    out = _run_netns("netns_flap", tmp_path, requests=360, flaps=3, flap_down_s=6.0)
     _assert_clean(out)
-    assert out["flaps"] == 4 and out["flapped"].endswith("-redis")
+    assert out["flaps"] == 3 and out["flapped"].endswith("-redis")
+    assert out["taken_over"] > 0, "nothing of the flapped worker was handed on: the fence was not tested"
     assert out["victim_resumed_s"] is not None and out["victim_resumed_s"] < 10
