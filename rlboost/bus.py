@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
+    DeliverPolicy,
     KeyValueConfig,
     PubAck,
     RetentionPolicy,
@@ -419,8 +420,10 @@ async def _kv(js: JetStreamContext, cfg: KeyValueConfig) -> None:
             await js.key_value(cfg.bucket)
 
 
-async def follow(js: JetStreamContext, subject: str, within_s: float = 30.0) -> JetStreamContext.PushSubscription:
-    """An ordered consumer on `subject`, from the start of its stream.
+async def follow(js: JetStreamContext, subject: str, within_s: float = 30.0,
+                 from_seq: int = 0) -> JetStreamContext.PushSubscription:
+    """An ordered consumer on `subject`, from the start of its stream (or its sequence `from_seq`:
+    where an earlier reader of it left off).
 
     Creating one is a JetStream API call that needs the stream's leader; right after a cluster
     node is lost (or while a single server restarts) there is none for a few seconds, and the
@@ -429,7 +432,9 @@ async def follow(js: JetStreamContext, subject: str, within_s: float = 30.0) -> 
     deadline = time.monotonic() + within_s
     while True:
         try:
-            return await js.subscribe(subject, stream=wire.stream_of(subject), ordered_consumer=True)
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=from_seq) \
+                if from_seq > 0 else None
+            return await js.subscribe(subject, stream=wire.stream_of(subject), ordered_consumer=True, config=config)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError, ServiceUnavailableError) as e:
             if time.monotonic() > deadline:
                 raise ConnectionError(f"no JetStream leader answered for {subject} within {within_s:.0f} s") from e

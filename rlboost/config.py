@@ -107,6 +107,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: str = "cpu"
     dtype: str = ""
     max_model_len: int = 0
+    # torch engine: keys and values of what each request fed, reused by its next call (its next
+    # chunk, an episode's next turn) instead of feeding the whole context again; 0 = off
+    prefix_cache_mb: float = 256.0
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool | None = None  # None: CUDA graphs on a GPU, eager on CPU
@@ -117,6 +120,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     emulated_pulls: bool = False  # emulated engine: pull each version's shards anyway (fault benches)
 
     def __post_init__(self) -> None:
+        _check(self.prefix_cache_mb >= 0, "worker.prefix_cache_mb", "must be >= 0 (0 = off)")
         # A redelivered request must find its old lease expired, or the new worker is refused.
         _check(self.lease_ttl_s < self.ack_wait_s, "worker.lease_ttl_s",
                f"{self.lease_ttl_s} must be < worker.ack_wait_s ({self.ack_wait_s})")

@@ -26,6 +26,15 @@ from rlboost.logs import get_logger
 # between a worker and the server (NTP keeps it to well under a second). Only a lie is further.
 REGISTRY_SKEW_S = 30.0
 
+# The NATS connection options of whoever owns a PoolClient (the trainer): a ping every 5 s, and
+# a connection that misses 2 in a row is dropped and reconnected (then `results` follows again),
+# so a link left half-open (no FIN, no RST) is noticed in ~10-15 s, not nats-py's default ~4
+# minutes, during which the step waited for results it could not hear (`rlboost bench
+# partitions`, trainer_nats_half_open). Looser than a worker's 2 s (workers/main.py): a false
+# alarm costs the trainer a reconnect mid-step. A loop held up by a long call costs at most one
+# missed ping: the PONGs that came meanwhile are read as soon as it runs again.
+NATS_OPTIONS = {"ping_interval": 5.0, "max_outstanding_pings": 2}
+
 
 class PoolClient:
     def __init__(self, clients: Clients, pool: str) -> None:
@@ -95,7 +104,16 @@ class PoolClient:
         known: dict[str, wire.RolloutRequest | None] = {
             (q if isinstance(q, str) else q.request_id): (None if isinstance(q, str) else q) for q in expect}
         pending = set(known)
-        sub = await bus.follow(self.c.js, wire.result_subject(step))
+        subject = wire.result_subject(step)
+        sub = await bus.follow(self.c.js, subject)
+        # A reconnect (the trainer's link to NATS was cut, or went half-open and its pings gave up
+        # on it) leaves the ordered consumer dead: the server dropped the ephemeral consumer
+        # while nobody listened, or sent what came meanwhile into the void. nats-py notices only
+        # after two missed idle heartbeats (~10 s) and recreates it once; one that fails (the link
+        # still down) waits another 10. So after every reconnect the consumer is recreated here,
+        # from the message after the last one read: nothing is skipped, and what comes twice is
+        # taken once (`pending`).
+        reconnects, last_seq = self.c.nc.stats["reconnects"], 0
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         stop = asyncio.Event()
         chores = [asyncio.create_task(self._keep_scripts(stop)),
@@ -104,10 +122,23 @@ class PoolClient:
             while pending:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"step {step}: {len(pending)} results missing after {timeout_s} s")
+                if self.c.nc.stats["reconnects"] != reconnects and self.c.nc.is_connected:
+                    seen = self.c.nc.stats["reconnects"]
+                    try:
+                        fresh = await bus.follow(self.c.js, subject, within_s=5.0, from_seq=last_seq + 1)
+                    except Exception as e:  # no leader yet, or the link went again: the next turn retries
+                        self.log.warning("results: cannot follow again yet", step=step,
+                                         error=str(e) or type(e).__name__)
+                        continue
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+                    sub, reconnects = fresh, seen
+                    self.log.info("results: following again after a reconnect", step=step, from_seq=last_seq + 1)
                 try:
                     msg = await sub.next_msg(timeout=0.5)
                 except TimeoutError:
                     continue
+                last_seq = msg.metadata.sequence.stream
                 # published before this step's requests: history, not an answer — unless it answers
                 # one of them (a resumed run publishes a step again under the same request ids, and
                 # what its previous life finished is verified and taken like any other result)

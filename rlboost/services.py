@@ -281,8 +281,7 @@ class EmbeddedServices:
             if routes:  # a JetStream cluster on loopback: named nodes, full mesh of routes
                 host = _host(s.bind)
                 cmd += ["--server_name", f"rb-n{node}", "--cluster_name", "rlboost", "--cluster",
-                        f"nats://{host}:{routes[node]}", "--routes",
-                        ",".join(f"nats://{host}:{p}" for i, p in enumerate(routes) if i != node)]
+                        f"nats://{host}:{routes[node]}", *self._route_flags(node, host, routes)]
             if auth.roles_configured(s.auth):
                 # Per-role users and permissions (rlboost/auth.py), in 0600 files of the data dir.
                 cmd += ["-c", str(_write_private(self.data_dir / "nats.conf", auth.render_nats_conf(s)))]
@@ -328,6 +327,11 @@ class EmbeddedServices:
 
     def _log(self, which: str, node: int = 0) -> Path:
         return self.data_dir / (f"{which}.log" if node == 0 else f"{which}-n{node}.log")
+
+    def _route_flags(self, node: int, host: str, routes: list[int]) -> list[str]:
+        """How cluster node `node` reaches its peers: straight to every other node's route port.
+        (`rlboost bench partitions` puts fault relays in between: benchmarks/partitions.py.)"""
+        return ["--routes", ",".join(f"nats://{host}:{p}" for i, p in enumerate(routes) if i != node)]
 
     def _wait(self, which: str, port: int, proc: subprocess.Popen[bytes], deadline: float, node: int = 0) -> None:
         s = self.settings

@@ -97,6 +97,53 @@ def test_a_worker_whose_nats_connection_goes_half_open_notices_and_comes_back(tm
     assert out["victim_resumed_s"] is not None and out["victim_resumed_s"] < 10  # from the link going dead
 
 
+@pytest.mark.slow
+def test_a_trainer_cut_off_from_nats_mid_step_takes_every_result_once_and_hears_again_at_once(tmp_path):
+    """The trainer's link goes while the workers publish on: their results pile up unheard. Before:
+    nats-py reconnected within a second, but the results reader (an ordered consumer the server
+    dropped meanwhile) noticed only after two missed idle heartbeats, ~9 s after the link
+    returned. `PoolClient.results` follows again from where it left off after each reconnect."""
+    out = asyncio.run(partitions.run_partition("trainer_nats_cut", _args(requests=120, cut_s=6.0, timeout=60.0),
+                                               tmp_path))
+    _assert_clean(out)
+    assert out["trainer"] == "returned" and out["taken"] == 120, out
+    assert out["taken_lost"] == out["taken_duplicated"] == out["taken_mismatched"] == 0, out
+    assert out["taken_wrong_version_tokens"] == 0, out
+    assert 0 < out["taken_at_cut"] < 120 and out["results_during_cut"] > 0, "not mid-step: nothing was tested"
+    assert out["recovery_s"] is not None and out["recovery_s"] < 3, out["recovery_s"]
+
+
+@pytest.mark.slow
+def test_a_trainer_whose_nats_connection_goes_half_open_notices_and_takes_every_result_once(tmp_path):
+    """Before: nats-py's default pings (every 2 min) left the trainer on the dead connection for
+    minutes, its step waiting on results it could not hear. It pings every 5 s now
+    (`rlboost.pool_client.NATS_OPTIONS`)."""
+    out = asyncio.run(partitions.run_partition("trainer_nats_half_open", _args(requests=120, timeout=60.0), tmp_path))
+    _assert_clean(out)
+    assert out["trainer"] == "returned" and out["taken"] == 120, out
+    assert out["taken_lost"] == out["taken_duplicated"] == out["taken_mismatched"] == 0, out
+    assert 0 < out["taken_at_cut"] < 120, "not mid-step: nothing was tested"
+    assert out["recovery_s"] is not None and out["recovery_s"] < 20, out["recovery_s"]  # from the link going dead
+
+
+@pytest.mark.slow
+def test_a_nats_node_cut_off_from_its_peers_with_workers_on_both_sides_loses_nothing_and_comes_back(tmp_path):
+    """`rlboost up --cluster 3` (replication 3) with the routes through relays: the node leading the
+    work queue loses every route while w001 and w004 stay connected to it. The majority elects
+    another leader and carries on; the isolated workers' publishes go unanswered (their leases, in
+    Redis, hold), and once the routes return they store their results, each once."""
+    out = asyncio.run(partitions.run_partition("nats_node_isolated", _args(requests=120, workers=4, cut_s=12.0,
+                                                                           timeout=90.0), tmp_path))
+    _assert_clean(out)
+    assert out["isolated_routes_during_cut"] == 0, "a route around the relays: the node was never isolated"
+    assert out["isolated_workers"] == ["w001", "w004"]
+    assert out["leader_during_cut"] not in (None, out["isolated_node"]), out  # the majority elected its own
+    assert out["results_during_cut"] > 0, "the majority stopped while one node of three was cut off"
+    assert out["cpu_pct_max"] < 10.0, out["cpu_pct"]  # waiting, not spinning
+    assert out["recovery_s"] is not None and out["recovery_s"] < 15, out["isolated_resumed_s"]
+    assert out["all_in_s"] is not None
+
+
 # Real links (benchmarks/netns.py): servers and workers in network namespaces of their own, a cut
 # is a veth pair set down at both ends (no reset: open connections hang, new ones find no route).
 _NO_NETNS = netns.unavailable()

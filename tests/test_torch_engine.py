@@ -14,7 +14,7 @@ from helpers import assert_wrong_shape_refused_untouched, engine_requests, fresh
 from trainer.model import build_model, build_tokenizer, init_model_dir, save
 from trainer.tasks import Addition
 from workers.engines.base import Sequence
-from workers.engines.torch_engine import TorchEngine, gumbel_noise
+from workers.engines.torch_engine import PrefixCache, TorchEngine, gumbel_noise
 
 torch.set_num_threads(1)
 MAX_NEW = 24
@@ -201,3 +201,59 @@ async def test_reload_from_a_folder_rebuilt_from_a_delta(model_dir, tmp_path):
     for k, v in moved.items():
         assert torch.equal(got[k].to(torch.bfloat16), v), k
     assert load_tensors(vv.path, expect_version=1).keys() == moved.keys()
+
+
+async def _in_turns(engine: TorchEngine, seqs: list[Sequence], between=None) -> list[tuple[list[int], list[float]]]:
+    """Each request generated 5 tokens a call, 3 'tool result' tokens appended after each call (as
+    an episode's environment turn is), `between(call)` run between calls."""
+    state = [fresh(s) for s in seqs]
+    logprobs: list[list[float]] = [[] for _ in seqs]
+    for call in range(4):
+        for s, g in zip(state, await engine.generate(state, 5), strict=True):
+            s.token_ids += g.token_ids + [3, 4, 5]
+            logprobs[state.index(s)] += g.logprobs
+        if between is not None:
+            await between(engine, call)
+    return [(s.token_ids, lp) for s, lp in zip(state, logprobs, strict=True)]
+
+
+async def test_the_prefix_cache_feeds_only_new_tokens_and_changes_nothing(model_dir):
+    """A request's next call reuses the keys of what it fed before (its chunk, the tokens an
+    environment appended come after them) and makes exactly the tokens of a cache-free engine."""
+    seqs = _requests(6, random.Random(8), max_new_tokens=40)
+    cached, plain = TorchEngine(str(model_dir)), TorchEngine(str(model_dir), prefix_cache_mb=0)
+    got = await _in_turns(cached, seqs)
+    want = await _in_turns(plain, seqs)
+    assert cached.prefix.hits == 3 * len(seqs) and plain.prefix is None
+    for (t, lp), (t_ref, lp_ref) in zip(got, want, strict=True):
+        assert t == t_ref
+        assert lp == pytest.approx(lp_ref, rel=0, abs=1e-9)
+
+
+async def test_a_weight_load_empties_the_prefix_cache(model_dir, tmp_path):
+    """Keys and values are the weights': after a load, a continued request is fed in full under
+    the new weights, as on an engine that never saw it."""
+    tok = build_tokenizer(Addition().alphabet)
+    save(build_model(len(tok), seed=98, hidden=64, layers=2, heads=4, mlp=128), tok, tmp_path / "v1")
+
+    async def swap_after_first(engine, call):
+        if call == 0:
+            await engine.load_weights(tmp_path / "v1", version=1)
+
+    seqs = _requests(4, random.Random(9), max_new_tokens=40)
+    cached = TorchEngine(str(model_dir))
+    got = await _in_turns(cached, seqs, swap_after_first)
+    want = await _in_turns(TorchEngine(str(model_dir), prefix_cache_mb=0), seqs, swap_after_first)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert cached.prefix.misses == 2 * len(seqs)  # the first call, and the first after the load
+
+
+def test_the_prefix_cache_keeps_within_its_budget():
+    layer = (torch.zeros(2, 10, 8), torch.zeros(2, 10, 8))  # 1,280 bytes a request (float32)
+    cache = PrefixCache(max_bytes=3000)
+    for r in ("a", "b", "c"):
+        cache.put(r, list(range(10)), [layer])
+    assert len(cache) == 2 and cache.bytes <= 3000
+    assert cache.take("a", list(range(11))) is None  # the least recently used went first
+    assert cache.take("c", list(range(10))) is None  # not a proper prefix: dropped
+    assert cache.take("b", list(range(12))) is not None and len(cache) == 0

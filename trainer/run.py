@@ -38,7 +38,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from rlboost import metrics, runlease, wire
+from rlboost import metrics, pool_client, runlease, wire
 from rlboost.clients import Clients, open_clients
 from rlboost.config import DataSettings, Settings
 from rlboost.logs import get_logger
@@ -339,8 +339,10 @@ async def train(inv: Invocation, model_dir: str, nats_url: str, redis_url: str, 
     lease = functools.partial(runlease.hold, run_id=run_id, ttl_s=s.run.lease_ttl_s, run_dir=str(run_dir),
                               data_dir=settings.services.data_dir, resume=inv.resume,
                               replicas=settings.services.nats_replicas)
-    async with open_clients(nats_url, redis_url, "rlboost-trainer", settings=settings,
-                            pools=(POOL, RESERVED_POOL), guard=lease) as c, contextlib.AsyncExitStack() as stack:
+    # pings that notice a half-open link (rlboost.pool_client.NATS_OPTIONS)
+    async with open_clients(nats_url, redis_url, "rlboost-trainer", settings=settings, pools=(POOL, RESERVED_POOL),
+                            guard=lease, nats_options=pool_client.NATS_OPTIONS) as c, \
+            contextlib.AsyncExitStack() as stack:
         # one process: the model loads off the event loop, which renews the lease meanwhile
         # (torchrun ranks build theirs together, in the thread the process group was made in)
         trainer = make_trainer(s, model_dir, ranks) if ranks.distributed else \

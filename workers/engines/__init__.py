@@ -43,7 +43,7 @@ def engine_from_settings(w: WorkerSettings, sleep: bool = False) -> Engine:
         raise EngineError(f"the {w.engine} engine needs a model directory (--model-dir, worker.model_dir)")
     if w.engine == "torch":
         return make_engine("torch", model_dir=w.model_dir, device=w.device, dtype=w.dtype or "float64",
-                           max_model_len=w.max_model_len)
+                           max_model_len=w.max_model_len, prefix_cache_mb=w.prefix_cache_mb)
     options: dict[str, object] = dict(model_dir=w.model_dir, dtype=w.dtype or None, max_model_len=w.max_model_len,
                                       tensor_parallel_size=w.tensor_parallel_size,
                                       gpu_memory_utilization=w.gpu_memory_utilization, enforce_eager=w.enforce_eager)

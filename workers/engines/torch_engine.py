@@ -14,9 +14,17 @@ reorderings move logits by ~1e-15, and a flip would need two perturbed scores to
 digits. For a ~1M-parameter model float64 costs little; `dtype="float32"` trades that
 guarantee for speed on bigger models.
 
-Every `generate` call re-prefills each sequence from prompt + tokens so far (left-padded, with
-explicit position ids so padding does not shift positions): the engine holds no per-request
-state between calls, so the worker may reshuffle batches freely.
+A `generate` call feeds each sequence's prompt + tokens so far (left-padded, with explicit
+position ids so padding does not shift positions). The worker calls it every
+`checkpoint_tokens` tokens and an episode comes back after each tool call, so re-feeding the
+whole context each time cost more than the decoding (a 250-token context, 16 new tokens). A
+prefix cache (`prefix_cache_mb`) therefore keeps, per request id, the keys and values of what
+was fed: the next call feeds only the new tokens (the last sampled one, an episode's tool
+result) after them. It is a cache, not state: an entry is used only when its token ids are a
+prefix of the sequence's context, the worker may still reshuffle batches freely, a request
+resumed elsewhere is simply fed in full, and a weight load empties it (keys and values are the
+weights'). Cached and freshly computed keys differ by the same reduction-order noise as batch
+composition does, which float64 makes negligible.
 
 Any Hugging Face causal-LM folder loads (`rlboost.modeldir`: safetensors only, local files
 only); `device` puts the model on a GPU (`cuda`), sampling noise stays on the CPU.
@@ -30,8 +38,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import functools
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +49,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache
+
+try:  # per-layer cache objects (transformers >= 4.56); before them, no prefix cache and no reserved room
+    from transformers.cache_utils import DynamicLayer
+except ImportError:  # pragma: no cover - older transformers
+    DynamicLayer = None
 
 from rlboost.logs import get_logger
 from rlboost.modeldir import ModelDirError, check_model_dir, load_causal_lm
@@ -92,7 +107,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], positions: list[int]) -> 
     temps = torch.tensor([s.temperature if s.temperature > 0 else 1.0 for s in seqs], dtype=torch.float64)
     scaled = logits / temps[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
-    filtered = _top_p(_top_k(scaled, [s.top_k for s in seqs]), [s.top_p for s in seqs])
+    filtered = scaled  # each filter is a no-op where no row asks for it: skip its sort
+    if any(0 < s.top_k < logits.size(-1) for s in seqs):
+        filtered = _top_k(filtered, [s.top_k for s in seqs])
+    if any(s.top_p < 1.0 for s in seqs):
+        filtered = _top_p(filtered, [s.top_p for s in seqs])
     noisy = filtered + gumbel_noise([request_key(s.seed) for s in seqs], positions, logits.size(-1))
     greedy = torch.tensor([s.temperature <= 0 for s in seqs])
     tokens = torch.where(greedy, scaled.argmax(-1), noisy.argmax(-1))
@@ -117,12 +136,99 @@ def _top_p(scores: torch.Tensor, ps: list[float]) -> torch.Tensor:
     return scores.masked_fill(drop & (p < 1.0), float("-inf"))
 
 
+if DynamicLayer is not None:
+    class ReservedLayer(DynamicLayer):
+        """A cache layer that writes each step's keys and values into room reserved for the whole
+        call instead of concatenating: a concatenation copies the whole cache at every decode step,
+        40% of the demo model's decode time. `keys`/`values` are views of the filled part."""
+
+        def __init__(self, room: int) -> None:
+            super().__init__()
+            self.room = room
+            self._k: torch.Tensor | None = None
+            self._v: torch.Tensor | None = None
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n = 0 if self._k is None else self.keys.shape[-2]
+            m = n + key_states.shape[-2]
+            if self._k is None or m > self._k.shape[-2]:
+                shape = (*key_states.shape[:-2], m + self.room, key_states.shape[-1])
+                k, v = key_states.new_empty(shape), value_states.new_empty(shape)
+                if n:
+                    k[..., :n, :], v[..., :n, :] = self.keys, self.values
+                self._k, self._v = k, v
+            self._k[..., n:m, :] = key_states
+            self._v[..., n:m, :] = value_states
+            self.keys, self.values = self._k[..., :m, :], self._v[..., :m, :]
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self._k is not None:
+                m = self.keys.shape[-2]
+                self._k, self._v = self._k[indices], self._v[indices]
+                self.keys, self.values = self._k[..., :m, :], self._v[..., :m, :]
+
+
+def new_cache(room: int) -> DynamicCache:
+    """A DynamicCache whose layers keep `room` positions free for the tokens still to come."""
+    cache = DynamicCache()
+    if DynamicLayer is not None and getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+        cache.layer_class_to_replicate = functools.partial(ReservedLayer, room)
+    return cache
+
+
+class PrefixCache:
+    """Keys and values of the token ids each request has fed, least recently used first out,
+    within a byte budget. `take` hands an entry over (it is stored again after the call)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes, self.bytes = max_bytes, 0
+        self._entries: OrderedDict[str, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
+        self.hits = self.misses = 0  # calls' rows that reused an entry / were fed in full
+
+    @staticmethod
+    def _size(layers) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+
+    def take(self, request_id: str, context: list[int]):
+        """(ids, per-layer (keys, values) of shape (heads, len(ids), dim)) when the entry's ids are
+        a proper prefix of `context`; else None (and a stale entry is dropped)."""
+        entry = self._entries.pop(request_id, None)
+        if entry is not None:
+            self.bytes -= self._size(entry[1])
+            ids = entry[0]
+            if len(ids) < len(context) and context[:len(ids)] == ids:
+                self.hits += 1
+                return entry
+        self.misses += 1
+        return None
+
+    def put(self, request_id: str, ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        size = self._size(layers)
+        if not ids or size > self.max_bytes:
+            return
+        self._entries[request_id] = (ids, layers)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, old) = self._entries.popitem(last=False)
+            self.bytes -= self._size(old)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class TorchEngine(Engine):
     name = "torch"
 
     def __init__(self, model_dir: str, threads: int = 1, dtype: str | torch.dtype = "float64",
                  on_tokens: Callable[[int], None] | None = None, device: str = "cpu",
-                 max_model_len: int = 0) -> None:
+                 max_model_len: int = 0, prefix_cache_mb: float = 256.0) -> None:
         torch.set_num_threads(threads)
         if isinstance(dtype, str) and dtype not in _DTYPES:
             raise EngineError(f"torch engine dtype {dtype!r}: choose {', '.join(_DTYPES)}")
@@ -138,6 +244,9 @@ class TorchEngine(Engine):
         self._cache_kwarg = cache_kwarg(self.model)
         self.max_model_len = max_model_len or info.max_context  # 0: no limit known
         self.on_tokens = on_tokens  # called with the number of tokens each decode step made
+        # 0 = off: every call feeds whole contexts. Turned off for good if the model's cache is not
+        # plain per-layer keys and values (sliding windows, linear attention): nothing to splice.
+        self.prefix = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 and DynamicLayer else None
         self._lock = asyncio.Lock()  # generate and load_weights never overlap
         self.log = get_logger(component="torch-engine")
 
@@ -181,6 +290,8 @@ class TorchEngine(Engine):
         async with self._lock:
             t0 = time.monotonic()
             await asyncio.to_thread(self._load, Path(weights_dir))
+            if self.prefix is not None:
+                self.prefix.clear()  # keys and values were the old weights'
             self.policy_version = version
             self.log.info("weights loaded", policy_version=version, seconds=round(time.monotonic() - t0, 3))
 
@@ -201,14 +312,10 @@ class TorchEngine(Engine):
         if not live or (stop is not None and stop.is_set()):
             return out
         contexts = [batch[i].prompt_ids + batch[i].token_ids for i in live]
-        width = max(map(len, contexts))
-        input_ids = torch.tensor([[0] * (width - len(c)) + c for c in contexts], device=self.device)
-        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        logits = self._forward(input_ids, mask, positions, cache)
-        next_pos = torch.tensor([len(c) for c in contexts], device=self.device)
+        cache, mask, next_pos, logits = self._prefill([batch[i].request_id for i in live], contexts,
+                                                      max(budget[i] for i in live))
         stops = [s.stops for s in batch]
+        fed = {i: c for i, c in zip(live, contexts, strict=True)}  # ids whose keys the cache holds, per row
         while True:
             seqs = [batch[i] for i in live]
             tokens, logprobs = sample(logits, seqs, [len(s.token_ids) + len(out[i].token_ids)
@@ -224,8 +331,10 @@ class TorchEngine(Engine):
             if self.on_tokens is not None:
                 self.on_tokens(len(live))
             if not keep or (stop is not None and stop.is_set()):
+                self._remember(batch, live, range(len(live)), fed, cache, mask)
                 return out
             if len(keep) < len(live):  # finished rows leave the batch and the cache
+                self._remember(batch, live, [r for r in range(len(live)) if r not in set(keep)], fed, cache, mask)
                 idx = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(idx)
                 mask, next_pos = mask[idx], next_pos[idx]
@@ -234,6 +343,52 @@ class TorchEngine(Engine):
             mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=self.device)], dim=1)
             logits = self._forward(torch.tensor(tokens, device=self.device)[:, None], mask, next_pos[:, None], cache)
             next_pos = next_pos + 1
+            for i, tok in zip(live, tokens, strict=True):
+                fed[i].append(tok)
+
+    def _prefill(self, request_ids: list[str], contexts: list[list[int]], new_tokens: int):
+        """Feed each context, after its cached prefix where there is one: (cache, attention mask,
+        next position per row, last logits). Rows are left-padded twice, the cached part to the
+        longest cached prefix and the fed part to the longest feed; padding is masked and position
+        ids are explicit, so a row's gaps change nothing it attends to."""
+        entries = [self.prefix.take(r, c) if self.prefix is not None else None
+                   for r, c in zip(request_ids, contexts, strict=True)]
+        held = [len(e[0]) if e else 0 for e in entries]
+        feeds = [c[n:] for c, n in zip(contexts, held, strict=True)]
+        width, past = max(map(len, feeds)), max(held)
+        input_ids = torch.tensor([[0] * (width - len(f)) + f for f in feeds], device=self.device)
+        fed_mask = torch.tensor([[0] * (width - len(f)) + [1] * len(f) for f in feeds], device=self.device)
+        positions = (fed_mask.cumsum(-1) - 1).clamp(min=0) + torch.tensor(held, device=self.device)[:, None]
+        cache = new_cache(width + new_tokens)
+        if past:
+            shapes = next(e[1] for e in entries if e)
+            for layer, (k0, _) in enumerate(shapes):
+                def padded(e, n: int, which: int) -> torch.Tensor:
+                    pad = k0.new_zeros((k0.size(0), past - n, k0.size(2)))
+                    return torch.cat([pad, e[1][layer][which]], dim=1) if e else pad
+                cache.update(torch.stack([padded(e, n, 0) for e, n in zip(entries, held, strict=True)]),
+                             torch.stack([padded(e, n, 1) for e, n in zip(entries, held, strict=True)]), layer)
+            past_mask = torch.tensor([[0] * (past - n) + [1] * n for n in held], device=self.device)
+            mask = torch.cat([past_mask, fed_mask], dim=1)
+        else:
+            mask = fed_mask
+        logits = self._forward(input_ids, mask, positions, cache)
+        if self.prefix is not None and not all(isinstance(layer, DynamicLayer) and not layer.is_sliding
+                                               for layer in cache.layers):
+            self.log.info("prefix cache off: the model's cache is not plain keys and values per layer")
+            self.prefix = None
+        return cache, mask, torch.tensor([len(c) for c in contexts], device=self.device), logits
+
+    def _remember(self, batch, live, rows, fed, cache, mask) -> None:
+        """Keep the keys and values of `rows` (indices into `live`) for their requests' next call:
+        every position fed so far (not the last sampled token, which was never fed)."""
+        if self.prefix is None:
+            return
+        for r in rows:
+            i = live[r]
+            keep = mask[r].bool()
+            layers = [(layer.keys[r][:, keep], layer.values[r][:, keep]) for layer in cache.layers]  # copies
+            self.prefix.put(batch[i].request_id, fed[i], layers)
 
     def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
         result = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
