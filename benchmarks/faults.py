@@ -107,11 +107,13 @@ async def run_load(srv: Servers, workdir: Path, name: str, requests: list[wire.R
                    ack_wait: float = 3.0, worker_env: dict[str, str] | None = None,
                    extra_args: tuple[str, ...] = (), weights: dict[int, str] | None = None,
                    worker_urls: list[tuple[str, str]] | None = None,
+                   worker_prefix: list[list[str]] | None = None,
                    launcher: tuple[str, ...] = ("-m", "rlboost.cli"), publish=None) -> dict:
     """Publish `requests`, start `workers` worker processes, call `fault(ctx)` once `at` of the
     results are in, wait for the rest; then analyse everything the streams recorded.
     `worker_urls`: the (NATS, Redis) URLs of each worker in start order (a fault relay's), where
-    they are not the servers' own. `launcher`: what the worker processes run (`WorkerFleet`).
+    they are not the servers' own; `worker_prefix`: what to run each in (a network namespace's
+    `ip netns exec`). `launcher`: what the worker processes run (`WorkerFleet`).
     `publish(requests)`: who puts the step on the wire (a trainer of the caller's, through a link
     of its own, in `rlboost bench partitions`); by default this harness's own PoolClient."""
     step = requests[0].step
@@ -127,6 +129,8 @@ async def run_load(srv: Servers, workdir: Path, name: str, requests: list[wire.R
         for i in range(workers):
             if worker_urls:
                 fleet.nats_url, fleet.redis_url = worker_urls[i]
+            if worker_prefix:
+                fleet.exec_prefix = worker_prefix[i]
             fleet.start()
         t0 = time.monotonic()
         done, injected, last_done = 0, False, 0

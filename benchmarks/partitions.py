@@ -36,6 +36,15 @@ Scenarios (each on fresh servers, one after the other):
   worker's CPU time over the outage (it must back off, not spin) and how long after the links
   return each one generates again.
 
+Real links (benchmarks/netns.py; root, iproute2; not in the default list): NATS, Redis and each
+worker in a network namespace of its own, joined by veth pairs (the harness in the root
+namespace); a cut is both ends of a link set down, so nothing is reset, open connections hang
+and new ones fail (no route), as on a real network:
+- `netns_redis_cut`: one worker's veth to Redis down for `--cut-s`, its veth to NATS up, restored;
+- `netns_nats_cut`: the reverse;
+- `netns_flap`: one worker's link (`--flap-link`, Redis by default) down `--flap-down-s`, up
+  `--flap-up-s`, `--flaps` times; recovery from its last return.
+
 Per scenario, besides `rlboost bench faults`' counts (lost, duplicated, mismatched,
 wrong-version tokens, stale writes accepted, epochs reused, regenerated tokens, recovery s):
 `recovery_s` here is from the link's return to the affected worker's next store answer (for
@@ -81,12 +90,14 @@ from rlboost.pool_client import PoolClient
 from rlboost.replay import read_chunks, read_subject
 from rlboost.config import ServicesSettings, Settings
 from rlboost.services import EmbeddedServices, free_port, provision_cluster
-from benchmarks import faults, history
+from benchmarks import faults, history, netns
 from benchmarks.relay import Relay
 
 SCENARIOS = ("redis_cut", "redis_slow", "redis_half_open", "all_unreachable", "nats_cut", "nats_half_open",
              "trainer_nats_cut", "trainer_nats_half_open", "nats_node_isolated")
 TRAINER_SCENARIOS = ("trainer_nats_cut", "trainer_nats_half_open")
+# Real links (benchmarks/netns.py; root): not in the default run
+NETNS_SCENARIOS = ("netns_redis_cut", "netns_nats_cut", "netns_flap")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -223,6 +234,11 @@ async def _progress_after(w, since: float, timeout_s: float, all_in, nats: bool 
     return None
 
 
+async def _set_link(link, state: str) -> None:
+    """`cut` / `restore` a relay or a veth link (whose `ip` calls block: off the loop)."""
+    await asyncio.to_thread(getattr(link, state))
+
+
 class Trainer:
     """The trainer's side of one step, as `trainer/run.py` drives it: a PoolClient that publishes
     the step's requests and takes their results (`PoolClient.results`), reaching NATS through a
@@ -294,12 +310,21 @@ class Trainer:
 async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
     rng = random.Random(a.seed)
     split = name == "nats_node_isolated"
-    srv = await asyncio.to_thread(SplitServers, root / name, a.replicas) if split else \
-        await asyncio.to_thread(faults.Servers, root / name)
-    relays: dict[str, tuple[Relay, Relay]] = {}
+    real = name in NETNS_SCENARIOS  # real links: servers and workers in namespaces of their own
+    if real:
+        srv = await asyncio.to_thread(netns.Servers, root / name, a.workers)
+    elif split:
+        srv = await asyncio.to_thread(SplitServers, root / name, a.replicas)
+    else:
+        srv = await asyncio.to_thread(faults.Servers, root / name)
+    # each worker's (NATS link, Redis link): fault relays, or veth pairs (netns.Link) for the real ones
+    links: dict = {}
+    prefix = None  # what each worker runs in: its namespace's `ip netns exec`, for the real links
     trainer = trainer_relay = None  # set before anything can raise: the finally closes its relay
     try:
-        if split:
+        if real:
+            links, urls, prefix = srv.worker_links, srv.worker_urls, srv.worker_prefix
+        elif split:
             # The node to isolate: the work queue's leader, so the majority has to elect another.
             iso = int((await _stream_leader(srv.node_urls[0], wire.STREAM_REQUESTS)).removeprefix("rb-n"))
             majority = [u for i, u in enumerate(srv.node_urls) if i != iso]
@@ -311,14 +336,15 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
             urls = [(order[i % 3], srv.redis_url) for i in range(a.workers)]  # w001, w004, ...: isolated
         else:
             for i in range(a.workers):  # workers start as w001, w002, ... (WorkerFleet)
-                relays[f"w{i + 1:03d}"] = (Relay.to_url(srv.nats_url, f"nats-{i}"),
-                                           Relay.to_url(srv.redis_url, f"redis-{i}"))
-            urls = [(n.url(srv.nats_url), r.url(srv.redis_url)) for n, r in relays.values()]
+                links[f"w{i + 1:03d}"] = (Relay.to_url(srv.nats_url, f"nats-{i}"),
+                                          Relay.to_url(srv.redis_url, f"redis-{i}"))
+            urls = [(n.url(srv.nats_url), r.url(srv.redis_url)) for n, r in links.values()]
         extra: dict = dict(extra_at_start) if split else {}
         if name in TRAINER_SCENARIOS:  # the trainer reaches NATS through a relay of its own
             trainer_relay = Relay.to_url(srv.nats_url, "nats-trainer")
             trainer = Trainer(trainer_relay.url(srv.nats_url), srv.redis_url, a.timeout)
-        step = 20 + SCENARIOS.index(name) if name in SCENARIOS else 0
+        step = (30 + NETNS_SCENARIOS.index(name) if real else
+                20 + SCENARIOS.index(name) if name in SCENARIOS else 0)
         reqs = faults.make_requests(step, a.requests, rng, a.min_new, a.max_new)
         from rlboost import bus
 
@@ -333,13 +359,30 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
         async def one_worker_fault(ctx, hurt, heal, hold_s: float, link: int = 1) -> None:
             w = victim_of(ctx["fleet"])
             fenced0 = w.counters()["fenced"]
-            relay = relays[w.worker_id][link]  # 0: its NATS link, 1: its Redis link
-            hurt(relay)
+            relay = links[w.worker_id][link]  # 0: its NATS link, 1: its Redis link
+            await asyncio.to_thread(hurt, relay)
             await asyncio.sleep(hold_s)  # the fault's duration
-            heal(relay)
+            await asyncio.to_thread(heal, relay)
             t = time.monotonic()
             resumed = await _progress_after(w, t, a.timeout / 2, all_in, nats=link == 0)
             extra.update(victim=w.worker_id, victim_resumed_s=resumed, recovery_s=resumed)
+            ctx["victim"], ctx["fenced0"] = w, fenced0
+
+        async def one_link_flapped(ctx, link: int) -> None:
+            """The victim's link goes down and up `--flaps` times; recovery from its last return."""
+            w = victim_of(ctx["fleet"])
+            fenced0 = w.counters()["fenced"]
+            veth = links[w.worker_id][link]
+            for i in range(a.flaps):
+                await _set_link(veth, "cut")
+                await asyncio.sleep(a.flap_down_s)
+                await _set_link(veth, "restore")
+                if i < a.flaps - 1:
+                    await asyncio.sleep(a.flap_up_s)
+            t = time.monotonic()
+            resumed = await _progress_after(w, t, a.timeout / 2, all_in, nats=link == 0)
+            extra.update(victim=w.worker_id, victim_resumed_s=resumed, recovery_s=resumed, flaps=a.flaps,
+                         flapped=f"{w.worker_id}-{'nats' if link == 0 else 'redis'}")
             ctx["victim"], ctx["fenced0"] = w, fenced0
 
         async def trainer_fault(hurt, hold_s: float) -> None:
@@ -363,6 +406,14 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
         if name == "redis_cut":
             async def fault(ctx):
                 await one_worker_fault(ctx, Relay.cut, Relay.restore, a.cut_s)
+        elif name in ("netns_redis_cut", "netns_nats_cut"):
+            async def fault(ctx):
+                # the worker's other link stays up; the harness's own links too
+                await one_worker_fault(ctx, netns.Link.cut, netns.Link.restore, a.cut_s,
+                                       link=0 if name == "netns_nats_cut" else 1)
+        elif name == "netns_flap":
+            async def fault(ctx):
+                await one_link_flapped(ctx, link=0 if a.flap_link == "nats" else 1)
         elif name == "redis_slow":
             async def fault(ctx):
                 await one_worker_fault(ctx, lambda r: r.set_latency(a.slow_s, a.slow_s / 8),
@@ -387,7 +438,7 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
         elif name == "all_unreachable":
             async def fault(ctx):
                 live = ctx["fleet"].live()
-                for n, r in relays.values():
+                for n, r in links.values():
                     n.cut()
                     r.cut()
                 await asyncio.sleep(1.0)  # the first failures are handled: from here on, waiting only
@@ -396,7 +447,7 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
                 window = time.monotonic() - t0
                 cpu = {w.worker_id: round(100 * (cpu_seconds(w.proc.pid) - cpu0[w.worker_id]) / window, 2)
                        for w in live if w.alive()}
-                for n, r in relays.values():
+                for n, r in links.values():
                     n.restore()
                     r.restore()
                 t = time.monotonic()
@@ -449,7 +500,7 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
                              recovery_s=None if None in resumed else max(resumed, default=None))
                 ctx["isolated"], ctx["fenced0"] = isolated, fenced0
         else:
-            raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+            raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS + NETNS_SCENARIOS)}")
 
         captured: dict = {}
         # Every store operation of the workers, with its outcome, for the history check below.
@@ -467,7 +518,7 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
         try:
             out = await faults.run_load(srv, root, name, reqs, a.workers, fault_and_keep, at=a.at,
                                         timeout_s=a.timeout, speed=a.speed, worker_urls=urls, worker_env=worker_env,
-                                        publish=trainer.publish if trainer else None)
+                                        worker_prefix=prefix, publish=trainer.publish if trainer else None)
             if trainer is not None:  # the workers are done: the trainer has everything to take
                 await trainer.finish(a.timeout / 2)
         finally:
@@ -502,9 +553,10 @@ async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
             out["fenced"] = sum(w.counters()["fenced"] for w in captured["isolated"]) - captured["fenced0"]
         return out
     finally:
-        for n, r in relays.values():
-            n.close()
-            r.close()
+        if not real:  # veth pairs go with their namespaces (srv.close())
+            for n, r in links.values():
+                n.close()
+                r.close()
         if trainer_relay is not None:
             trainer_relay.close()
         srv.close()
@@ -526,7 +578,8 @@ def clean(out: dict, a: argparse.Namespace) -> bool:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlboost bench partitions", description=__doc__.splitlines()[0])
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
-                   help=f"comma-separated, run in this order (default: all): {', '.join(SCENARIOS)}")
+                   help=f"comma-separated, run in this order (default: all but the netns_* ones): "
+                   f"{', '.join(SCENARIOS)}; needing root (network namespaces): {', '.join(NETNS_SCENARIOS)}")
     p.add_argument("--requests", type=int, default=180)
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--min-new", type=int, default=48)
@@ -534,7 +587,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--speed", type=float, default=0.5, help="emulated engine speed (x H100)")
     p.add_argument("--at", type=float, default=0.1, help="inject the fault once this share of the results is in")
     p.add_argument("--cut-s", type=float, default=8.0, help="redis_cut, redis_half_open, nats_cut, "
-                   "trainer_nats_cut, nats_node_isolated: how long")
+                   "trainer_nats_cut, nats_node_isolated, netns_redis_cut, netns_nats_cut: how long")
     p.add_argument("--slow-s", type=float, default=4.0, help="redis_slow: added latency to Redis (s; an eighth of it back)")
     p.add_argument("--slow-for-s", type=float, default=10.0, help="redis_slow: how long")
     p.add_argument("--outage-s", type=float, default=60.0, help="all_unreachable: how long")
@@ -542,6 +595,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-resume-s", type=float, default=5.0, help="all_unreachable: bound on resuming")
     p.add_argument("--replicas", type=int, default=3, help="nats_node_isolated: the streams' replication "
                    "(3: what `rlboost up --cluster 3` and infra/*cluster* provision)")
+    p.add_argument("--flaps", type=int, default=4, help="netns_flap: how many times the link goes down")
+    p.add_argument("--flap-down-s", type=float, default=3.0, help="netns_flap: down each time (s)")
+    p.add_argument("--flap-up-s", type=float, default=1.5, help="netns_flap: up between two cuts (s)")
+    p.add_argument("--flap-link", choices=("redis", "nats"), default="redis", help="netns_flap: which link")
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep the servers' data dirs and worker logs")
@@ -550,6 +607,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str], s: Settings) -> int:
     a = parser().parse_args(argv)
+    if any(n in NETNS_SCENARIOS for n in a.scenarios.split(",")) and (why := netns.unavailable()):
+        print(f"rlboost bench partitions: the netns_* scenarios cannot run here: {why}", flush=True)
+        return 2
     root = Path(tempfile.mkdtemp(prefix="rlboost-partitions-"))
     rows = []
     try:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 
 import pytest
 
 from rlboost import wire
-from benchmarks import partitions
+from benchmarks import netns, partitions
 
 
 def _args(**over) -> argparse.Namespace:
@@ -141,3 +142,45 @@ def test_a_nats_node_cut_off_from_its_peers_with_workers_on_both_sides_loses_not
     assert out["cpu_pct_max"] < 10.0, out["cpu_pct"]  # waiting, not spinning
     assert out["recovery_s"] is not None and out["recovery_s"] < 15, out["isolated_resumed_s"]
     assert out["all_in_s"] is not None
+
+
+# Real links (benchmarks/netns.py): servers and workers in network namespaces of their own, a cut
+# is a veth pair set down at both ends (no reset: open connections hang, new ones find no route).
+_NO_NETNS = netns.unavailable()
+needs_netns = pytest.mark.skipif(_NO_NETNS is not None, reason=f"no network namespaces here: {_NO_NETNS}")
+
+
+def _run_netns(name: str, tmp_path, **over) -> dict:
+    try:
+        return asyncio.run(partitions.run_partition(name, _args(timeout=60.0, **over), tmp_path))
+    finally:
+        left = [n for n in netns.namespaces() if n.startswith(f"rb-{os.getpid()}-")]
+        assert left == [], f"namespaces left behind: {left}"
+
+
+@pytest.mark.slow
+@needs_netns
+def test_a_worker_whose_veth_to_redis_goes_down_with_nats_up_loses_nothing_and_comes_back(tmp_path):
+    out = _run_netns("netns_redis_cut", tmp_path, requests=120, cut_s=6.0)
+    _assert_clean(out)
+    assert out["victim_resumed_s"] is not None and out["victim_resumed_s"] < 10
+
+
+@pytest.mark.slow
+@needs_netns
+def test_a_worker_whose_veth_to_nats_goes_down_with_redis_up_loses_nothing_and_comes_back(tmp_path):
+    out = _run_netns("netns_nats_cut", tmp_path, requests=180, cut_s=6.0)
+    _assert_clean(out)
+    assert out["victim_resumed_s"] is not None and out["victim_resumed_s"] < 10
+
+
+@pytest.mark.slow
+@needs_netns
+def test_a_worker_whose_link_to_redis_flaps_past_the_ack_wait_is_fenced_each_time_and_comes_back(tmp_path):
+    """Downs of 6 s (ack wait 3 s): its requests are handed on while it cannot write, then it
+    writes again over the restored link; none of its late writes may be accepted."""
+    out = _run_netns("netns_flap", tmp_path, requests=360, flaps=3, flap_down_s=6.0)
+    _assert_clean(out)
+    assert out["flaps"] == 3 and out["flapped"].endswith("-redis")
+    assert out["taken_over"] > 0, "nothing of the flapped worker was handed on: the fence was not tested"
+    assert out["victim_resumed_s"] is not None and out["victim_resumed_s"] < 10

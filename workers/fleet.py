@@ -61,6 +61,9 @@ class WorkerFleet:
     # What the interpreter runs: the CLI, or a script that wraps it (a test's worker with a
     # deliberately broken fence, tests/broken_fence_worker.py)
     launcher: tuple[str, ...] = ("-m", "rlboost.cli")
+    # Put before the interpreter on the next start: e.g. `ip netns exec NS`, which execs, so the
+    # process is still the worker itself (benchmarks/netns.py)
+    exec_prefix: list[str] = field(default_factory=list)
     _n: int = 0
 
     def start(self, prefix: str = "w", extra_args: tuple[str, ...] = ()) -> WorkerProc:
@@ -73,7 +76,7 @@ class WorkerFleet:
         env = {**os.environ, "RLBOOST_NATS_URL": self.nats_url, "RLBOOST_REDIS_URL": self.redis_url,
                "OMP_NUM_THREADS": "1", "RLBOOST_LOG_JSON": "1", **self.env}
         pool = ["--pool", self.pool] if self.command == "worker" else []
-        cmd = [sys.executable, *self.launcher, self.command, *pool, "--worker-id", wid,
+        cmd = [*self.exec_prefix, sys.executable, *self.launcher, self.command, *pool, "--worker-id", wid,
                "--counters", str(counters), *self.worker_args, *extra_args]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 preexec_fn=_die_with_parent if self.die_with_parent else None)
