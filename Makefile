@@ -14,9 +14,10 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 # torch first, pinned to the CPU wheel (a looser spec pulls a multi-GB CUDA build).
-$(STAMP): pyproject.toml | $(BIN)/python
+# constraints.txt: releases pinned for reproducible figures (not the package's requirements).
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
