@@ -22,7 +22,10 @@ provisions the newest version (nearest snapshot + the deltas since, verified).
 - snapshot_pull_mb_per_s: the same for a plain pull of the v0 snapshot (the same bytes, an empty
   cache, nothing to replay), `--late-trials` of them interleaved with the late joiners
 - late_joiner_vs_snapshot: the two medians' ratio (what replaying the deltas on arrival costs)
-- publish_s_median: the trainer's publish time per version (encoding the delta, uploading it)
+- publish_s_median: the trainer's publish time per version (encoding the delta and, from the second
+  version after a snapshot, the snapshot delta a late joiner replays instead; uploading them)
+- late_joiner_bytes: what the median late joiner fetched (the v0 snapshot + the newest version's
+  snapshot delta, or + every delta since when there is none)
 """
 
 from __future__ import annotations
@@ -126,7 +129,8 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
             exact = exact and same
             await engine.load_weights(vv.path, step)
             steps.append({"step": step, "kind": rep.kind, "changed_frac": round(rep.changed_elements / rep.elements, 5),
-                          "delta_bytes": rep.delta_bytes, "full_bytes": rep.total_bytes,
+                          "delta_bytes": rep.delta_bytes, "snapshot_delta_bytes": rep.snapshot_delta_bytes,
+                          "full_bytes": rep.total_bytes,
                           "pulled_bytes": follower.stats.bytes_fetched - fetched,
                           "publish_s": round(rep.seconds, 3), "rebuild_s": round(rebuild_s, 3),
                           "train_s": round(train_s, 2), "reward": round(reward, 3), "bit_exact": same})

@@ -561,12 +561,21 @@ async def test_a_late_joiner_replays_one_delta_from_the_snapshot_and_a_follower_
     assert late.stats.bytes_fetched == ms[0].total_bytes + jumps[3].delta.bytes and late.stats.reconstructed == 1
     assert not list(late.tmp_dir.iterdir()) and not list(late.shards_dir.iterdir())
 
+    read_all, reads = store.read_all, []
+
+    async def recording(key):
+        reads.append(key)
+        return await read_all(key)
+
+    store.read_all = recording
     follower = WeightCache(tmp_path / "follower", store, keep_versions=10)  # v0 stays cached as well
     for v in truth:
         before = follower.stats.bytes_fetched
         assert_exact((await follower.ensure(v)).load_tensors(), truth[v])
         if v:
             assert follower.stats.bytes_fetched - before == ms[v].delta.bytes
+    assert reads and not [k for k in reads if k.startswith("snapdeltas/")]  # a follower never even reads one
+    store.read_all = read_all
 
     off = FileBlobStore(tmp_path / "off", create=True)  # the setting off: the publisher keeps no snapshot copy
     pub = WeightPublisher(off, full_every=10, snapshot_deltas=False)

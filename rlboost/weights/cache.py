@@ -344,11 +344,27 @@ class WeightCache:
         a snapshot (fetch the shards the cache lacks) or a cached version that is exactly a
         delta's base (a cached one is preferred at equal cost); unless the target's own delta
         base is cached (a follower), the target's snapshot delta is a way from its snapshot."""
+        jump: asyncio.Future[SnapshotDelta | None] | None = None
+        if not target.shards and target.delta is not None \
+                and not (self._vdir(target.delta.base) / "manifest.json").exists():
+            # not a follower, by the look of the cache: the snapshot delta is read while the walk
+            # below reads the chain's manifests, not after it (a round trip to the store less)
+            jump = asyncio.ensure_future(self._snapshot_delta(target))
+        try:
+            return await self._walk(target, jump)
+        finally:
+            if jump is not None and not jump.done():
+                jump.cancel()
+
+    async def _walk(self, target: Manifest, jump: asyncio.Future[SnapshotDelta | None] | None) -> list[
+            tuple[int, bool, Manifest, list[Step]]]:
         paths: list[tuple[int, int, Manifest, list[Step]]] = []
         after: list[Step] = []  # the steps after `m`, newest first
+        seen: dict[int, Manifest] = {}  # the manifests read on the way, by version
         delta_bytes = 0
         m = target
         while True:
+            seen[m.version] = m
             if m.snapshot:
                 paths.append((self._missing(m) + delta_bytes, 1, m, after[::-1]))
             if m.delta is None or len(after) >= MAX_CHAIN:
@@ -363,22 +379,25 @@ class WeightCache:
                 break
             m = base
         follower = any(kind == 0 and len(steps) == 1 for _, kind, _, steps in paths)
-        if not follower and not target.shards and target.delta is not None \
-                and (sd := await self._snapshot_delta(target)) is not None \
-                and (snap := await self._base(sd.delta)) is not None and snap.shards:
+        if jump is None and not follower and not target.shards and target.delta is not None:
+            jump = asyncio.ensure_future(self._snapshot_delta(target))
+        if jump is not None and not follower and (sd := await jump) is not None \
+                and (snap := await self._base(sd.delta, seen)) is not None and snap.shards:
             cached = await self._cached(snap)
             paths.append((sd.delta.bytes + (0 if cached else self._missing(snap)), 0 if cached else 1, snap,
                           [(target, sd.delta)]))
         paths.sort(key=lambda p: (p[0], p[1]))
         return [(cost, kind == 0, start, chain) for cost, kind, start, chain in paths]
 
-    async def _base(self, delta: Delta) -> Manifest | None:
-        """The manifest of the delta's base: the cached copy, else the store's; None if neither,
-        or if it is not exactly the one the delta was made from (its digest)."""
-        try:
-            base = await self._manifest(delta.base, 0.0)
-        except VersionUnavailable:
-            return None
+    async def _base(self, delta: Delta, seen: dict[int, Manifest] | None = None) -> Manifest | None:
+        """The manifest of the delta's base: one read on the way (`seen`), the cached copy, else
+        the store's; None if none, or if it is not exactly the one the delta was made from."""
+        base = (seen or {}).get(delta.base)
+        if base is None:
+            try:
+                base = await self._manifest(delta.base, 0.0)
+            except VersionUnavailable:
+                return None
         return base if base.digest() == delta.base_digest else None
 
     async def _snapshot_delta(self, target: Manifest) -> SnapshotDelta | None:
