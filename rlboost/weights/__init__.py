@@ -54,7 +54,7 @@ __all__ = [
     "StoreError", "StoreUnavailable", "VersionUnavailable", "VersionGone", "MANIFEST_SCHEMA", "Manifest", "ShardEntry",
     "SnapshotDelta", "TensorEntry", "TensorPart", "check_shard_id", "VersionPointer", "parse_version",
     "DEFAULT_MAX_SHARD_BYTES", "DEFAULT_TARGET_SHARD_BYTES", "PublishReport", "WeightPublisher", "gc_store",
-    "open_store", "plan_shards", "published_versions", "EmulatedWeights", "StoreWeights", "WeightSource", "CacheStats", "WeightCache",
-    "VerifiedVersion", "load_tensors", "read_safetensors",
+    "open_store", "plan_shards", "published_versions", "EmulatedWeights", "StoreWeights", "WeightSource",
+    "CacheStats", "WeightCache", "VerifiedVersion", "load_tensors", "read_safetensors",
 ]
 

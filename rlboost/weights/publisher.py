@@ -22,7 +22,8 @@ on the snapshot instead of all of them (on `rlboost bench weights`' lr 1e-6 step
 cost is the publisher's: the snapshot's tensors are kept in memory (one more copy of the version
 in host RAM), each version is encoded twice (the two encodings run on two threads), and the
 cumulative delta, which grows with the distance from the snapshot, is uploaded beside the small
-one. A follower still pulls only the per-version delta (the cheaper path in bytes).
+one (docs/benchmarks/weights.md has the figures). A follower pulls only the per-version delta
+and never reads the snapshot delta.
 
 Why the shards are cut the way they are: a changed tensor re-ships its whole shard, so the
 unit of transfer should be the unit of change — a tensor. Tensors are taken in a stable order
@@ -234,9 +235,8 @@ class WeightPublisher:
         prev, snap = self._prev, self._snap
         if self.deltas and prev is not None and prev[0] < version:
             # from the last snapshot too, when the previous version is not that snapshot; on a
-            # second thread (numpy and zstd release the GIL): the publish takes little longer
-            cumulative = (snap is not None and snap[0] < prev[0] and self._last_snapshot == snap[0]
-                          and version - snap[0] < self.full_every)
+            # second thread (numpy and zstd release the GIL), which a busy box does not always have
+            cumulative = snap is not None and snap[0] < prev[0] and version - snap[0] < self.full_every
             encoded = await asyncio.gather(
                 asyncio.to_thread(_encode_delta, prev[2], tensors, self.delta_band),
                 *([asyncio.to_thread(_encode_delta, snap[2], tensors, self.delta_band)] if cumulative else []))
