@@ -481,12 +481,28 @@ async def test_concurrent_pulls_of_a_snapshot_and_the_versions_built_on_it(tmp_p
 
 async def test_a_late_joiner_receives_a_base_snapshot_once_for_versions_pulled_together(store, tmp_path):
     """A snapshot that is only a base is received unverified into tmp/ (the rebuilt tensors'
-    hashes check it): two versions after it pulled at once share one copy, and none is left."""
+    hashes check it): two versions after it pulled at once share one copy, and none is left.
+    Each replays its own snapshot delta, so the two pulls share no delta blob that would keep
+    them in step: the shards' reads wait until both pulls hold the copy (a pull that is over
+    before the other one starts receives nothing to share)."""
     import asyncio
+    import time
 
     truth = await publish_chain(WeightPublisher(store, full_every=10), Policy(seed=11), range(0, 4))
     cache = WeightCache(tmp_path / "cache", store)
+    read = store.read
+
+    async def once_both_hold_it(key):
+        deadline = time.monotonic() + 30
+        while key.startswith("shards/") and time.monotonic() < deadline \
+                and not any(users >= 2 for _, users in cache._copies.values()):
+            await asyncio.sleep(0.01)
+        async for chunk in read(key):
+            yield chunk
+
+    store.read = once_both_hold_it
     got = await asyncio.gather(cache.ensure(3), cache.ensure(2))
+    store.read = read
     for vv in got:
         assert_exact(vv.load_tensors(), truth[vv.version])
     ms = [await manifest(store, v) for v in range(4)]
