@@ -7,7 +7,8 @@ The path: the manifests form a chain (a delta version names its base). Walking i
 wanted version, each snapshot on the way (shards the cache lacks + the deltas after it) and a
 cached version that is exactly a delta's base (only the deltas after it) is a way there; the
 cheapest in bytes to fetch is tried first. A version the publisher stored a snapshot delta for
-(its change from the last snapshot in one delta, `rlboost.weights.manifest.SnapshotDelta`) is also
+(opt-in, `snapshot_deltas`: its change from the last snapshot in one delta,
+`rlboost.weights.manifest.SnapshotDelta`) is also
 a way there from that snapshot, cached or not: a late joiner with nothing cached so takes the
 nearest snapshot and replays that one delta (or the deltas since, when there is none or it
 fails); a follower holding the previous version takes its small delta and never reads the other.
