@@ -22,7 +22,11 @@ provisions the newest version (nearest snapshot + the deltas since, verified).
 - snapshot_pull_mb_per_s: the same for a plain pull of the v0 snapshot (the same bytes, an empty
   cache, nothing to replay), `--late-trials` of them interleaved with the late joiners
 - late_joiner_vs_snapshot: the two medians' ratio (what replaying the deltas on arrival costs)
-- publish_s_median: the trainer's publish time per version (encoding the delta, uploading it)
+- publish_s_median: the trainer's publish time per version (encoding the delta and, with
+  `--snapshot-deltas`, from the second version after a snapshot, the snapshot delta a late joiner
+  replays instead; uploading them)
+- late_joiner_bytes: what the median late joiner fetched (the v0 snapshot + every delta since, or
+  with `--snapshot-deltas` + the newest version's snapshot delta when there is one)
 """
 
 from __future__ import annotations
@@ -103,7 +107,8 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
     store = await JetStreamBlobStore.open(js, bucket)
     rng = random.Random(a.seed)
     try:
-        pub = WeightPublisher(store, full_every=a.full_every, keep_versions=a.steps + 1, delta_band=a.delta_band)
+        pub = WeightPublisher(store, full_every=a.full_every, keep_versions=a.steps + 1, delta_band=a.delta_band,
+                              snapshot_deltas=a.snapshot_deltas)
         follower = WeightCache(work / f"follower-{lr}", store)
         sd = await asyncio.to_thread(trainer.state_dict)
         rep = await pub.publish(sd, 0)
@@ -126,7 +131,8 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
             exact = exact and same
             await engine.load_weights(vv.path, step)
             steps.append({"step": step, "kind": rep.kind, "changed_frac": round(rep.changed_elements / rep.elements, 5),
-                          "delta_bytes": rep.delta_bytes, "full_bytes": rep.total_bytes,
+                          "delta_bytes": rep.delta_bytes, "snapshot_delta_bytes": rep.snapshot_delta_bytes,
+                          "full_bytes": rep.total_bytes,
                           "pulled_bytes": follower.stats.bytes_fetched - fetched,
                           "publish_s": round(rep.seconds, 3), "rebuild_s": round(rebuild_s, 3),
                           "train_s": round(train_s, 2), "reward": round(reward, 3), "bit_exact": same})
@@ -231,6 +237,9 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--delta-band", action="store_true",
                    help="rank small-magnitude elements apart in the deltas: smaller, slower to replay")
+    p.add_argument("--snapshot-deltas", action="store_true",
+                   help="also publish each version's change from the last snapshot ([weights] snapshot_deltas, "
+                        "opt-in): a late joiner replays one delta, the publisher encodes and uploads two")
     g = p.add_argument_group("--model-fleet: the fleet-join model only (benchmarks/fleet_join.py), no GRPO run")
     g.add_argument("--model-fleet", action="store_true")
     g.add_argument("--link-gbps", type=float, default=Bandwidth.link_gbps)

@@ -200,6 +200,12 @@ def weights_manifest_key(version: int) -> str:
     return f"manifests/v{version:012d}.json"
 
 
+def weights_snapshot_delta_key(version: int) -> str:
+    """A delta-only version's change from the last snapshot, beside its manifest (not in it:
+    `rlboost.weights.manifest.SnapshotDelta` says why)."""
+    return f"snapdeltas/v{version:012d}.json"
+
+
 # Peers (rlboost/weights/peers.py): workers serve each other the blobs they hold verified; who
 # holds which blob, and who is fetching it from the store, is one KV entry per blob.
 BUCKET_PEERS = "rb-peers"

@@ -24,12 +24,14 @@ from rlboost.weights import (
     JetStreamBlobStore,
     Manifest,
     ShardCorrupt,
+    SnapshotDelta,
     StoreError,
     WeightCache,
     WeightPublisher,
     deltas,
     published_versions,
 )
+from rlboost.weights.publisher import read_snapshot_delta
 from rlboost.weights.safetensors_io import whole_tensor_dir
 
 
@@ -265,6 +267,7 @@ async def test_a_chain_of_deltas_reconstructs_bit_exactly(store, tmp_path):
     assert follower.stats.reconstructed == 6 and follower.stats.paths_refused == 0
     assert follower.cached_versions() == [4, 5, 6]  # pruned as it goes: a rebuilt version is a full copy
 
+    assert await store.list("snapdeltas/") == []  # snapshot deltas are opt-in: none by default
     late = WeightCache(tmp_path / "late", store)  # nothing cached: the nearest snapshot + deltas
     assert_exact((await late.ensure(6)).load_tensors(), truth[6])
     assert late.stats.bytes_fetched == kinds[4].total_bytes + kinds[5].delta.bytes + kinds[6].delta.bytes
@@ -514,3 +517,231 @@ async def test_the_delta_band_setting_gives_smaller_deltas_that_rebuild_bit_exac
         assert_exact((await late.ensure(3)).load_tensors(), truth[3])
         sizes[band] = sum([(await manifest(store, v)).delta.bytes for v in (1, 2, 3)])
     assert sizes[True] < sizes[False]
+
+
+# ---------------------------------------------------------------- snapshot deltas (a late joiner replays one)
+# opt-in (`snapshot_deltas=True`; off by default, what the tests above hold): every publisher here turns them on
+
+
+async def test_a_late_joiner_replays_one_delta_from_the_snapshot_and_a_follower_its_own(store, tmp_path):
+    """Opted in, from the second version after a snapshot on, the publisher also stores the version's
+    change from that snapshot in one delta, beside the manifest (which is byte for byte what it was):
+    a late joiner takes the snapshot + that one delta; a follower still pulls only each small delta.
+    By default (off) none is stored."""
+    import json
+
+    from rlboost.config import WeightsSettings
+
+    pub = WeightPublisher(store, full_every=10, keep_versions=10, snapshot_deltas=True)
+    policy = Policy(seed=13, lr=1e-6)
+    truth, reports = {}, {}
+    for v in range(4):
+        if v:
+            policy.step()
+        truth[v] = policy.published()
+        reports[v] = await pub.publish(truth[v], v)
+    ms = {v: await manifest(store, v) for v in truth}
+    jumps = {v: await read_snapshot_delta(store, m) for v, m in ms.items()}
+    assert [v for v, sd in jumps.items() if sd] == [2, 3]
+    assert all(jumps[v].delta.base == 0 and jumps[v].delta.base_digest == ms[0].digest() for v in (2, 3))
+    assert [r.snapshot_delta_bytes for r in reports.values()] == [0, 0, jumps[2].delta.bytes, jumps[3].delta.bytes]
+    assert jumps[3].delta.bytes < sum(ms[v].delta.bytes for v in (1, 2, 3))  # published only when it is fewer bytes
+    for v in (2, 3):  # the manifest has exactly the fields it had: a reader before reads it as it was
+        data = await store.read_all(wire.weights_manifest_key(v))
+        assert set(json.loads(data)) == {"v", "version", "created", "total_bytes", "shards", "tensors", "dtype",
+                                         "delta", "meta"}
+        assert Manifest.decode(data).encode() == data
+
+    late = WeightCache(tmp_path / "late", store)
+    assert_exact((await late.ensure(3)).load_tensors(), truth[3])
+    assert late.stats.bytes_fetched == ms[0].total_bytes + jumps[3].delta.bytes and late.stats.reconstructed == 1
+    assert not list(late.tmp_dir.iterdir()) and not list(late.shards_dir.iterdir())
+
+    read_all, reads = store.read_all, []
+
+    async def recording(key):
+        reads.append(key)
+        return await read_all(key)
+
+    store.read_all = recording
+    follower = WeightCache(tmp_path / "follower", store, keep_versions=10)  # v0 stays cached as well
+    for v in truth:
+        before = follower.stats.bytes_fetched
+        assert_exact((await follower.ensure(v)).load_tensors(), truth[v])
+        if v:
+            assert follower.stats.bytes_fetched - before == ms[v].delta.bytes
+    assert reads and not [k for k in reads if k.startswith("snapdeltas/")]  # a follower never even reads one
+    store.read_all = read_all
+
+    # the default, off (`[weights] snapshot_deltas = false`, and the publisher's): no snapshot copy kept, none stored
+    off = FileBlobStore(tmp_path / "off", create=True)
+    assert WeightsSettings().snapshot_deltas is False and WeightPublisher(off).snapshot_deltas is False
+    pub = WeightPublisher(off, **WeightsSettings(full_every=10).publisher_options())
+    for v in truth:
+        assert (await pub.publish(truth[v], v)).snapshot_delta_bytes == 0
+    assert await off.list("snapdeltas/") == [] and pub._snap is None
+
+
+async def test_a_rotted_snapshot_delta_costs_a_retry_and_the_chain_serves(tmp_path):
+    """The snapshot delta's blob rotted in the store: refused by its hash (a retry), then the
+    rebuilt tensors' path through it is given up and the deltas since the snapshot serve, exact."""
+    store = FileBlobStore(tmp_path / "store", create=True)
+    pub = WeightPublisher(store, full_every=10, snapshot_deltas=True)
+    truth = await publish_chain(pub, Policy(seed=14), range(0, 4))
+    sd = await read_snapshot_delta(store, await manifest(store, 3))
+    blob = tmp_path / "store" / wire.weights_delta_key(sd.delta.blobs[0].sha256)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    blob.write_bytes(bytes(data))
+    late = WeightCache(tmp_path / "late", store, corrupt_retries=2)
+    assert_exact((await late.ensure(3)).load_tensors(), truth[3])
+    assert late.stats.paths_refused == 1 and late.stats.shards_refused == 2
+    assert late.cached_versions() == [3] and not list(late.tmp_dir.iterdir())
+
+
+async def test_a_snapshot_delta_that_lies_is_refused_and_the_chain_serves(tmp_path):
+    """A snapshot delta whose blob is sound but whose change is not the version's (here: another
+    version's) fails the rebuilt tensors' SHA-256: nothing is installed from it, the chain serves."""
+    store = FileBlobStore(tmp_path / "store", create=True)
+    pub = WeightPublisher(store, full_every=10, snapshot_deltas=True)
+    truth = await publish_chain(pub, Policy(seed=15), range(0, 4))
+    m2, m3 = await manifest(store, 2), await manifest(store, 3)
+    sd2 = await read_snapshot_delta(store, m2)
+    lie = SnapshotDelta(version=3, manifest_digest=m3.digest(), delta=sd2.delta)  # v2's change, said to be v3's
+    await store.put(wire.weights_snapshot_delta_key(3), lie.encode())
+    late = WeightCache(tmp_path / "late", store)
+    assert_exact((await late.ensure(3)).load_tensors(), truth[3])
+    assert late.stats.paths_refused == 1 and late.cached_versions() == [3] and not list(late.tmp_dir.iterdir())
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda sd, m: {"version": 2}, "not this manifest"),
+    (lambda sd, m: {"manifest_digest": "0" * 64}, "not this manifest"),
+    (lambda sd, m: {"delta": msgspec.structs.replace(sd.delta, base=3)}, "not an earlier version"),
+    (lambda sd, m: {"delta": msgspec.structs.replace(sd.delta, tensors=sd.delta.tensors[1:])}, "exactly once"),
+    (lambda sd, m: {"delta": msgspec.structs.replace(sd.delta, blobs=[msgspec.structs.replace(
+        sd.delta.blobs[0], sha256="../../victim")])}, "invalid shard id"),
+    (lambda sd, m: {"delta": msgspec.structs.replace(sd.delta, tensors=[msgspec.structs.replace(t, enc="sparse9")
+                                                                        for t in sd.delta.tensors])}, "unknown"),
+])
+async def test_the_door_refuses_a_malformed_snapshot_delta_and_a_pull_goes_on_without_it(tmp_path, change, why):
+    store = FileBlobStore(tmp_path / "store", create=True)
+    pub = WeightPublisher(store, full_every=10, snapshot_deltas=True)
+    truth = await publish_chain(pub, Policy(seed=16), range(0, 4))
+    m3 = await manifest(store, 3)
+    sd = await read_snapshot_delta(store, m3)
+    bad = msgspec.structs.replace(sd, **change(sd, m3)).encode()
+    with pytest.raises(StoreError, match=why):
+        SnapshotDelta.decode(bad, m3)
+    await store.put(wire.weights_snapshot_delta_key(3), bad)
+    assert await read_snapshot_delta(store, m3) is None  # reported once, never a reason to fail
+    late = WeightCache(tmp_path / "late", store)
+    assert_exact((await late.ensure(3)).load_tensors(), truth[3])
+    assert late.stats.paths_refused == 0 and late.stats.reconstructed == 1
+
+
+async def test_gc_drops_a_snapshot_delta_with_its_version_and_keeps_a_kept_ones_blobs(store, tmp_path):
+    pub = WeightPublisher(store, full_every=3, keep_versions=2, snapshot_deltas=True)
+    truth = await publish_chain(pub, Policy(seed=17), range(0, 6))  # v0 S, v1, v2, v3 S, v4, v5
+    assert await published_versions(store) == [3, 4, 5]
+    assert await store.list("snapdeltas/") == [wire.weights_snapshot_delta_key(5)]  # v2's went with v2
+    sd = await read_snapshot_delta(store, await manifest(store, 5))
+    assert all([await store.has(wire.weights_delta_key(b.sha256)) for b in sd.delta.blobs])
+    late = WeightCache(tmp_path / "late", store)
+    assert_exact((await late.ensure(5)).load_tensors(), truth[5])
+    assert late.stats.bytes_fetched == (await manifest(store, 3)).total_bytes + sd.delta.bytes
+
+
+async def test_a_snapshot_delta_starts_from_the_last_snapshot_and_a_late_joiner_fetches_it(store, tmp_path):
+    """With snapshot deltas, v6 also has its change from the v4 snapshot in one delta (v5 needs
+    none: its delta is that), and a late joiner takes the v4 snapshot + that one delta."""
+    truth = await publish_chain(WeightPublisher(store, full_every=4, keep_versions=10, snapshot_deltas=True),
+                                Policy(), range(0, 7))
+    kinds = {v: await manifest(store, v) for v in truth}
+    jumps = {v: await read_snapshot_delta(store, m) for v, m in kinds.items()}
+    assert [v for v, sd in jumps.items() if sd] == [2, 3, 6]
+    assert jumps[6].delta.base == 4 and jumps[6].delta.base_digest == kinds[4].digest()
+    late = WeightCache(tmp_path / "late", store)  # nothing cached: the nearest snapshot + its one delta
+    assert_exact((await late.ensure(6)).load_tensors(), truth[6])
+    assert late.stats.bytes_fetched == kinds[4].total_bytes + jumps[6].delta.bytes
+
+
+async def test_with_snapshot_deltas_a_late_joiner_whose_deltas_rotted_loads_nothing(tmp_path):
+    """The only paths are the v0 snapshot + two deltas and the v0 snapshot + v2's snapshot delta,
+    v2's delta and its snapshot delta rotted in the store: the pull fails clearly, with no
+    replay and nothing left in tmp/ or shards/; repaired, it succeeds."""
+    store = FileBlobStore(tmp_path / "store", create=True)
+    truth = await publish_chain(WeightPublisher(store, full_every=3, snapshot_deltas=True), Policy(seed=2),
+                                range(0, 3))
+    m2 = await manifest(store, 2)
+    blobs = [tmp_path / "store" / wire.weights_delta_key(d.blobs[0].sha256)
+             for d in (m2.delta, (await read_snapshot_delta(store, m2)).delta)]
+    good = [blob.read_bytes() for blob in blobs]
+    for blob, data in zip(blobs, good):
+        data = bytearray(data)
+        data[len(data) // 2] ^= 0xFF
+        blob.write_bytes(bytes(data))
+    late = WeightCache(tmp_path / "late", store, corrupt_retries=2)
+    with pytest.raises(ShardCorrupt, match="failed verification"):
+        await late.ensure(2)
+    assert late.cached_versions() == [] and late.stats.reconstructed == 0 and late.stats.paths_refused == 2
+    assert not list(late.tmp_dir.iterdir()) and not list(late.shards_dir.iterdir())
+    for blob, data in zip(blobs, good):  # the store repaired: the same cache pulls it
+        blob.write_bytes(data)
+    assert_exact((await late.ensure(2)).load_tensors(), truth[2])
+
+
+async def once_each(store: BlobStore, ms: list[Manifest]) -> tuple[int, int]:
+    """The delta bytes of pulling v2 and v3 of a v0 snapshot at once, each blob once: v2's and
+    v3's snapshot deltas, or v2's and v3's own delta (v3's pull found v2 already in: a follower)."""
+    j2, j3 = [(await read_snapshot_delta(store, m)).delta.bytes for m in ms[2:4]]
+    return j2 + j3, j2 + ms[3].delta.bytes
+
+
+async def test_with_snapshot_deltas_concurrent_pulls_of_a_snapshot_and_later_versions_fetch_each_once(tmp_path):
+    """A prefetch of the snapshot and requests for later versions at once: one download, all exact."""
+    import asyncio
+
+    store = FileBlobStore(tmp_path / "store", create=True)
+    truth = await publish_chain(WeightPublisher(store, full_every=10, snapshot_deltas=True), Policy(seed=9),
+                                range(0, 4))
+    cache = WeightCache(tmp_path / "cache", store)
+    got = await asyncio.gather(*(cache.ensure(v) for v in (3, 0, 2, 3)))
+    for vv in got:
+        assert_exact(vv.load_tensors(), truth[vv.version])
+    ms = [await manifest(store, v) for v in range(4)]
+    assert cache.stats.bytes_fetched - cache.stats.delta_bytes_fetched == ms[0].total_bytes  # the shards once
+    assert cache.stats.delta_bytes_fetched in await once_each(store, ms)
+
+
+async def test_with_snapshot_deltas_a_base_snapshot_is_received_once_for_versions_pulled_together(store, tmp_path):
+    """A snapshot that is only a base is received unverified into tmp/ (the rebuilt tensors'
+    hashes check it): two versions after it pulled at once share one copy, and none is left.
+    Each replays its own snapshot delta, so the two pulls share no delta blob that would keep
+    them in step: the shards' reads wait until both pulls hold the copy (a pull that is over
+    before the other one starts receives nothing to share)."""
+    import asyncio
+    import time
+
+    pub = WeightPublisher(store, full_every=10, snapshot_deltas=True)
+    truth = await publish_chain(pub, Policy(seed=11), range(0, 4))
+    cache = WeightCache(tmp_path / "cache", store)
+    read = store.read
+
+    async def once_both_hold_it(key):
+        deadline = time.monotonic() + 30
+        while key.startswith("shards/") and time.monotonic() < deadline \
+                and not any(users >= 2 for _, users in cache._copies.values()):
+            await asyncio.sleep(0.01)
+        async for chunk in read(key):
+            yield chunk
+
+    store.read = once_both_hold_it
+    got = await asyncio.gather(cache.ensure(3), cache.ensure(2))
+    store.read = read
+    for vv in got:
+        assert_exact(vv.load_tensors(), truth[vv.version])
+    ms = [await manifest(store, v) for v in range(4)]
+    assert cache.stats.bytes_fetched - cache.stats.delta_bytes_fetched == ms[0].total_bytes  # the shards once
+    assert cache.stats.delta_bytes_fetched in await once_each(store, ms)
+    assert not list(cache.tmp_dir.iterdir()) and not list(cache.shards_dir.iterdir()) and not cache._copies

@@ -25,7 +25,15 @@ from rlboost.weights.errors import (
     VersionGone,
     VersionUnavailable,
 )
-from rlboost.weights.manifest import MANIFEST_SCHEMA, Manifest, ShardEntry, TensorEntry, TensorPart, check_shard_id
+from rlboost.weights.manifest import (
+    MANIFEST_SCHEMA,
+    Manifest,
+    ShardEntry,
+    SnapshotDelta,
+    TensorEntry,
+    TensorPart,
+    check_shard_id,
+)
 from rlboost.weights.pointer import VersionPointer, parse_version
 from rlboost.weights.publisher import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -44,9 +52,9 @@ from rlboost.weights.source import EmulatedWeights, StoreWeights, WeightSource
 __all__ = [
     "BlobStore", "FileBlobStore", "JetStreamBlobStore", "S3BlobStore", "DeltaCorrupt", "ObjectMissing", "ShardCorrupt",
     "StoreError", "StoreUnavailable", "VersionUnavailable", "VersionGone", "MANIFEST_SCHEMA", "Manifest", "ShardEntry",
-    "TensorEntry", "TensorPart", "check_shard_id", "VersionPointer", "parse_version", "DEFAULT_MAX_SHARD_BYTES",
-    "DEFAULT_TARGET_SHARD_BYTES", "PublishReport", "WeightPublisher", "gc_store", "open_store", "plan_shards",
-    "published_versions", "EmulatedWeights", "StoreWeights", "WeightSource", "CacheStats", "WeightCache",
-    "VerifiedVersion", "load_tensors", "read_safetensors",
+    "SnapshotDelta", "TensorEntry", "TensorPart", "check_shard_id", "VersionPointer", "parse_version",
+    "DEFAULT_MAX_SHARD_BYTES", "DEFAULT_TARGET_SHARD_BYTES", "PublishReport", "WeightPublisher", "gc_store",
+    "open_store", "plan_shards", "published_versions", "EmulatedWeights", "StoreWeights", "WeightSource",
+    "CacheStats", "WeightCache", "VerifiedVersion", "load_tensors", "read_safetensors",
 ]
 

@@ -6,9 +6,14 @@ one hash-verified, or raises — there is no code path that hands out a differen
 The path: the manifests form a chain (a delta version names its base). Walking it back from the
 wanted version, each snapshot on the way (shards the cache lacks + the deltas after it) and a
 cached version that is exactly a delta's base (only the deltas after it) is a way there; the
-cheapest in bytes to fetch is tried first. A late joiner with nothing cached so takes the
-nearest snapshot and replays the deltas since (that snapshot, only a base, is checked through
-the rebuilt tensors' hashes and not kept: `_from_base_snapshot`). A reconstruction checks every
+cheapest in bytes to fetch is tried first. A version the publisher stored a snapshot delta for
+(opt-in, `snapshot_deltas`: its change from the last snapshot in one delta,
+`rlboost.weights.manifest.SnapshotDelta`) is also
+a way there from that snapshot, cached or not: a late joiner with nothing cached so takes the
+nearest snapshot and replays that one delta (or the deltas since, when there is none or it
+fails); a follower holding the previous version takes its small delta and never reads the other.
+A snapshot that is only a base is checked through the rebuilt tensors' hashes and not kept
+(`_from_base_snapshot`). A reconstruction checks every
 tensor's SHA-256 against the target's manifest; a blob that does not match its name
 is fetched again, a delta that does not rebuild its tensor is refused (`DeltaCorrupt`) and the
 next path is tried, down to the version's own snapshot when it has one. Nothing is placed in
@@ -53,9 +58,9 @@ from rlboost.weights.errors import (
     VersionGone,
     VersionUnavailable,
 )
-from rlboost.weights.manifest import Manifest, ShardEntry, check_shard_id
+from rlboost.weights.manifest import Delta, Manifest, ShardEntry, SnapshotDelta, check_shard_id
 from rlboost.weights.peerhttp import PeerBusy, PeerError
-from rlboost.weights.publisher import published_versions
+from rlboost.weights.publisher import published_versions, read_snapshot_delta
 from rlboost.weights.rebuild import BaseFiles, rebuild
 from rlboost.weights.safetensors_io import RECONSTRUCTED_GLOB, load_tensors
 
@@ -70,6 +75,7 @@ __all__ = ["WeightCache", "VerifiedVersion", "CacheStats"]
 
 _SHA_HEX = re.compile(r"[0-9a-f]{64}")
 MAX_CHAIN = 64  # deltas a pull replays at most; the publisher's full_every keeps chains far shorter
+Step = tuple[Manifest, Delta]  # a version and the delta replayed to reach it (its `delta`, or its snapshot delta)
 
 
 @dataclass
@@ -168,7 +174,7 @@ class WeightCache:
             for cost, cached, start, chain in await self._paths(manifest):
                 try:
                     t0 = time.perf_counter()
-                    await self._fetch_all([(b, True) for m in chain for b in m.delta.blobs])  # small
+                    await self._fetch_all([(b, True) for _, d in chain for b in d.blobs])  # small
                     if cached:
                         self.stats.fetch_s += time.perf_counter() - t0
                         await self._rebuild(start, chain, None)
@@ -179,13 +185,13 @@ class WeightCache:
                     self.stats.paths_refused += 1
                     refused.append(e)
                     log.warning("weights path refused; trying the next", version=version, start=start.version,
-                                deltas=len(chain), bytes=cost, error=str(e))
+                                deltas=[m.version for m, _ in chain], bytes=cost, error=str(e))
             if refused:
                 raise refused[-1]
             raise VersionUnavailable(f"weights version {version}: no snapshot and no cached base to "
                                      f"rebuild it from in {self.store.location}")
 
-    async def _from_snapshot(self, start: Manifest, chain: list[Manifest], t0: float) -> None:
+    async def _from_snapshot(self, start: Manifest, chain: list[Step], t0: float) -> None:
         if chain:
             return await self._from_base_snapshot(start, chain, t0)
         try:  # the target is this snapshot: its shards, each verified, linked into its version dir
@@ -194,7 +200,7 @@ class WeightCache:
             self.stats.fetch_s += time.perf_counter() - t0
         await asyncio.to_thread(self._link_version, start)  # ensure() holds this version's lock
 
-    async def _from_base_snapshot(self, start: Manifest, chain: list[Manifest], t0: float) -> None:
+    async def _from_base_snapshot(self, start: Manifest, chain: list[Step], t0: float) -> None:
         """A snapshot that is only a base (a late joiner's nearest snapshot; the target is a delta
         version after it). The shards the cache lacks are received into tmp/ as they come, neither
         hashed nor kept, while the deltas are replayed on each tensor whose shard is in (the
@@ -288,7 +294,7 @@ class WeightCache:
             elif not task.cancelled() and task.exception() is None:
                 task.result().unlink(missing_ok=True)
 
-    async def _rebuild(self, start: Manifest, chain: list[Manifest],
+    async def _rebuild(self, start: Manifest, chain: list[Step],
                        shard_file: Callable[[str], Path] | None) -> None:
         t0 = time.perf_counter()
         try:
@@ -333,52 +339,92 @@ class WeightCache:
                 return False
         return True
 
-    async def _paths(self, target: Manifest) -> list[tuple[int, bool, Manifest, list[Manifest]]]:
+    async def _paths(self, target: Manifest) -> list[tuple[int, bool, Manifest, list[Step]]]:
         """Every way to `target` the manifests allow, cheapest first: (bytes to fetch, whether
-        `start` is a cached version, start, the versions whose deltas are replayed from it,
-        oldest first). A start is a snapshot (fetch the shards the cache lacks) or a cached
-        version that is exactly a delta's base (a cached one is preferred at equal cost)."""
-        paths: list[tuple[int, int, Manifest, list[Manifest]]] = []
-        after: list[Manifest] = []  # versions after `m`, newest first
+        `start` is a cached version, start, the steps replayed from it, oldest first). A start is
+        a snapshot (fetch the shards the cache lacks) or a cached version that is exactly a
+        delta's base (a cached one is preferred at equal cost); unless the target's own delta
+        base is cached (a follower), the target's snapshot delta is a way from its snapshot."""
+        jump: asyncio.Future[SnapshotDelta | None] | None = None
+        if not target.shards and target.delta is not None \
+                and not (self._vdir(target.delta.base) / "manifest.json").exists():
+            # not a follower, by the look of the cache: the snapshot delta is read while the walk
+            # below reads the chain's manifests, not after it (a round trip to the store less)
+            jump = asyncio.ensure_future(self._snapshot_delta(target))
+        try:
+            return await self._walk(target, jump)
+        finally:
+            if jump is not None and not jump.done():
+                jump.cancel()
+
+    async def _walk(self, target: Manifest, jump: asyncio.Future[SnapshotDelta | None] | None) -> list[
+            tuple[int, bool, Manifest, list[Step]]]:
+        paths: list[tuple[int, int, Manifest, list[Step]]] = []
+        after: list[Step] = []  # the steps after `m`, newest first
+        seen: dict[int, Manifest] = {}  # the manifests read on the way, by version
         delta_bytes = 0
         m = target
         while True:
+            seen[m.version] = m
             if m.snapshot:
-                missing = sum(s.size for s in m.shards if not self._shard_path(s.sha256, False).exists())
-                paths.append((missing + delta_bytes, 1, m, after[::-1]))
+                paths.append((self._missing(m) + delta_bytes, 1, m, after[::-1]))
             if m.delta is None or len(after) >= MAX_CHAIN:
                 break
             delta_bytes += m.delta.bytes
-            after = after + [m]
-            base = await self._base(m)
+            after = after + [(m, m.delta)]
+            base = await self._base(m.delta)
             if base is None:
-                break
-            if base.digest() != m.delta.base_digest:
-                break  # another life's version under that number: no delta applies to it
+                break  # gone, or another life's version under that number: no delta applies to it
             if await self._cached(base):
                 paths.append((delta_bytes, 0, base, after[::-1]))
                 break
             m = base
+        follower = any(kind == 0 and len(steps) == 1 for _, kind, _, steps in paths)
+        if jump is None and not follower and not target.shards and target.delta is not None:
+            jump = asyncio.ensure_future(self._snapshot_delta(target))
+        if jump is not None and not follower and (sd := await jump) is not None \
+                and (snap := await self._base(sd.delta, seen)) is not None and snap.shards:
+            cached = await self._cached(snap)
+            paths.append((sd.delta.bytes + (0 if cached else self._missing(snap)), 0 if cached else 1, snap,
+                          [(target, sd.delta)]))
         paths.sort(key=lambda p: (p[0], p[1]))
         return [(cost, kind == 0, start, chain) for cost, kind, start, chain in paths]
 
-    async def _base(self, m: Manifest) -> Manifest | None:
-        """The manifest of `m`'s delta base: the cached copy, else the store's (None if neither)."""
+    async def _base(self, delta: Delta, seen: dict[int, Manifest] | None = None) -> Manifest | None:
+        """The manifest of the delta's base: one read on the way (`seen`), the cached copy, else
+        the store's; None if none, or if it is not exactly the one the delta was made from."""
+        base = (seen or {}).get(delta.base)
+        if base is None:
+            try:
+                base = await self._manifest(delta.base, 0.0)
+            except VersionUnavailable:
+                return None
+        return base if base.digest() == delta.base_digest else None
+
+    async def _snapshot_delta(self, target: Manifest) -> SnapshotDelta | None:
+        """The target's snapshot delta, if the publisher stored one (a store that does not answer
+        now: none; the other paths are still there)."""
         try:
-            return await self._manifest(m.delta.base, 0.0)
-        except VersionUnavailable:
+            return await read_snapshot_delta(self.store, target)
+        except StoreError as e:
+            log.info("weights: no snapshot delta read; replaying the deltas since the snapshot",
+                     version=target.version, error=str(e))
             return None
 
-    def _reconstruct(self, start: Manifest, chain: list[Manifest],
+    def _missing(self, snapshot: Manifest) -> int:
+        """Bytes of the snapshot's shards the cache lacks."""
+        return sum(s.size for s in snapshot.shards if not self._shard_path(s.sha256, False).exists())
+
+    def _reconstruct(self, start: Manifest, chain: list[Step],
                      shard_file: Callable[[str], Path] | None = None) -> None:
-        """(thread) Replay the deltas of `chain` (oldest first) on `start`'s cached tensors into a
+        """(thread) Replay the steps of `chain` (oldest first) on `start`'s cached tensors into a
         new directory in tmp/, every tensor checked against the target's SHA-256 before it is
         written (`rlboost.weights.rebuild`, on `parallel` threads), then rename the directory into
         versions/. Raises DeltaCorrupt on any mismatch; nothing is installed then.
 
         `shard_file` (a snapshot start still arriving): the base tensors are read from the file
         `shard_file(sha)` returns once each is in; otherwise from `start`'s version dir."""
-        target = chain[-1]
+        target = chain[-1][0]
         if shard_file:
             base = BaseFiles(start, shard_file=shard_file)
         else:
@@ -394,7 +440,7 @@ class WeightCache:
         tmp = self.tmp_dir / f"{self._vdir(target.version).name}.{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            blobs = {b.sha256: self._shard_path(b.sha256, True).read_bytes() for m in chain for b in m.delta.blobs}
+            blobs = {b.sha256: self._shard_path(b.sha256, True).read_bytes() for _, d in chain for b in d.blobs}
             rebuild(target, chain, base, blobs, tmp, self.parallel)
             (tmp / "manifest.json").write_bytes(target.encode())
             self._install(tmp, self._vdir(target.version))

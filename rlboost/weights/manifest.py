@@ -9,6 +9,13 @@ get them, in one or both of two forms:
   tensor; the result must hash to the tensor's `sha256`, or it is refused.
 A delta-only version has no shards; a snapshot may carry a delta too (cheap for a worker that
 holds the base). Every id that becomes a file name is checked to be a SHA-256 hex digest.
+
+Beside a delta-only version's manifest the publisher may store a `SnapshotDelta` (its own key,
+`wire.weights_snapshot_delta_key`): the version's change from the last snapshot in one delta, so
+a late joiner replays one delta on that snapshot instead of every version's since. It is not a
+field of the manifest on purpose: a reader before it would decode the manifest without it and
+re-encode it to another digest, and so refuse every delta based on that version; apart, the
+manifest is exactly what it was, and a reader before it never looks at the other key.
 """
 
 from __future__ import annotations
@@ -133,21 +140,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
                     raise bad(f"tensor {t.name!r} points at unlisted shard {part.shard[:80]!r}")
             names.add(t.name)
         if m.delta is not None:
-            d = m.delta
-            if not 0 <= d.base < m.version:
-                raise bad(f"delta base {d.base} is not an earlier version")
-            check_shard_id(d.base_digest)
-            blobs = _listed(d.blobs, bad)
-            for dt in d.tensors:
-                if dt.enc not in ENCODINGS:  # a newer publisher's format: refused, never guessed at
-                    raise bad(f"delta of {dt.name[:80]!r}: encoding {dt.enc[:20]!r} is unknown to this build "
-                              f"(it reads {', '.join(ENCODINGS)}); upgrade the reader")
-                if dt.name not in names or min(dt.offset, dt.length, dt.count) < 0:
-                    raise bad(f"delta of {dt.name[:80]!r}: unknown tensor or a negative size")
-                if dt.enc != "same" and (dt.blob not in blobs or dt.offset + dt.length > blobs[dt.blob]):
-                    raise bad(f"delta of {dt.name[:80]!r} lies outside its blob")
-            if {dt.name for dt in d.tensors} != names or len(d.tensors) != len(names):
-                raise bad("the delta does not cover every tensor exactly once")
+            _check_delta(m.delta, m.version, names, bad)
             if any(not t.sha256 for t in m.tensors):
                 raise bad("a delta version must name every tensor's SHA-256")
         elif not m.shards and m.tensors:
@@ -163,6 +156,58 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
         """The same tensors bit for bit (names, dtypes, shapes and SHA-256s), however stored."""
         return [(t.name, t.dtype, t.shape, t.sha256) for t in self.tensors] == \
             [(t.name, t.dtype, t.shape, t.sha256) for t in other.tensors]
+
+
+class SnapshotDelta(msgspec.Struct, frozen=True, kw_only=True):
+    """Version `version` (exactly the manifest of digest `manifest_digest`) as one delta from
+    the snapshot `delta.base`: stored beside the manifest (see the module docstring)."""
+
+    version: int
+    manifest_digest: str
+    delta: Delta
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @staticmethod
+    def decode(data: bytes, manifest: Manifest) -> SnapshotDelta:
+        """Checked at the door against the version's manifest, as strictly as its own delta: it
+        must name that very manifest, and a snapshot before it, and cover every tensor once with
+        blob ids that are SHA-256 digests and encodings this build reads."""
+        try:
+            sd = msgspec.json.decode(data, type=SnapshotDelta)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else e
+            raise StoreError(f"malformed snapshot delta: {why}") from None
+
+        def bad(why: str) -> StoreError:
+            return StoreError(f"snapshot delta of v{manifest.version}: {why}")
+
+        if sd.version != manifest.version or sd.manifest_digest != manifest.digest():
+            raise bad(f"it names v{sd.version} {sd.manifest_digest[:12]!r}, not this manifest")
+        if manifest.shards or manifest.delta is None:
+            raise bad("only a delta-only version has one")
+        _check_delta(sd.delta, manifest.version, {t.name for t in manifest.tensors}, bad)
+        return sd
+
+
+def _check_delta(d: Delta, version: int, names: set[str], bad) -> None:
+    """A delta of version `version` whose tensors are `names`: a base before it, blobs named by
+    SHA-256 digests, every tensor exactly once, each change inside its blob, known encodings."""
+    if not 0 <= d.base < version:
+        raise bad(f"delta base {d.base} is not an earlier version")
+    check_shard_id(d.base_digest)
+    blobs = _listed(d.blobs, bad)
+    for dt in d.tensors:
+        if dt.enc not in ENCODINGS:  # a newer publisher's format: refused, never guessed at
+            raise bad(f"delta of {dt.name[:80]!r}: encoding {dt.enc[:20]!r} is unknown to this build "
+                      f"(it reads {', '.join(ENCODINGS)}); upgrade the reader")
+        if dt.name not in names or min(dt.offset, dt.length, dt.count) < 0:
+            raise bad(f"delta of {dt.name[:80]!r}: unknown tensor or a negative size")
+        if dt.enc != "same" and (dt.blob not in blobs or dt.offset + dt.length > blobs[dt.blob]):
+            raise bad(f"delta of {dt.name[:80]!r} lies outside its blob")
+    if {dt.name for dt in d.tensors} != names or len(d.tensors) != len(names):
+        raise bad("the delta does not cover every tensor exactly once")
 
 
 def _listed(entries: list[ShardEntry], bad) -> dict[str, int]:

@@ -33,7 +33,7 @@ import numpy as np
 
 from rlboost.weights import deltas
 from rlboost.weights.errors import DeltaCorrupt, StoreError
-from rlboost.weights.manifest import Manifest, TensorEntry
+from rlboost.weights.manifest import Delta, Manifest, TensorEntry
 from rlboost.weights.safetensors_io import ITEMSIZE, Span, header_bytes, read_header
 
 __all__ = ["BaseFiles", "rebuild", "OUT_FILE_BYTES"]
@@ -124,9 +124,10 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
         done += os.pwrite(fd, data[done:], offset + done)
 
 
-def rebuild(target: Manifest, chain: list[Manifest], base: BaseFiles, blobs: dict[str, bytes], out_dir: Path,
-            threads: int) -> list[Path]:
-    """Replay `chain`'s deltas (oldest first; `chain[-1]` is `target`) on `base`'s tensors and write
+def rebuild(target: Manifest, chain: list[tuple[Manifest, Delta]], base: BaseFiles, blobs: dict[str, bytes],
+            out_dir: Path, threads: int) -> list[Path]:
+    """Replay `chain`'s deltas (oldest first: each a version and the delta that reaches it, the
+    last one `target`'s) on `base`'s tensors and write
     the target's tensors into safetensors files in `out_dir` (`tensors-<i>.safetensors`), every one
     checked against the target's SHA-256 before it is written. Raises DeltaCorrupt on the first
     tensor that does not match (the caller discards `out_dir`). `blobs`: every delta blob of the
@@ -134,7 +135,7 @@ def rebuild(target: Manifest, chain: list[Manifest], base: BaseFiles, blobs: dic
 
     Only the target's hashes are checked: the intermediate versions are never installed or
     served, and a bad delta anywhere in the chain shows up in the target's hash."""
-    steps = [({t.name: t for t in m.tensors}, {d.name: d for d in m.delta.tensors}) for m in chain]
+    steps = [({t.name: t for t in m.tensors}, {dt.name: dt for dt in d.tensors}) for m, d in chain]
     jobs, files = _layout(target.tensors, out_dir)
     local = threading.local()
 
