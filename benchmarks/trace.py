@@ -62,8 +62,9 @@ rollout modes to the same table, JSON and plot (`hybrid-partial`, `hybrid-async`
   fleet vanishes mid-step the reserved cluster takes the work back. Which of the available
   instances it rents is `--fleet` (rlboost/fleet_policy.py): `fixed:3` (the default, the
   hand-picked cap of before: 3 gave the best cost efficiency in calibration), `all` (everything
-  the trace offers), or `cost` (after every step, from the run's measured signals: rent one more
-  or release one when that raises tokens/s per $/h by more than the hysteresis; a released
+  the trace offers), or `cost` (after every step, from the run's measured signals: rent or release
+  one toward the count with the best tokens/s per $/h within reach, when that count beats the
+  current one by more than the hysteresis; a released
   instance drains as on a notice and is not counted as a preemption). A preempted instance is
   replaced at once when another is available. Comma-separated policies run one after the other,
   rows `hybrid-async@cost`, `hybrid-async@all`, ...;
@@ -216,6 +217,7 @@ class Emulation:
         self.rows: list[dict] = []
         self.mode = mode
         self.staleness: list[int] = []  # of every trained response (partial / async)
+        self._reserved_made = 0  # modelled tokens the seeding engines had generated at the last step's end
         self.generation_s = 0.0  # GPU-seconds its trained responses took at the least (the bound)
         self.overlap_tokens = 0  # trained in steps where reserved generation and training may overlap
         self.run_id = wire.new_run_id()
@@ -358,9 +360,15 @@ class Emulation:
         new = dict(step_tokens=float(row["tokens"]) or sig.step_tokens)
         if n and o.live and busy > 0 and spot:
             new["instance_tokens_per_s"] = spot / (o.live * busy)
-        if row["t_seed"]:
-            if row["tokens"] - spot > 0:
-                new["reserved_tokens_per_s"] = (row["tokens"] - spot) / row["t_seed"]
+        # the seeding engines' rate: what they generated in this step's window (they are idle
+        # while the trainer trains). Not the trained step's reserved tokens per second of window:
+        # in async and partial those were partly made in the previous step's window (published
+        # ahead), which read 40-86K tokens/s at the 5 s floor, past the 8 GPUs' full-batch 40K,
+        # so the model saw seeding do most of a step and released instances the trainer waited for.
+        made = R * sum(w.counters()["generated"] for w in self.reserved_fleet.workers.values())
+        seeded, self._reserved_made = made - self._reserved_made, made
+        if row["t_seed"] and seeded > 0:
+            new["reserved_tokens_per_s"] = seeded / row["t_seed"]
         now = row["t_end_s"]
         inst_h = instance_seconds(self.rented_intervals(now)) / 3600
         preempt = (len(self.preempted) / inst_h) if inst_h > 0.5 else 0.0

@@ -132,3 +132,4 @@ def test_summarise_takes_each_runs_own_bound():
                            "hybrid-async": run}, ivs, args(duration=3600.0))
     assert run["bound_fraction"] == pytest.approx(0.8) and out["async_bound_fraction"] == pytest.approx(0.8)
     assert run["oracle"] == pytest.approx(10_000 * 10 / 8)  # the linear oracle: beside it, not in it
+
