@@ -362,9 +362,9 @@ class Emulation:
             new["instance_tokens_per_s"] = spot / (o.live * busy)
         # the seeding engines' rate: what they generated in this step's window (they are idle
         # while the trainer trains). Not the trained step's reserved tokens per second of window:
-        # in async and partial those were partly made in the previous step's window (published
-        # ahead), which read 40-86K tokens/s at the 5 s floor, past the 8 GPUs' full-batch 40K,
-        # so the model saw seeding do most of a step and released instances the trainer waited for.
+        # in async those were made in the previous step's window (published ahead), so while
+        # T_seed fell from 60-90 s to its 5 s floor a long window's tokens were divided by a short
+        # one's (86K tokens/s), the model saw seeding do most of a step and released instances.
         made = R * sum(w.counters()["generated"] for w in self.reserved_fleet.workers.values())
         seeded, self._reserved_made = made - self._reserved_made, made
         if row["t_seed"] and seeded > 0:
