@@ -133,3 +133,20 @@ def test_summarise_takes_each_runs_own_bound():
     assert run["bound_fraction"] == pytest.approx(0.8) and out["async_bound_fraction"] == pytest.approx(0.8)
     assert run["oracle"] == pytest.approx(10_000 * 10 / 8)  # the linear oracle: beside it, not in it
 
+
+
+@pytest.mark.slow
+def test_an_async_run_stays_under_its_bound(services, tmp_path):
+    nats_url, redis_url = services
+    a = args(speed=50.0, hosts=1, max_staleness=1, overprovision=0.25, fleet="fixed:2")
+    ivs = [Interval(f"n{k}", 0.0, 900.0, False) for k in range(2)]
+
+    async def go():
+        async with open_clients(nats_url, redis_url, "test-trace") as c:
+            return await bench.Emulation(a, c, nats_url, redis_url, tmp_path, "bound", "hybrid", ivs,
+                                         mode="async", fleet_spec="fixed:2").run(900.0)
+
+    out = asyncio.run(go())
+    assert out["steps"] >= 2
+    assert 0 < out["throughput"] <= out["bound"] <= out["trainer_bound"]  # a true upper bound, on a real run
+    assert out["generation_bound"] >= out["bound"]
