@@ -62,8 +62,9 @@ rollout modes to the same table, JSON and plot (`hybrid-partial`, `hybrid-async`
   fleet vanishes mid-step the reserved cluster takes the work back. Which of the available
   instances it rents is `--fleet` (rlboost/fleet_policy.py): `fixed:3` (the default, the
   hand-picked cap of before: 3 gave the best cost efficiency in calibration), `all` (everything
-  the trace offers), or `cost` (after every step, from the run's measured signals: rent one more
-  or release one when that raises tokens/s per $/h by more than the hysteresis; a released
+  the trace offers), or `cost` (after every step, from the run's measured signals: rent or release
+  one toward the count with the best tokens/s per $/h within reach, when that count beats the
+  current one by more than the hysteresis; a released
   instance drains as on a notice and is not counted as a preemption). A preempted instance is
   replaced at once when another is available. Comma-separated policies run one after the other,
   rows `hybrid-async@cost`, `hybrid-async@all`, ...;
@@ -71,8 +72,12 @@ rollout modes to the same table, JSON and plot (`hybrid-partial`, `hybrid-async`
   cluster's measured per-GPU rate with zero overhead:
   oracle = colocated x (8 + 2 n) / 8, n = time-averaged instances rented in the segment
   (`oracle_all_available`: the same with every instance the trace offered); per hybrid run,
-  on its own rented instances, with `bound` = min(oracle, 1 / TRAIN_S_PER_TOKEN: the trainer
-  with rollout never waiting, ~27.8K tokens/s), the upper bound the linear oracle is not.
+  on its own rented instances. It is not an upper bound (an instance's GPU counts at colocated's
+  per-GPU rate, which pays for training and the latency tail; partial and async pass it). Each
+  hybrid run's `bound` is one by construction (`trace_model.throughput_bound`): min(1 /
+  TRAIN_S_PER_TOKEN, ~27.8K tokens/s: the trainer never waiting; (8 + 2n) x tokens / (G + 8 x
+  TRAIN_S_PER_TOKEN x tokens): the generation its GPUs allow, G the least GPU-seconds its trained
+  responses take on full batches, the reserved GPUs generating only while the trainer does not train).
 
 `--calibrate` runs colocated and hybrid with 1, 2, 3, 4 static instances (no preemption) and
 prints them next to the published ~10K / 12K / 14K / 16K / 18K tokens/s.
@@ -106,8 +111,9 @@ from benchmarks.spot import (Interval, TraceError, available, instance_seconds, 
 from benchmarks import percentile
 from benchmarks.fleet_host import HostedFleet
 from benchmarks.trace_model import (INSTANCE_GPUS, MAX_NEW_TOKENS, PROMPT_TOKENS, PUBLISHED, RESERVED_GPUS,
-                                            SLOTS_PER_GPU, TRAIN_S_PER_TOKEN, balanced_split, model_hybrid_throughput,
-                                            model_step_s, modelled_lengths, seed_of)
+                                            SLOTS_PER_GPU, TRAIN_S_PER_TOKEN, balanced_split, generation_gpu_s,
+                                            model_hybrid_throughput, model_step_s, modelled_lengths, seed_of,
+                                            throughput_bound)
 from workers.counters import Counters
 from workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel
 from workers.fleet import WorkerFleet
@@ -211,6 +217,9 @@ class Emulation:
         self.rows: list[dict] = []
         self.mode = mode
         self.staleness: list[int] = []  # of every trained response (partial / async)
+        self._reserved_made = 0  # modelled tokens the seeding engines had generated at the last step's end
+        self.generation_s = 0.0  # GPU-seconds its trained responses took at the least (the bound)
+        self.overlap_tokens = 0  # trained in steps where reserved generation and training may overlap
         self.run_id = wire.new_run_id()
         # which instances are rented: `--fleet` (rlboost/fleet_policy.py), from what the trace offers
         self.fleet_policy = fleet_settings(fleet_spec or getattr(a, "fleet", "all"), a.prices,
@@ -351,9 +360,15 @@ class Emulation:
         new = dict(step_tokens=float(row["tokens"]) or sig.step_tokens)
         if n and o.live and busy > 0 and spot:
             new["instance_tokens_per_s"] = spot / (o.live * busy)
-        if row["t_seed"]:
-            if row["tokens"] - spot > 0:
-                new["reserved_tokens_per_s"] = (row["tokens"] - spot) / row["t_seed"]
+        # the seeding engines' rate: what they generated in this step's window (they are idle
+        # while the trainer trains). Not the trained step's reserved tokens per second of window:
+        # in async those were made in the previous step's window (published ahead), so while
+        # T_seed fell from 60-90 s to its 5 s floor a long window's tokens were divided by a short
+        # one's (86K tokens/s), the model saw seeding do most of a step and released instances.
+        made = R * sum(w.counters()["generated"] for w in self.reserved_fleet.workers.values())
+        seeded, self._reserved_made = made - self._reserved_made, made
+        if row["t_seed"] and seeded > 0:
+            new["reserved_tokens_per_s"] = seeded / row["t_seed"]
         now = row["t_end_s"]
         inst_h = instance_seconds(self.rented_intervals(now)) / 3600
         preempt = (len(self.preempted) / inst_h) if inst_h > 0.5 else 0.0
@@ -466,6 +481,12 @@ class Emulation:
         tokens = R * sum(len(r.token_ids) for _, results in o.trained for r in results)  # modelled tokens
         self.staleness += o.staleness
         self._last_outcome = o
+        # the bound's inputs (trace_model.throughput_bound): the least GPU time its trained
+        # responses took, and the tokens of steps where the seeding engines may have generated
+        # while the trainer trained: a fallback, or no hand-off (they serve their queue on)
+        self.generation_s += generation_gpu_s([R * len(r.token_ids) for _, rs in o.trained for r in rs], R)
+        if o.fallback or not (getattr(self.seeding, "handed_off", False) or (self.mode == "sync" and not o.live)):
+            self.overlap_tokens += tokens
         return {"tokens": tokens, "live": o.live, "handoffs": o.handoffs,
                 "t_seed": None if o.t_seed is None else round(o.t_seed * S, 1),
                 "trainer_wait_s": round(o.trainer_wait_s * S, 1), "spot_waiting_s": round(o.spot_waiting_s * S, 1),
@@ -512,6 +533,8 @@ class Emulation:
         dollars = run_cost(elapsed, RESERVED_GPUS, inst_s, INSTANCE_GPUS, self.a.prices)
         throughput = tokens / elapsed if elapsed else 0.0
         rate = cost_per_hour(dollars, elapsed) if elapsed else 0.0
+        bound = throughput_bound(tokens, self.generation_s, inst_s / elapsed if elapsed else 0.0, self.overlap_tokens,
+                                 self.train_s_per_token) if self.policy == "hybrid" else {}
         return {"throughput": round(throughput, 1), "cost_per_hour": round(rate, 2),
                 "cost_efficiency": round(cost_efficiency(throughput, rate), 2) if rate else 0.0,
                 "preemptions": len(self.preempted), "regenerated_tokens": regenerated, "fenced_tokens": fenced,
@@ -526,6 +549,7 @@ class Emulation:
                 "rollout_gpus": self.split, "t_seed_last": self.rows[-1]["t_seed"] if self.rows else None,
                 "fleet": self.fleet_policy.policy + (f":{self.fleet_policy.fixed}" if self.fleet_policy.policy == "fixed" else ""),
                 "avg_instances_rented": round(inst_s / elapsed, 2) if elapsed else 0.0,
+                **{k: round(v, 1) for k, v in bound.items()}, "overlap_tokens": self.overlap_tokens,
                 "rented_series": self.rented_series, "decisions": self.decisions,
                 "rented_intervals": [[i.node, round(i.up_s, 1), round(i.down_s, 1), i.preempted] for i in fleet],
                 "series": [[r["t_end_s"], round(r["tokens"] / r["step_s"])] for r in self.rows]}
@@ -562,9 +586,10 @@ def rented_of(run: dict) -> list[Interval]:
 
 def summarise(policies: dict, ivs: list[Interval], a: argparse.Namespace) -> dict:
     """Each hybrid run against colocated: `oracle` (linear: colocated x (8 + 2n) / 8 on the
-    instances that run rented) and `bound` = min(oracle, the trainer's throughput with rollout
-    never waiting), with the run's share of each. The `oracle` row is the first hybrid run's;
-    `oracle_all_available` counts every instance-second the trace offered."""
+    instances that run rented) and `bound` (the run's own upper bound, `trace_model.throughput_bound`:
+    min(the trainer with rollout never waiting, the generation its GPU-seconds allow)), with the run's
+    share of each. The `oracle` row is the first hybrid run's; `oracle_all_available` counts every
+    instance-second the trace offered."""
     result: dict = {"policies": policies, "trainer_bound": round(TRAINER_BOUND, 1)}
     hybrids = [k for k, v in policies.items() if k.startswith("hybrid") and "rented_intervals" in v]
     if "colocated" not in policies or not hybrids:
@@ -575,8 +600,9 @@ def summarise(policies: dict, ivs: list[Interval], a: argparse.Namespace) -> dic
         o = oracle(c, rented_of(h), a.duration, a.prices)["throughput"]
         h.update({"throughput_ratio": round(h["throughput"] / c["throughput"], 3),
                   "cost_efficiency_gain": round(h["cost_efficiency"] / c["cost_efficiency"] - 1, 3),
-                  "oracle": o, "oracle_fraction": round(h["throughput"] / o, 3),
-                  "bound": round(min(o, TRAINER_BOUND), 1), "bound_fraction": round(h["throughput"] / min(o, TRAINER_BOUND), 3)})
+                  "oracle": o, "oracle_fraction": round(h["throughput"] / o, 3)})
+        bound = h.get("bound") or TRAINER_BOUND  # (a run's own: trace_model.throughput_bound)
+        h.update({"bound": bound, "bound_fraction": round(h["throughput"] / bound, 3)})
     policies["oracle"] = oracle(c, rented_of(policies[hybrids[0]]), a.duration, a.prices)
     result["oracle_all_available"] = oracle(c, ivs, a.duration, a.prices)
     for k in hybrids:  # the first fleet's runs under the keys of before (`throughput_ratio`, `async_oracle_fraction`, ...)
@@ -754,7 +780,8 @@ def main(argv: list[str], s: Settings) -> int:
                 print(f"{name}: throughput x{h['throughput_ratio']:.2f}, cost efficiency {h['cost_efficiency_gain']:+.0%}, "
                       f"{h['avg_instances_rented']:.2f} instances rented on average; {h['oracle_fraction']:.0%} of the "
                       f"linear oracle, {h['bound_fraction']:.0%} of the bound {h['bound']:,.0f} (trainer "
-                      f"{TRAINER_BOUND:,.0f}); staleness max {h['staleness_max']}, mean {h['staleness_mean']}")
+                      f"{TRAINER_BOUND:,.0f}, generation {h.get('generation_bound', 0):,.0f}); "
+                      f"staleness max {h['staleness_max']}, mean {h['staleness_mean']}")
         if (m := policies.get("hybrid", {}).get("migration_latency")) and m["after_handoff_s"]["n"]:
             h, k = m["after_handoff_s"], m["after_kill_s"]
             print(f"migration (modelled s to the next claim): {h['n']} after a hand-off p50 {h['p50']} p95 {h['p95']}"

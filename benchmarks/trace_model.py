@@ -145,6 +145,45 @@ def model_hybrid_throughput(instances: int, t_seeds: tuple[float, ...] = (15, 30
     return tokens / min(model_hybrid_step_s(instances, t, prompts=prompts, samples=samples) for t in t_seeds)
 
 
+def generation_gpu_s(lengths, token_scale: int = 1, timing: TimingModel | None = None) -> float:
+    """The fewest GPU-seconds the emulated engines can generate these responses in (modelled
+    lengths; `token_scale` modelled tokens per emulated token, as the bench runs them): every
+    decode step full (SLOTS_PER_GPU sequences per GPU share its weight read), each response's
+    context (prompt and what it has made) read once in each of its steps, its prompt prefilled
+    once. Engine-seconds x GPUs is the same on any GPU count (`TimingModel.on_gpus`). Any real
+    schedule takes more: partial batches, hand-offs (a resumed prefix is prefilled again),
+    tokens generated twice or never trained."""
+    t = timing or TimingModel()
+    n = np.asarray(lengths, dtype=np.float64)
+    per_seq = (n * (t.step_base_s / SLOTS_PER_GPU + t.step_per_seq_s)
+               + t.step_per_ctx_token_s * (n * PROMPT_TOKENS + n * (n - token_scale) / 2)
+               + t.prefill_per_token_s * PROMPT_TOKENS)
+    return float(per_seq.sum())
+
+
+def throughput_bound(tokens: float, generation_s: float, instances: float, overlap_tokens: float = 0.0,
+                     s_per_token: float = TRAIN_S_PER_TOKEN) -> dict[str, float]:
+    """What no hybrid run can exceed, by construction, having trained `tokens` whose generation
+    takes at least `generation_s` GPU-seconds (`generation_gpu_s`) with `instances` rented on
+    average. Over its T seconds:
+    - trainer: the 8 reserved GPUs train one group at a time, `s_per_token` each token, so
+      T >= s_per_token x tokens: at most 1 / s_per_token tokens/s (27.8K), with rollout never waiting;
+    - generation: each trained token was generated, on the instances (INSTANCE_GPUS x n x T
+      GPU-seconds at most) or on the reserved GPUs, which generate only in a step's seeding
+      window, before its trainer starts (the step trains after the hand-off), so at most
+      RESERVED_GPUS x (T - s_per_token x tokens). Hence
+      tokens/T <= (8 + 2n) x tokens / (generation_s + 8 x s_per_token x tokens).
+    `overlap_tokens`: tokens of steps where the reserved engines may have generated while the
+    trainer trained (a fallback, or no hand-off): their training time is not taken from the
+    reserved GPUs' generation time. The linear oracle is no such bound: it rates an instance's
+    GPU at colocated's per-GPU rate, which pays for training and the latency tail."""
+    trainer = 1.0 / s_per_token
+    busy = RESERVED_GPUS * s_per_token * max(0.0, tokens - overlap_tokens)
+    gpus = RESERVED_GPUS + INSTANCE_GPUS * instances
+    generation = gpus * tokens / (generation_s + busy) if tokens > 0 and generation_s + busy > 0 else trainer
+    return {"bound": min(trainer, generation), "trainer_bound": trainer, "generation_bound": generation}
+
+
 def balanced_split() -> int:
     """Rollout GPUs of the best disaggregated split of the reserved cluster (timing model)."""
     return min(range(1, RESERVED_GPUS), key=lambda k: model_step_s(k, RESERVED_GPUS - k, streamed=True))

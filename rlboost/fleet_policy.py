@@ -7,9 +7,9 @@ the number as `rlboost_fleet_desired_workers` for a scaler (KEDA) to follow.
 
 - `all`: every available instance, up to `max_instances` (0 = no cap);
 - `fixed`: `fixed` instances (fewer if fewer are available);
-- `cost`: the number that maximises tokens per dollar, found one instance at a time: rent one
-  more if that raises the whole run's tokens/s per $/h by more than `hysteresis`, release one
-  if that does; otherwise hold. `min_tokens_per_s` (a throughput floor) and `max_dollars_per_hour`
+- `cost`: the number that maximises tokens per dollar, approached one instance at a time: move
+  one toward the best count within reach if that count's tokens/s per $/h beats the current
+  one's by more than `hysteresis`; otherwise hold. `min_tokens_per_s` (a throughput floor) and `max_dollars_per_hour`
   (a $/h ceiling) bound it.
 
 The step model behind `cost` (the hybrid step, DESIGN §1): the instances generate from the
@@ -127,19 +127,36 @@ def decide(fleet, sig: Signals) -> Decision:
     if floor and tps(n) < floor and n < cap and ok(n + 1):
         return _decision(fleet, sig, n + 1, f"cost: {tps(n):,.0f} tokens/s under the floor {floor:,.0f}")
     here = eff(n)
-    up = eff(n + 1) if n < cap and ok(n + 1) else 0.0
+
+    def reach(counts) -> list[int]:  # looking on, up to the first count measured no better than here
+        out = []
+        for m in counts:
+            out.append(m)
+            if m in seen and eff(m) <= here:
+                break
+        return out
+
+    # The best count within reach, not only the next one: one instance moves a fleet's tokens per
+    # dollar by a few percent at most (its price against the reserved cluster's), so a one-step
+    # look under the hysteresis held a fleet far below an optimum it could see (instances at 1.5K
+    # tokens/s: 4 rented, the trainer saturating at 17, +16% tokens per dollar there).
+    ups = reach(m for m in range(n + 1, cap + 1) if ok(m))
     keeps_floor = n > 0 and (not floor or tps(n - 1) >= floor)
-    down = eff(n - 1) if keeps_floor else 0.0
+    downs = reach(m for m in range(n - 1, -1, -1) if not floor or tps(m) >= floor) if keeps_floor else []
+    to_up, to_down = max(ups, key=eff, default=n), max(downs, key=eff, default=n)
+    up, down = (eff(to_up) if ups else 0.0), (eff(to_down) if downs else 0.0)
     if up > here * (1 + fleet.hysteresis) and up >= down:  # the better of the two moves, if it pays
         gain = tps(n + 1) - tps(n)
+        toward = (f" > the fleet's {here:,.0f}" if to_up == n + 1
+                  else f", toward {to_up} ({up:,.1f} tokens/s per $/h against {here:,.1f} now)")
         return _decision(fleet, sig, n + 1, f"cost: one more adds {gain:,.0f} tokens/s"
                          + (" (measured)" if n + 1 in seen else "") + f" for ${fleet.instance_dollars_per_hour:.2f}/h "
-                         f"({gain / fleet.instance_dollars_per_hour:,.0f} per $/h) > the fleet's {here:,.0f}")
+                         f"({gain / fleet.instance_dollars_per_hour:,.0f} per $/h){toward}")
     if down > here * (1 + fleet.hysteresis):
         loss = tps(n) - tps(n - 1)
         why = ("measured faster with fewer" if loss < 0 else "the trainer is saturated" if loss < 1e-6 * tps(n)
                else "it pays less than it costs") + (
-            f", measured with {n - 1}" if n - 1 in seen else "")
+            f", measured with {n - 1}" if n - 1 in seen else "") + (f", toward {to_down}" if to_down != n - 1 else "")
         return _decision(fleet, sig, n - 1, f"cost: one fewer loses {loss:,.0f} tokens/s, saves "
                          f"${fleet.instance_dollars_per_hour:.2f}/h ({why})")
     bound = n and tps(n + 1) <= tps(n) * (1 + 1e-9)

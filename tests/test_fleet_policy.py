@@ -153,3 +153,20 @@ def test_what_was_measured_wins_over_the_model():
     # and with 6 instances, having measured 5 as better: release
     back = decide(COST, replace(sig, instances=6, seen=((5, 18000.0), (6, 17000.0))))
     assert back.desired == 5 and "measured with 5" in back.reason
+
+
+@pytest.mark.parametrize("rate", [1200.0, 1500.0, 2000.0])
+def test_slow_instances_are_still_rented_up_to_the_optimum_it_can_see(rate):
+    # slow instances: one moves the fleet's tokens per dollar by about the 2% hysteresis at most
+    # (its $5.32/h against the reserved cluster's $83.76/h) while the trainer is far from saturated
+    # and tokens per dollar keep rising until it is: a one-step look stopped there (3, 4, 9 here)
+    sig = measured(3, 20, instance_tokens_per_s=rate, t_seed_s=5.0, tail_s=86.0)
+    eff = [tokens_per_s(sig, n) / dollars_per_hour(COST, n) for n in range(21)]
+    h = COST.hysteresis
+    stall = next(n for n in range(3, 20) if eff[n + 1] <= eff[n] * (1 + h))  # where the next one alone did not pay
+    assert max(eff) > eff[stall] * (1 + h)  # ... though more did
+    d = decide(COST, replace(sig, instances=stall))
+    assert d.desired == stall + 1 and "toward" in d.reason
+    for start in (3, 20):  # from a small fleet and from the whole one: to the same optimum
+        settled = settle(COST, replace(sig, instances=start)).desired
+        assert eff[settled] >= max(eff) / (1 + h)
