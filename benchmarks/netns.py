@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlboost.procs import pid_alive
+
 ROOT = None  # the root namespace, as an end of a link
 PREFIX = "rb-"
 _STALE = re.compile(r"^rb-(\d+)-")
@@ -77,16 +79,6 @@ def namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _kill_inside(ns: str) -> None:
     """SIGKILL whatever still runs in `ns` (only ever called on a namespace of ours)."""
     for _ in range(50):
@@ -106,7 +98,7 @@ def _delete_ns(ns: str) -> None:
 
 def cleanup_stale() -> list[str]:
     """Delete the `rb-<pid>-*` namespaces whose process is gone (and what still runs in them)."""
-    gone = [ns for ns in namespaces() if (m := _STALE.match(ns)) and not _pid_alive(int(m.group(1)))]
+    gone = [ns for ns in namespaces() if (m := _STALE.match(ns)) and not pid_alive(int(m.group(1)))]
     for ns in gone:
         _delete_ns(ns)
     return gone

@@ -362,24 +362,21 @@ async def read_manifest(store: BlobStore, version: int) -> Manifest | None:
     """The version's manifest, or None if it is gone or invalid (reported once): the store is
     shared, and a manifest nobody can load is no version of anyone's. A store that does not
     answer (`StoreUnavailable`) still raises: that is not the manifest's fault."""
-    key = wire.weights_manifest_key(version)
-    try:
-        return Manifest.decode(await store.read_all(key))
-    except ObjectMissing:
-        return None
-    except StoreUnavailable:
-        raise
-    except StoreError as e:
-        _report_invalid(store, key, e)
-        return None
+    return await _read_checked(store, wire.weights_manifest_key(version), Manifest.decode)
 
 
 async def read_snapshot_delta(store: BlobStore, manifest: Manifest) -> SnapshotDelta | None:
     """The snapshot delta stored beside `manifest`, checked against it; None if there is none,
     or it is invalid (reported once): it only ever saves a late joiner some replay."""
-    key = wire.weights_snapshot_delta_key(manifest.version)
+    return await _read_checked(store, wire.weights_snapshot_delta_key(manifest.version),
+                               lambda data: SnapshotDelta.decode(data, manifest))
+
+
+async def _read_checked(store: BlobStore, key: str, decode):
+    """`decode(bytes)` of the object at `key`; None if it is missing or does not decode
+    (reported once); a store that does not answer raises."""
     try:
-        return SnapshotDelta.decode(await store.read_all(key), manifest)
+        return decode(await store.read_all(key))
     except ObjectMissing:
         return None
     except StoreUnavailable:
