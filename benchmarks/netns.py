@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlboost.errors import RlboostError
 from rlboost.procs import pid_alive
 
 ROOT = None  # the root namespace, as an end of a link
@@ -52,7 +53,7 @@ def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.Com
     return done
 
 
-class NetnsError(RuntimeError):
+class NetnsError(RlboostError, RuntimeError):
     """An `ip` command failed (or network namespaces are not available here)."""
 
 
