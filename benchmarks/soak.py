@@ -34,9 +34,14 @@ What is judged, and why:
 - retained state (Redis keys and memory, RB_RESULTS / RB_TOKENS / RB_EVENTS / RB_DLQ, the data
   dir, and the servers' RSS, which holds that state and NATS' de-duplication windows: an hour of
   result ids, ten minutes of request ids) grows with the work by design: checkpoints are kept a day (`CheckpointStore.keep_s`),
-  tokens and events 7 days, results with no age limit. Under a steady stream work and time are
-  proportional, so a leak cannot be told from retention in a run shorter than the retention
+  tokens, results and events 7 days (`[services.retention]`). Under a steady stream work and time
+  are proportional, so a leak cannot be told from retention in a run shorter than the retention
   window: printed with their cost per 1000 completed requests and marked `retained`, not judged.
+  `--retention S` sets every one of those windows to S seconds (the servers' config, as a user
+  would: checkpoints in every worker, stream ages by the provisioner); once the judged window
+  starts past 1.5 x S, the retained state is judged like the rest: it must level off too. Each
+  step's results, events and token chunks are then counted a minute after it completes, before
+  the stream drops them.
 
 Correctness, from the results of every step at the end (`rlboost bench faults`' counting,
 benchmarks/faults.py `analyse`): lost, duplicated, mismatched, wrong-version tokens, stale writes
@@ -61,9 +66,9 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from rlboost import wire
+from rlboost import bus, wire
 from rlboost.clients import open_clients
-from rlboost.config import Settings
+from rlboost.config import RetentionSettings, Settings
 from rlboost.logs import print_result
 from rlboost.pool_client import PoolClient
 from rlboost.replay import read_chunks, read_subject
@@ -75,6 +80,7 @@ POOL = faults.POOL
 STEP0 = 1000  # soak steps are STEP0, STEP0 + 1, ...
 BUCKETS = (wire.BUCKET_WORKERS, wire.BUCKET_POLICY, wire.BUCKET_CONTROL)
 RETAINED_STREAMS = (wire.STREAM_TOKENS, wire.STREAM_RESULTS, wire.STREAM_EVENTS, wire.STREAM_DLQ)
+COUNT_AFTER_S = 60.0  # with --retention: a completed step is counted this long after (late duplicates included)
 
 
 # ---------------------------------------------------------------- the judgement
@@ -250,9 +256,11 @@ def report(sampler: Sampler, a: argparse.Namespace, run_s: float) -> tuple[list[
         row = {"series": name, "kind": s.kind, "samples": len(ts), "first": round(ys[0], 2), "last": round(ys[-1], 2),
                "slope_per_h": v.slope_per_h, "first_half_per_h": v.first_half_per_h,
                "last_half_per_h": v.last_half_per_h}
-        if s.kind == "process" and span < a.long_lived * run_s:
+        judged = ("process", "bounded", "retained") if judges_retained(a) else ("process", "bounded")
+        server = s.kind == "retained" and name.startswith("rss_mb")  # a server's lifetime, like a process's
+        if (s.kind == "process" or server) and span < a.long_lived * run_s:
             row["verdict"] = "short-lived"
-        elif s.kind in ("process", "bounded"):
+        elif s.kind in judged:
             row["verdict"] = v.why if v.why != "too few samples" else "TOO FEW SAMPLES"
             ok = ok and v.ok and v.why != "too few samples"
         elif s.kind == "retained":
@@ -289,9 +297,16 @@ def print_table(rows: list[dict]) -> None:
 # ---------------------------------------------------------------- the run
 
 
+def judges_retained(a: argparse.Namespace) -> bool:
+    """Retained state is judged when the run keeps it for a window that ends before the judgement starts."""
+    return bool(a.retention) and 1.5 * a.retention <= a.warmup * a.minutes * 60
+
+
 async def soak(a: argparse.Namespace, root: Path, launcher: tuple[str, ...] = ("-m", "rlboost.cli")) -> dict:
     """`launcher`: what the worker processes run (`WorkerFleet`; a test's leaking worker)."""
     rng = random.Random(a.seed)
+    retention = RetentionSettings(checkpoints_s=int(a.retention), results_s=a.retention, tokens_s=a.retention,
+                                  events_s=a.retention, dlq_s=a.retention) if a.retention else None
     srv = await asyncio.to_thread(faults.Servers, root / "servers")
     cache = root / "cache"
     cache.mkdir(parents=True, exist_ok=True)
@@ -301,7 +316,8 @@ async def soak(a: argparse.Namespace, root: Path, launcher: tuple[str, ...] = ("
     fleet = WorkerFleet(srv.nats_url, srv.redis_url, root / "workers", POOL, worker_args=[
         "--engine", "emulated", "--speed", str(a.speed), "--slots", str(a.slots), "--checkpoint-tokens", "16",
         "--ack-wait", str(a.ack_wait), "--lease-ttl", str(a.ack_wait * 0.6)],
-        env={"RLBOOST_WORKER__CACHE_DIR": str(cache), "RLBOOST_WORKER__STALL_S": str(a.ack_wait)},
+        env={"RLBOOST_WORKER__CACHE_DIR": str(cache), "RLBOOST_WORKER__STALL_S": str(a.ack_wait),
+             **({"RLBOOST_SERVICES__RETENTION__CHECKPOINTS_S": str(int(a.retention))} if retention else {})},
         die_with_parent=True, launcher=launcher)
     slots: list[WorkerProc | None] = [None] * a.workers
 
@@ -313,10 +329,23 @@ async def soak(a: argparse.Namespace, root: Path, launcher: tuple[str, ...] = ("
     actions: list[tuple[str, str, float]] = []
     requests: dict[int, list[wire.RolloutRequest]] = {}
     pending: list[int] = []  # steps published and not complete
+    done_at: dict[int, float] = {}  # step -> when it completed (not yet counted)
+    totals: dict[str, int] = defaultdict(int)
     completed = 0
     try:
         async with open_clients(srv.nats_url, srv.redis_url, "rlboost-soak", pools=(POOL,)) as c:
             pool = PoolClient(c, POOL)
+            if retention is not None:  # the provisioner's part: the streams keep what the config says
+                await bus.provision(c.js, ages=retention.stream_ages())
+
+            async def count(step: int) -> None:
+                """Lost, duplicated, ... of one step, from what the streams hold of it."""
+                results = await read_subject(c.js, wire.result_subject(step), wire.RolloutResult)
+                events = await read_subject(c.js, f"rb.evt.{step}.>", wire.LeaseEvent)
+                chunks = await read_chunks(c.js, step)
+                for k, v in faults.analyse(requests[step], results, events, chunks).items():
+                    totals[k] += v
+                done_at.pop(step, None)
 
             async def publish_next() -> None:
                 step = STEP0 + len(requests)
@@ -342,8 +371,12 @@ async def soak(a: argparse.Namespace, root: Path, launcher: tuple[str, ...] = ("
                 for step in list(pending):  # a complete batch: the next one goes out
                     if await faults._results_so_far(c.js, step) >= a.batch:
                         pending.remove(step)
+                        done_at[step] = now
                         completed += a.batch
                         await publish_next()
+                if retention is not None:  # counted while the streams still hold it (a late duplicate: within a minute)
+                    for step in [st for st, at in done_at.items() if now - at > COUNT_AFTER_S]:
+                        await count(step)
                 for i, w in enumerate(slots):  # a SIGTERMed worker that drained and left: replaced
                     if w is not None and not w.alive():
                         start(i)
@@ -364,16 +397,12 @@ async def soak(a: argparse.Namespace, root: Path, launcher: tuple[str, ...] = ("
                 for step in list(pending):
                     if await faults._results_so_far(c.js, step) >= a.batch:
                         pending.remove(step)
+                        done_at[step] = time.monotonic()
                         completed += a.batch
             elapsed = time.monotonic() - t0
             fleet.stop_all()
-            totals: dict[str, int] = defaultdict(int)
-            for step, reqs in requests.items():
-                results = await read_subject(c.js, wire.result_subject(step), wire.RolloutResult)
-                events = await read_subject(c.js, f"rb.evt.{step}.>", wire.LeaseEvent)
-                chunks = await read_chunks(c.js, step)
-                for k, v in faults.analyse(reqs, results, events, chunks).items():
-                    totals[k] += v
+            for step in sorted(set(done_at) | set(pending) if retention is not None else requests):
+                await count(step)
     finally:
         fleet.stop_all()
         for n, r in relays:
@@ -382,7 +411,7 @@ async def soak(a: argparse.Namespace, root: Path, launcher: tuple[str, ...] = ("
         srv.close()
     rows, resources_ok = report(sampler, a, a.minutes * 60)
     count = lambda k: sum(1 for x in actions if x[0] == k)  # noqa: E731
-    return {**totals, "batches": len(requests), "completed": completed, "seconds": round(elapsed, 1),
+    return {**totals, "batches": len(requests), "published": sum(len(r) for r in requests.values()), "completed": completed, "seconds": round(elapsed, 1),
             "workers_started": len(fleet.workers), "actions": {k: count(k) for k in sorted({x[0] for x in actions})},
             "resources": rows, "resources_ok": resources_ok}
 
@@ -440,7 +469,7 @@ async def act(a, rng: random.Random, servers_too: bool, fleet: WorkerFleet, srv:
 def clean(out: dict) -> bool:
     return (out.get("lost", 1) == out.get("duplicated", 1) == out.get("mismatched", 1)
             == out.get("wrong_version_tokens", 1) == out.get("stale_writes_accepted", 1)
-            == out.get("epochs_reused", 1) == 0)
+            == out.get("epochs_reused", 1) == 0 and out.get("requests") == out.get("published"))  # every one counted
 
 
 def parser() -> argparse.ArgumentParser:
@@ -461,6 +490,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--long-lived", type=float, default=0.5,
                    help="a process series is judged if it spans this share of the run")
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds for the last batches after the faults")
+    p.add_argument("--retention", type=float, default=0.0,
+                   help="seconds the servers keep checkpoints and the results/tokens/events/DLQ streams "
+                        "(>= 300; 0: the production defaults, a day and more, so retained state is not judged)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep the servers' data dir and worker logs")
     return p
@@ -468,6 +500,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str], s: Settings) -> int:
     a = parser().parse_args(argv)
+    if a.retention and a.retention < 300:
+        raise SystemExit("rlboost bench soak: --retention must be 0 or >= 300 s (each step is counted a minute "
+                         "after it completes, while the streams still hold it)")
     root = Path(tempfile.mkdtemp(prefix="rlboost-soak-"))
     try:
         out = asyncio.run(soak(a, root))

@@ -201,15 +201,19 @@ def _redact(url: str) -> str:
     return url
 
 
-def stream_config(spec: wire.StreamSpec, replicas: int = 1) -> StreamConfig:
+def stream_config(spec: wire.StreamSpec, replicas: int = 1, max_age_s: float | None = None) -> StreamConfig:
+    """`max_age_s`: the configured retention (`[services.retention]`; 0 = forever) instead of the
+    spec's default. The de-duplication window never outlasts the messages (JetStream refuses
+    a window longer than the max age)."""
+    age = spec.max_age_s if max_age_s is None else max_age_s
     return StreamConfig(
         num_replicas=replicas,
         name=spec.name,
         subjects=list(spec.subjects),
         retention=_RETENTION[spec.retention],
         storage=StorageType.FILE,
-        max_age=spec.max_age_s or None,
-        duplicate_window=spec.duplicate_window_s,
+        max_age=age or None,
+        duplicate_window=min(spec.duplicate_window_s, age) if age else spec.duplicate_window_s,
     )
 
 
@@ -234,13 +238,18 @@ def env_consumer_config(spec: wire.ConsumerSpec) -> ConsumerConfig:
 
 
 async def provision(js: JetStreamContext, pools: tuple[str, ...] = (), consumer: wire.ConsumerSpec | None = None,
-                    registry_ttl_s: float = 10.0, replicas: int = 1) -> None:
+                    registry_ttl_s: float = 10.0, replicas: int = 1, ages: dict[str, float] | None = None) -> None:
     """Create or update every stream, the pools' consumers and the KV buckets. `replicas`:
-    their replication on a JetStream cluster, for what this call creates (existing ones keep theirs)."""
+    their replication on a JetStream cluster, for what this call creates (existing ones keep theirs).
+    `ages`: max age per stream name (`RetentionSettings.stream_ages`), applied to existing streams
+    too; without it a stream is created with its spec's age and an existing one keeps its own,
+    so a process that was not given the retention (a worker, a bench client) never resets it."""
     for spec in wire.STREAMS:
-        cfg = stream_config(spec, replicas)
+        cfg = stream_config(spec, replicas, None if ages is None else ages.get(spec.name))
         try:
             info = await js.stream_info(spec.name)
+            if ages is None or spec.name not in ages:  # keep the age (and window) it was given
+                cfg.max_age, cfg.duplicate_window = info.config.max_age, info.config.duplicate_window
             if not _same_stream(info.config, cfg):  # unchanged: no update (a worker may not)
                 cfg.num_replicas = info.config.num_replicas  # an update never rescales
                 await js.update_stream(cfg)

@@ -35,7 +35,8 @@ async def open_clients(nats_url: str, redis_url: str, name: str, settings: Setti
     (`rlboost.runlease.hold`), so a run refused its servers changes nothing on them."""
     nc = await bus.connect(nats_url, name=name, services=settings.services if settings else None,
                            **(nats_options or {}))
-    store = CheckpointStore(redis_url)
+    retention = settings.services.retention if settings else None
+    store = CheckpointStore(redis_url, keep_s=retention.checkpoints_s) if retention else CheckpointStore(redis_url)
     try:
         try:
             await store.ping()
@@ -47,10 +48,11 @@ async def open_clients(nats_url: str, redis_url: str, name: str, settings: Setti
         spec = wire.ConsumerSpec(ack_wait_s=w.ack_wait_s, max_deliver=w.max_deliver) if w else wire.ConsumerSpec()
         replicas = settings.services.nats_replicas if settings else 1
         async with guard(js) if guard is not None else contextlib.nullcontext():
-            if wait_provisioned:
+            if wait_provisioned:  # not the provisioner: the streams keep the ages the trainer gave them
                 await bus.provision_or_wait(js, pools=pools, consumer=spec, replicas=replicas)
             else:
-                await bus.provision(js, pools=pools, consumer=spec, replicas=replicas)
+                await bus.provision(js, pools=pools, consumer=spec, replicas=replicas,
+                                    ages=retention.stream_ages() if retention else None)
             yield Clients(nc=nc, js=js, store=store)
     finally:
         await store.close()

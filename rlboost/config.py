@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from rlboost import wire
 from rlboost.errors import RlboostError
 
 
@@ -54,6 +55,32 @@ class AuthSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tls_ca: str = ""  # CA of client certificates: set to require mutual TLS
 
 
+class RetentionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How long the servers keep what a run leaves behind (docs/reference/retention.md). A
+    process that provisions the streams (the trainer, `rlboost up`, the endpoint) applies the
+    stream ages; every process that writes checkpoints (workers too) applies `checkpoints_s`.
+    Shorter windows bound the servers' memory and disk on a long run; a checkpoint must outlive
+    the longest request and a result the trainer's longest pause (a resumed run reads the
+    results of the step it stopped in)."""
+
+    checkpoints_s: int = 86400  # Redis: a request's tokens, lease history and episode state, from its last claim
+    results_s: float = 7 * 86400.0  # RB_RESULTS: finished rollouts (0 = forever)
+    tokens_s: float = 7 * 86400.0  # RB_TOKENS: token deltas for streaming readers (0 = forever)
+    events_s: float = 7 * 86400.0  # RB_EVENTS: worker and request events, provenance (0 = forever)
+    dlq_s: float = 30 * 86400.0  # RB_DLQ: dead-lettered messages, kept for a person to read (0 = forever)
+
+    def __post_init__(self) -> None:
+        _check(self.checkpoints_s >= 60, "services.retention.checkpoints_s", "must be >= 60")
+        for name in ("results_s", "tokens_s", "events_s", "dlq_s"):
+            v = getattr(self, name)
+            _check(v == 0 or v >= 60, f"services.retention.{name}", "must be 0 (forever) or >= 60")
+
+    def stream_ages(self) -> dict[str, float]:
+        """Max age per stream name, for `bus.provision` (0 = forever)."""
+        return {wire.STREAM_RESULTS: self.results_s, wire.STREAM_TOKENS: self.tokens_s,
+                wire.STREAM_EVENTS: self.events_s, wire.STREAM_DLQ: self.dlq_s}
+
+
 class ServicesSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     data_dir: str = msgspec.field(default_factory=default_data_dir)
     # Empty = use the embedded servers recorded in data_dir (started by `rlboost up`).
@@ -78,6 +105,7 @@ class ServicesSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # Server side: per-role identities and permissions (rlboost/auth.py). All empty = today's
     # behaviour (open servers, or the single nats_user/nats_password and redis_password).
     auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
+    retention: RetentionSettings = msgspec.field(default_factory=RetentionSettings)
 
 
 class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

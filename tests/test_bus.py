@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 import contextlib
 
 import msgspec
 import pytest
 
 from rlboost import bus, wire
+from rlboost.clients import open_clients
+from rlboost.config import RetentionSettings, load_settings
 
 
 def _request(rid: str, **kw) -> wire.RolloutRequest:
@@ -24,6 +27,34 @@ async def test_provisioning_is_idempotent(js):
     assert {s.name for s in wire.STREAMS} <= names
     ci = await js.consumer_info(wire.STREAM_REQUESTS, wire.consumer_name("p1"))
     assert ci.config.ack_wait == 2.0 and ci.config.filter_subject == wire.request_subject("p1")
+
+
+async def test_the_provisioner_sets_retention_and_a_process_without_it_keeps_it(js):
+    ages = RetentionSettings(results_s=600, tokens_s=900, events_s=0, dlq_s=3600).stream_ages()
+    await bus.provision(js, ages=ages)
+    await bus.provision(js)  # a worker or a bench client: was not given the retention, must not reset it
+    got = {n: await js.stream_info(n) for n in ages}
+    assert {n: float(i.config.max_age or 0) for n, i in got.items()} == ages
+    # the de-duplication window never outlasts the messages (JetStream refuses that)
+    assert got[wire.STREAM_RESULTS].config.duplicate_window == 600
+    assert got[wire.STREAM_DLQ].config.duplicate_window == 120
+    await bus.provision(js, ages=RetentionSettings().stream_ages())
+    assert (await js.stream_info(wire.STREAM_RESULTS)).config.max_age == 7 * 86400
+
+
+async def test_checkpoints_expire_after_the_configured_retention(nats_url, redis_url, js):
+    s = load_settings(None, environ={"RLBOOST_SERVICES__RETENTION__CHECKPOINTS_S": "600"})
+    async with open_clients(nats_url, redis_url, "retention-test", settings=s, wait_provisioned=True) as c:
+        rid = f"keep-{uuid.uuid4().hex[:8]}"
+        await c.store.claim(rid, "w1", 0, ttl_s=5)
+        assert 0 < await c.store.redis.ttl(wire.ckpt_meta_key(rid)) <= 600
+
+
+def test_retention_windows_are_checked():
+    with pytest.raises(ValueError, match="services.retention.results_s"):
+        load_settings(None, environ={"RLBOOST_SERVICES__RETENTION__RESULTS_S": "10"})
+    with pytest.raises(ValueError, match="services.retention.checkpoints_s"):
+        load_settings(None, environ={"RLBOOST_SERVICES__RETENTION__CHECKPOINTS_S": "0"})
 
 
 async def test_unacked_request_is_redelivered_after_ack_wait(js):

@@ -196,9 +196,9 @@ async def _paused_worker_run(root, broken: bool) -> dict:
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline and held and await held_by(victim.worker_id) >= held:
                     await asyncio.sleep(0.005)  # wait for the state (a takeover), polled
-                # The new owner is paused before its first append at the offset it resumed from,
-                # so the paused worker's late flush reaches the store first: refused by the fence,
-                # or (broken) accepted at the current end of the checkpoint.
+                # The new owner is paused, usually before its first append at the offset it resumed
+                # from (a race: the test retries), so the paused worker's late flush reaches the
+                # store first: refused by the fence, or (broken) accepted at the checkpoint's end.
                 others = [w for w in fleet.live() if w is not victim]
                 for w in others:
                     fleet.pause(w)
@@ -241,7 +241,15 @@ async def test_a_paused_worker_taken_over_passes_the_history_check_and_a_broken_
     assert fenced["history_violations"] == 0, fenced
     assert fenced["history_refused_writes"] > 0, "no late write of the paused worker: nothing was tested"
 
-    broken = await _paused_worker_run(tmp_path / "broken", broken=True)
+    # The stale write is accepted only when it reaches the store before the new owner's first
+    # append (which the fault pauses as soon as it sees the takeover, polling): when the new owner
+    # wins that race, the stale write is refused by the offset check and there is nothing to catch.
+    # So up to three runs, each checked in full; the broken fence must be caught in one.
+    for attempt in range(3):
+        broken = await _paused_worker_run(tmp_path / f"broken-{attempt}", broken=True)
+        assert broken["lost"] == broken["duplicated"] == 0, broken
+        if broken["history_stale_writes_accepted"] > 0:
+            break
     # Nothing is lost, duplicated or mismatched (the stale tokens equal the new owner's, the
     # results verify against the checkpoints): the history shows the stale writes accepted.
     assert broken["history_stale_writes_accepted"] > 0, broken
