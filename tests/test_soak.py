@@ -59,7 +59,7 @@ def test_a_one_minute_soak_loses_nothing_and_samples_every_resource(tmp_path):
     import subprocess
 
     out = subprocess.run([sys.executable, "-m", "rlboost.cli", "bench", "soak", "--minutes", "1", "--workers", "2",
-                          "--every", "4", "--sample-s", "3"],
+                          "--every", "4", "--sample-s", "3", "--retention", "300"],
                          capture_output=True, text=True, timeout=240, env={**__import__("os").environ,
                                                                           "OMP_NUM_THREADS": "1"})
     assert "lost 0 dup 0 mismatched 0" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
@@ -68,6 +68,7 @@ def test_a_one_minute_soak_loses_nothing_and_samples_every_resource(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     series = {r["series"] for r in result["resources"]}
     assert result["completed"] > 0 and result["lost"] == result["duplicated"] == 0
+    assert result["requests"] == result["published"]  # every request published was counted, once
     for name in ("redis keys", "redis used_memory_mb", "js RB_RESULTS msgs", "js RB_REQUESTS mb",
                  "files data", "mb cache", "rss_mb workers (total)", "fds workers (total)",
                  "asyncio_tasks workers (total)"):
