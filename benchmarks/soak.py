@@ -34,7 +34,7 @@ What is judged, and why:
 - retained state (Redis keys and memory, RB_RESULTS / RB_TOKENS / RB_EVENTS / RB_DLQ, the data
   dir, and the servers' RSS, which holds that state and NATS' de-duplication windows: an hour of
   result ids, ten minutes of request ids) grows with the work by design: checkpoints are kept a day (`CheckpointStore.keep_s`),
-  tokens, results and events 7 days (`[services.retention]`). Under a steady stream work and time
+  tokens and events 7 days, results forever (`[services.retention]`). Under a steady stream work and time
   are proportional, so a leak cannot be told from retention in a run shorter than the retention
   window: printed with their cost per 1000 completed requests and marked `retained`, not judged.
   `--retention S` sets every one of those windows to S seconds (the servers' config, as a user

@@ -64,7 +64,10 @@ class RetentionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     results of the step it stopped in)."""
 
     checkpoints_s: int = 86400  # Redis: a request's tokens, lease history and episode state, from its last claim
-    results_s: float = 7 * 86400.0  # RB_RESULTS: finished rollouts (0 = forever)
+    # RB_RESULTS: finished rollouts (0 = forever). Forever by default: with an age on this stream
+    # the 3-node cluster partition test (tests/test_partitions.py, nats_node_isolated) lost most
+    # results, not yet understood; set it on a single node, where `rlboost bench soak` checks it.
+    results_s: float = 0.0
     tokens_s: float = 7 * 86400.0  # RB_TOKENS: token deltas for streaming readers (0 = forever)
     events_s: float = 7 * 86400.0  # RB_EVENTS: worker and request events, provenance (0 = forever)
     dlq_s: float = 30 * 86400.0  # RB_DLQ: dead-lettered messages, kept for a person to read (0 = forever)

@@ -250,7 +250,7 @@ class StreamSpec(msgspec.Struct, frozen=True):
 STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec(STREAM_REQUESTS, ("rb.req.>",), "workqueue", duplicate_window_s=600.0),
     StreamSpec(STREAM_TOKENS, ("rb.tok.>",), "limits", max_age_s=7 * 86400.0),
-    StreamSpec(STREAM_RESULTS, ("rb.res.>",), "limits", max_age_s=7 * 86400.0, duplicate_window_s=3600.0),
+    StreamSpec(STREAM_RESULTS, ("rb.res.>",), "limits", duplicate_window_s=3600.0),
     StreamSpec(STREAM_EVENTS, ("rb.evt.>",), "limits", max_age_s=7 * 86400.0),
     StreamSpec(STREAM_DLQ, ("rb.dlq.>",), "limits", max_age_s=30 * 86400.0),
 )

@@ -39,7 +39,7 @@ async def test_the_provisioner_sets_retention_and_a_process_without_it_keeps_it(
     assert got[wire.STREAM_RESULTS].config.duplicate_window == 600
     assert got[wire.STREAM_DLQ].config.duplicate_window == 120
     await bus.provision(js, ages=RetentionSettings().stream_ages())
-    assert (await js.stream_info(wire.STREAM_RESULTS)).config.max_age == 7 * 86400
+    assert not (await js.stream_info(wire.STREAM_RESULTS)).config.max_age  # the default: forever
 
 
 async def test_checkpoints_expire_after_the_configured_retention(nats_url, redis_url, js):
