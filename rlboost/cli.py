@@ -14,7 +14,9 @@ import importlib
 import importlib.util
 import pkgutil
 import re
+import signal
 import sys
+import threading
 import traceback
 
 from rlboost.config import Settings, load_settings
@@ -198,8 +200,38 @@ def _delegation_point(argv: list[str]) -> int:
     return len(argv)
 
 
+_terminated = False
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM (a scheduler, Kubernetes, `timeout`) stops a command as Ctrl-C does, so its
+    cleanup runs: `rlboost run` stops the servers and workers it started (the default action
+    left its NATS and Redis servers running, orphaned). Raised as SIGINT, not as an exception
+    here: inside `asyncio.run` SIGINT cancels the main task, whose `finally` blocks then run in
+    the loop (where SIGINT is ignored, a background job of a script, the exception it is).
+    Commands that serve (`worker`, `env-worker`, `endpoint`) install their own handlers in
+    their loop, which replace this one."""
+    global _terminated
+    _terminated = True
+    if not callable(signal.getsignal(signal.SIGINT)):  # SIGINT ignored (a background job of a script)
+        raise KeyboardInterrupt
+    signal.raise_signal(signal.SIGINT)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # not where an embedding program (or a test calling main) set its own, and only where it can
+    own = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and threading.current_thread() is threading.main_thread()
+    if own:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _main(argv)
+    finally:
+        if own:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _main(argv: list[str]) -> int:
     # Everything after a delegated command (and a bench name) belongs to that command's own
     # parser: split it off before argparse sees option strings it does not know.
     cut = _delegation_point(argv)
@@ -217,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlboost: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return 130
+        return 143 if _terminated else 130  # 128 + the signal, as a shell reports it
 
 
 if __name__ == "__main__":
