@@ -12,6 +12,7 @@ import contextlib
 import json
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -495,10 +496,12 @@ async def dead_letter(js: JetStreamContext, msg: Msg, reason: str, stream: str, 
     log.warning("dead-lettered", stream=stream, subject=msg.subject, seq=meta_seq, reason=reason)
 
 
-async def dead_letter_max_deliveries(js: JetStreamContext, nc: NATS, stop: asyncio.Event) -> None:
+async def dead_letter_max_deliveries(js: JetStreamContext, nc: NATS, stop: asyncio.Event,
+                                     on_dead: Callable[[bytes], None] | None = None) -> None:
     """After `max_deliver` a work-queue message stays in the stream and JetStream only emits an
     advisory. Move such poison messages to the DLQ and delete them. Safe to run in many
-    processes at once: the DLQ de-duplicates by stream sequence."""
+    processes at once: the DLQ de-duplicates by stream sequence. `on_dead(payload)`: told of
+    each message this call moved (the caller decodes it: wire bytes are untrusted)."""
     subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{wire.STREAM_REQUESTS}.*"
     sub = await nc.subscribe(subject)
     try:
@@ -524,6 +527,8 @@ async def dead_letter_max_deliveries(js: JetStreamContext, nc: NATS, stop: async
             except NotFoundError:
                 pass
             log.warning("dead-lettered", stream=wire.STREAM_REQUESTS, seq=seq, reason="max deliveries exceeded")
+            if on_dead is not None:
+                on_dead(raw.data or b"")
     finally:
         await sub.unsubscribe()
 

@@ -19,6 +19,7 @@ import numpy as np
 from rlboost import bus, metrics, wire
 from rlboost.checkpoint import CheckpointError
 from rlboost.clients import Clients
+from rlboost.errors import RequestsDeadLettered
 from rlboost.logs import get_logger
 
 
@@ -44,6 +45,9 @@ class PoolClient:
         self._results_after: dict[int, int] = {}  # step -> results stream sequence before it was published
         self.ignored: dict[str, int] = {}  # registry entries not counted as workers, by reason (`live_workers`)
         self._ignored_seen: set[tuple[str, int]] = set()
+        # request ids that any of this manager's `results` calls moved to the DLQ: one call may
+        # move another step's (a message is moved once, by whichever call sees it first)
+        self.dead_lettered: set[str] = set()
 
     async def publish_step(self, requests: list[wire.RolloutRequest], pool: str | None = None,
                            deadline_s: float = 60.0, batch: int = 1024, republish: bool = False) -> None:
@@ -117,9 +121,11 @@ class PoolClient:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         stop = asyncio.Event()
         chores = [asyncio.create_task(self._keep_scripts(stop)),
-                  asyncio.create_task(bus.dead_letter_max_deliveries(self.c.js, self.c.nc, stop))]
+                  asyncio.create_task(bus.dead_letter_max_deliveries(self.c.js, self.c.nc, stop, self._dead))]
         try:
             while pending:
+                if lost := pending & self.dead_lettered:  # never coming: fail now, not hang
+                    raise RequestsDeadLettered(step, sorted(lost))
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"step {step}: {len(pending)} results missing after {timeout_s} s")
                 if self.c.nc.stats["reconnects"] != reconnects and self.c.nc.is_connected:
@@ -165,6 +171,12 @@ class PoolClient:
             stop.set()
             await asyncio.gather(*chores, return_exceptions=True)
             await sub.unsubscribe()
+
+    def _dead(self, payload: bytes) -> None:
+        try:
+            self.dead_lettered.add(wire.decode(wire.RolloutRequest, payload).request_id)
+        except wire.WireError:
+            pass  # not a request of ours: the DLQ keeps it with its reason
 
     async def _keep_scripts(self, stop: asyncio.Event, period_s: float = 2.0) -> None:
         """Workers may only EVALSHA the checkpoint scripts; a Redis restart empties the script

@@ -132,3 +132,33 @@ async def test_poison_message_past_max_deliver_is_moved_to_the_dlq(js, nc):
     assert wire.decode(wire.RolloutRequest, m.data).request_id == "crashes-every-worker"
     assert m.headers[wire.HDR_DLQ_REASON] == "max deliveries exceeded"
     assert (await js.stream_info(wire.STREAM_REQUESTS)).state.messages == 0
+
+
+async def test_a_step_whose_request_is_dead_lettered_fails_at_once_instead_of_waiting(nats_url, redis_url):
+    """A request delivered max_deliver times never answers: waiting for its result would hang
+    the run (a g4dn trace bench waited forever on 32 of them)."""
+    from rlboost.errors import RequestsDeadLettered
+    from rlboost.pool_client import PoolClient
+
+    pool, run = f"dead{uuid.uuid4().hex[:6]}", wire.new_run_id()
+    async with open_clients(nats_url, redis_url, "test-dead") as c:
+        await bus.ensure_pool_consumer(c.js, pool, wire.ConsumerSpec(ack_wait_s=0.3, max_deliver=2))
+        manager = PoolClient(c, pool)
+        reqs = [wire.RolloutRequest(request_id=wire.request_id(3, i, 0, run=run), step=3, policy_version=0,
+                                    prompt_ids=[1, 2], max_new_tokens=8, seed=i, group=i) for i in range(2)]
+        await manager.publish_step(reqs[:1], pool)  # the other one is answered by nobody either: it waits
+        psub = await c.js.pull_subscribe_bind(durable=wire.consumer_name(pool), stream=wire.STREAM_REQUESTS)
+
+        async def never_acks() -> None:  # a worker that takes the request and dies on it, again and again
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await psub.fetch(1, timeout=0.2)
+
+        taker = asyncio.create_task(never_acks())
+        try:
+            with pytest.raises(RequestsDeadLettered) as e:
+                async for _ in manager.results(3, reqs, timeout_s=60):
+                    pass
+        finally:
+            taker.cancel()
+        assert e.value.ids == [reqs[0].request_id] and "max_deliver" in str(e.value)
