@@ -185,7 +185,10 @@ class Emulation:
         # The preemptible instances: emulated workers sharing `--hosts` fleet-host processes
         # (benchmarks/fleet_host.py), or one worker process each (`--hosts 0`, as before)
         hosts = getattr(a, "hosts", 0)
-        fleet = (lambda *args, **kw: HostedFleet(*args, hosts=hosts, **kw)) if hosts else WorkerFleet
+        # die_with_parent: a bench stopped by a signal or an error leaves no worker behind (host
+        # processes end with their stdin)
+        fleet = ((lambda *args, **kw: HostedFleet(*args, hosts=hosts, **kw)) if hosts
+                 else (lambda *args, **kw: WorkerFleet(*args, die_with_parent=True, **kw)))
         self.fleet = fleet(nats_url, redis_url, workdir / label, self.pool, worker_args=[
             "--engine", "emulated", "--speed", str(a.speed), "--gpus", str(INSTANCE_GPUS),
             "--slots", str(INSTANCE_GPUS * SLOTS_PER_GPU), "--checkpoint-tokens", str(a.chunk),
@@ -200,7 +203,7 @@ class Emulation:
             "--slots", str(INSTANCE_GPUS * SLOTS_PER_GPU), "--checkpoint-tokens", str(a.chunk),
             "--token-scale", str(a.token_scale), "--ack-wait", str(ACK_WAIT_S), "--lease-ttl", str(LEASE_TTL_S),
             "--handoff-pool", self.pool],
-            env={"RLBOOST_LOG_LEVEL": "warning", "RLBOOST_WORKER__HEARTBEAT_S": str(self.hb_s)})
+            env={"RLBOOST_LOG_LEVEL": "warning", "RLBOOST_WORKER__HEARTBEAT_S": str(self.hb_s)}, die_with_parent=True)
         R = a.token_scale
         self.engine = EmulatedEngine(speed=a.speed, timing=TimingModel().on_gpus(self.split).per_emulated_token(R),
                                      lengths=LengthModel().per_emulated_token(R))
