@@ -503,3 +503,34 @@ def test_worker_flags_and_any_setting_land_in_the_settings_tree_validated():
         ("p1", 20.0, 12.0, 4, 3)
     with pytest.raises(SystemExit):
         parse_args(["--ack-wait", "3"], Settings())  # the default lease TTL (8 s) is not < 3 s
+
+
+async def test_the_next_versions_requests_outlast_a_long_tail_of_the_old_one(clients):
+    """A worker finishing a long request of version 0 hands version-1 requests back (it serves
+    one version at a time) and fetches nothing for a while. That while was one ack_wait: through
+    a tail of max_deliver ack_waits the next version's requests were bounced into the dead-letter
+    queue (the trace bench's reserved side hung a run so). It now doubles at each hand-back, and
+    the old version's last request reopens the fetch at once: every request is answered."""
+    js, step, pool = clients.js, 141, "vswitch"
+    await bus.ensure_pool_consumer(js, pool, wire.ConsumerSpec(ack_wait_s=0.3, max_deliver=7))
+    settings = WorkerSettings(pool=pool, slots=8, ack_wait_s=0.3, lease_ttl_s=0.25, heartbeat_s=0.1, max_deliver=7)
+    w = RolloutWorker(settings, EmulatedEngine(speed=0.5), clients, worker_id="vswitch-w", counters=Counters())
+    task = asyncio.create_task(w.run())
+    try:
+        # ~8 s of decoding: 1,149 tokens drawn for seed 11, 700 of them at ~6 ms each, half speed
+        tail = wire.RolloutRequest(request_id=wire.request_id(step, 0, 0), step=step, policy_version=0,
+                                   prompt_ids=[5, 6, 7], max_new_tokens=700, seed=11, group=0)
+        await js.publish(wire.request_subject(pool), wire.encode(tail))
+        deadline = time.monotonic() + 10
+        while w.counters.get("claims") < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        nxt = [_req(step, i, version=1, max_new=5) for i in range(1, 4)]
+        for r in nxt:
+            await js.publish(wire.request_subject(pool), wire.encode(r))
+        got = await step_results(js, step, 4, timeout=40)
+    finally:
+        w.request_drain("test over")
+        await task
+    assert set(got) == {tail.request_id, *(r.request_id for r in nxt)}
+    assert got[tail.request_id].segments[0].weights == "emulated-v0"
+    assert all(got[r.request_id].segments[0].weights == "emulated-v1" for r in nxt)
