@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     # not where an embedding program (or a test calling main) set its own, and only where it can
     own = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and threading.current_thread() is threading.main_thread()
     if own:
+        global _terminated
+        _terminated = False
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return _main(argv)

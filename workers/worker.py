@@ -199,7 +199,7 @@ class RolloutWorker:
         # active yet, or a request still claiming would be generated with the new weights.
         self._version_users: collections.Counter[int] = collections.Counter()
         self._switch_wanted = 0.0  # when a request was handed back for its version (`_switch_pending`)
-        self._switch_bounces = 0  # hand-backs for a version since the engine last could switch
+        self._switch_bounces = 0  # pauses for a version switch since the engine last could switch
         self._outbox: list[bus.Outgoing] = []  # token chunks and lease events to publish at the next flush
         self._publishing: asyncio.Task | None = None  # the outbox publish in flight (_publish_outbox_soon)
         self._progress_at = time.monotonic()  # the generate loop's (or the engine's) last sign of life
@@ -393,8 +393,9 @@ class RolloutWorker:
                 return
             if not ready:
                 if any(n > 0 for v, n in self._version_users.items() if v != req.policy_version):
+                    if not self._switch_wanted:  # a new pause (a fetched batch bounces many at once)
+                        self._switch_bounces += 1
                     self._switch_wanted = time.monotonic()  # and fetch nothing until it can switch
-                    self._switch_bounces += 1
                 await msg.nak(delay=0.5)  # never generate with another version: hand it back
                 return
             reserved = req.policy_version  # released below unless the request becomes active
@@ -492,7 +493,7 @@ class RolloutWorker:
     def _switch_pending(self) -> bool:
         """This worker handed a request back because its engine serves another version: it
         fetches nothing until that version's last request leaves (`_unreserve`), at most
-        ack_wait, doubled at each hand-back since the engine last could switch (a safety net, not
+        ack_wait, doubled at each pause since the engine last could switch (up to 32x: a safety net, not
         a schedule: the old version's last request reopens the fetch at once). Each hand-back is
         a delivery: a worker that kept pulling through a long tail of the old version would bounce
         the next version's requests every 0.5 s, towards max_deliver (20) and the dead-letter
@@ -500,7 +501,7 @@ class RolloutWorker:
         every ack_wait did the same over 20 ack_waits of tail (the trace bench's reserved side,
         taking a step back while the next step's requests waited on the pool). Handed back at
         once, they go to workers that switched."""
-        limit = self.cfg.ack_wait_s * 2 ** min(max(self._switch_bounces - 1, 0), 10)
+        limit = self.cfg.ack_wait_s * 2 ** min(max(self._switch_bounces - 1, 0), 5)
         if self._switch_wanted and time.monotonic() - self._switch_wanted > limit:
             self._switch_wanted = 0.0
         return bool(self._switch_wanted)
