@@ -298,6 +298,27 @@ def test_async_staleness_never_exceeds_k_on_any_trained_sample(services, k):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_step_published_ahead_gives_the_seeding_engines_the_share_their_window_was_open(services, mode):
+    """The seeding engines generate only in the seeding window: a step async publishes ahead puts
+    their capacity times the share of the last step the window was open on their queue, not their
+    whole capacity share (which would wait for the window, then be handed off). Sync publishes
+    each step as its window opens: the capacity share."""
+    n, live = 6 * 4, 1
+    outs, _ = asyncio.run(drive(services, mode, steps=3, preemptible=live, t_seed=0.2, train_s=0.05))
+    full = orch.dispatch_share(n, live, "hybrid", 1.0)
+    if mode == "sync":
+        assert [o.on_reserved for o in outs] == [{0: full}, {1: full}, {2: full}]
+        return
+    assert outs[0].on_reserved == {0: full, 1: full}  # no step measured yet: the capacity share
+    for prev, o in zip(outs, outs[1:]):
+        duty = prev.window_s / prev.step_s
+        assert 0 < duty < 1  # the trainer trained after the window
+        assert o.on_reserved == {o.step + 1: orch.dispatch_share(n, live, "hybrid", duty)}
+        assert o.on_reserved[o.step + 1] < full
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", orch.MODES)
 def test_a_pool_running_ahead_of_the_trainer_counts_as_waiting_in_the_seeding_rule(services, mode):
     """In partial and async the pool always has later work (extra groups, steps published
