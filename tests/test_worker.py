@@ -507,13 +507,14 @@ def test_worker_flags_and_any_setting_land_in_the_settings_tree_validated():
 
 async def test_the_next_versions_requests_outlast_a_long_tail_of_the_old_one(clients):
     """A worker finishing a long request of version 0 hands version-1 requests back (it serves
-    one version at a time) and fetches nothing for a while. That while was one ack_wait: through
-    a tail of max_deliver ack_waits the next version's requests were bounced into the dead-letter
-    queue (the trace bench's reserved side hung a run so). It now doubles at each hand-back, and
-    the old version's last request reopens the fetch at once: every request is answered."""
+    one version at a time). Handed back 0.5 s each time, with a pause of one ack_wait between
+    fetches, the next version's requests were bounced into the dead-letter queue through a tail
+    of ~max_deliver ack_waits (the trace bench's reserved side hung a run so). The hand-back's
+    delay now grows with the request's deliveries: every request is answered, through a tail of
+    ~27 ack_waits with max_deliver 9."""
     js, step, pool = clients.js, 141, "vswitch"
-    await bus.ensure_pool_consumer(js, pool, wire.ConsumerSpec(ack_wait_s=0.3, max_deliver=7))
-    settings = WorkerSettings(pool=pool, slots=8, ack_wait_s=0.3, lease_ttl_s=0.25, heartbeat_s=0.1, max_deliver=7)
+    await bus.ensure_pool_consumer(js, pool, wire.ConsumerSpec(ack_wait_s=0.3, max_deliver=9))
+    settings = WorkerSettings(pool=pool, slots=8, ack_wait_s=0.3, lease_ttl_s=0.25, heartbeat_s=0.1, max_deliver=9)
     w = RolloutWorker(settings, EmulatedEngine(speed=0.5), clients, worker_id="vswitch-w", counters=Counters())
     task = asyncio.create_task(w.run())
     try:

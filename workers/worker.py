@@ -199,7 +199,6 @@ class RolloutWorker:
         # active yet, or a request still claiming would be generated with the new weights.
         self._version_users: collections.Counter[int] = collections.Counter()
         self._switch_wanted = 0.0  # when a request was handed back for its version (`_switch_pending`)
-        self._switch_bounces = 0  # pauses for a version switch since the engine last could switch
         self._outbox: list[bus.Outgoing] = []  # token chunks and lease events to publish at the next flush
         self._publishing: asyncio.Task | None = None  # the outbox publish in flight (_publish_outbox_soon)
         self._progress_at = time.monotonic()  # the generate loop's (or the engine's) last sign of life
@@ -393,10 +392,8 @@ class RolloutWorker:
                 return
             if not ready:
                 if any(n > 0 for v, n in self._version_users.items() if v != req.policy_version):
-                    if not self._switch_wanted:  # a new pause (a fetched batch bounces many at once)
-                        self._switch_bounces += 1
                     self._switch_wanted = time.monotonic()  # and fetch nothing until it can switch
-                await msg.nak(delay=0.5)  # never generate with another version: hand it back
+                await msg.nak(delay=self._bounce_delay(msg))  # never generate with another version: hand it back
                 return
             reserved = req.policy_version  # released below unless the request becomes active
             try:
@@ -487,24 +484,34 @@ class RolloutWorker:
     def _unreserve(self, version: int) -> None:
         self._version_users[version] -= 1
         if self._version_users[version] <= 0 and self._switch_wanted:
-            self._switch_wanted, self._switch_bounces = 0.0, 0  # the engine can switch: fetch again
+            self._switch_wanted = 0.0  # the engine can switch: fetch again
             self._notify_slots()
 
     def _switch_pending(self) -> bool:
         """This worker handed a request back because its engine serves another version: it
-        fetches nothing until that version's last request leaves (`_unreserve`), at most
-        ack_wait, doubled at each pause since the engine last could switch (up to 32x: a safety net, not
-        a schedule: the old version's last request reopens the fetch at once). Each hand-back is
-        a delivery: a worker that kept pulling through a long tail of the old version would bounce
-        the next version's requests every 0.5 s, towards max_deliver (20) and the dead-letter
-        queue (an async run's requests published ahead, on GPUs through minutes of tail); once
-        every ack_wait did the same over 20 ack_waits of tail (the trace bench's reserved side,
-        taking a step back while the next step's requests waited on the pool). Handed back at
-        once, they go to workers that switched."""
-        limit = self.cfg.ack_wait_s * 2 ** min(max(self._switch_bounces - 1, 0), 5)
-        if self._switch_wanted and time.monotonic() - self._switch_wanted > limit:
+        fetches nothing until that version's last request leaves (`_unreserve`), or for one
+        ack_wait, then fetches again (a request of its own version may be queued). Each hand-back
+        is a delivery, so the hand-back's delay grows with the request's deliveries
+        (`_bounce_delay`), not this pause: a pause that grew (it doubled per pause, up to 32
+        ack_waits) starved a small fleet, every worker paused for a tail of one or two requests
+        with its slots free (the g4dn trace: steps of 300-600 s with 2-4 instances)."""
+        if self._switch_wanted and time.monotonic() - self._switch_wanted > self.cfg.ack_wait_s:
             self._switch_wanted = 0.0
         return bool(self._switch_wanted)
+
+    def _bounce_delay(self, msg: Msg) -> float:
+        """How long a request handed back for its version stays hidden: 0.5 s for its first three
+        deliveries (a worker that switched takes it at once), then doubling up to 16 ack_waits.
+        Through a long tail of the old version (an async run's requests published ahead, on GPUs
+        through minutes of tail) the next version's requests would otherwise be bounced towards
+        max_deliver (20) and the dead-letter queue: with these delays 20 deliveries take about 150
+        ack_waits or more (~25 min at 10 s); 20 x 0.5 s and the pauses between fetches once took 20
+        ack_waits (the trace bench's reserved side taking a step back hung a run so)."""
+        try:
+            n = int(msg.metadata.num_delivered or 1)
+        except Exception:  # not a JetStream delivery: the first
+            n = 1
+        return min(0.5 * 2 ** max(0, n - 3), 16 * self.cfg.ack_wait_s)
 
     async def _ensure_version(self, version: int) -> bool:
         """Serve one policy version at a time. On True the caller holds a reservation of
@@ -973,7 +980,7 @@ class RolloutWorker:
         await self._publish_outbox()
         self.active.clear()
         self._version_users.clear()
-        self._switch_wanted, self._switch_bounces = 0.0, 0
+        self._switch_wanted = 0.0
 
     async def _forward_own_queue(self) -> None:
         """A seeding engine (its own queue, another hand-off pool) hands off its whole share:
