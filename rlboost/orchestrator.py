@@ -17,7 +17,7 @@ A step (policy `hybrid`, mode `sync`):
 
 1. its requests are dispatched by capacity: the seeding engines' share (interleaved over the
    prompts) on their own queue, the rest on the preemptible pool's, where free slots pull it.
-   A step `async` publishes ahead weighs the seeding engines' capacity by the share of the last
+   A step that `async` publishes ahead weighs the seeding engines' capacity by the share of the last
    step their window was open: they generate in the window only, and a request on their queue
    waits for it and is then mostly handed off (measured on the trace bench: 10x fewer hand-offs);
 2. everyone generates for the seeding window T_seed (`SeedWindow`), or until the seeding

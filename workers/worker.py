@@ -504,9 +504,9 @@ class RolloutWorker:
         deliveries (a worker that switched takes it at once), then doubling up to 16 ack_waits.
         Through a long tail of the old version (an async run's requests published ahead, on GPUs
         through minutes of tail) the next version's requests would otherwise be bounced towards
-        max_deliver (20) and the dead-letter queue: with these delays 20 deliveries take about 150
-        ack_waits or more (~25 min at 10 s); 20 x 0.5 s and the pauses between fetches once took 20
-        ack_waits (the trace bench's reserved side taking a step back hung a run so)."""
+        max_deliver (20) and the dead-letter queue: with these delays 20 deliveries take ~26 min at
+        the default 10 s ack_wait (~150 ack_waits), ~5 min in the trace bench (1.5 s: ~200); 20 x
+        0.5 s and the pauses between fetches once took ~20 ack_waits (the trace bench's reserved side taking a step back hung a run so)."""
         try:
             n = int(msg.metadata.num_delivered or 1)
         except Exception:  # not a JetStream delivery: the first
