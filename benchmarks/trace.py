@@ -255,6 +255,7 @@ class Emulation:
                                          policy=self.policy, window=self.window, mode=self.mode,
                                          max_staleness=getattr(self.a, "max_staleness", 1), samples=self.a.samples,
                                          overprovision=getattr(self.a, "overprovision", 0.25),
+                                         in_flight_updates=getattr(self.a, "in_flight_updates", True),
                                          waiting_period_s=self.hb_s, on_result=self._on_result)
         if self.policy == "hybrid" and self.ivs and isinstance(self.fleet, HostedFleet):
             self.fleet.open()  # the host processes start before the clock, like the nodes up at 0
@@ -688,6 +689,9 @@ def main(argv: list[str], s: Settings) -> int:
                    "(rlboost/orchestrator.py)")
     p.add_argument("--max-staleness", type=int, default=1, help="async: versions a trained token may lag")
     p.add_argument("--overprovision", type=float, default=0.25, help="partial: extra groups kept in flight")
+    p.add_argument("--no-in-flight-updates", dest="in_flight_updates", action="store_false",
+                   help="async: each request generated under its published version only (a worker finishes "
+                        "its old version's requests before it takes the next version's)")
     p.add_argument("--calibrate", action="store_true",
                    help="colocated and hybrid with 1-4 static instances, against the published figures")
     p.add_argument("--fleet", default="fixed:3",

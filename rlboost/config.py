@@ -423,6 +423,9 @@ class RolloutSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mode: str = "sync"
     max_staleness: int = 1  # async: versions a trained token may lag; partial: recorded only
     overprovision: float = 0.25  # partial: extra groups kept in flight
+    # async: a worker moving to a newer version carries its unfinished requests along (their later
+    # tokens a segment of that version; the staleness bound holds) instead of finishing them first
+    in_flight_updates: bool = True
     # the reserved side's seeding engine: in this process, or an `rlboost worker` process on the
     # reserved pool; torch | vllm | emulated. vllm_sleep: free the GPU while the trainer trains
     # (vLLM sleep mode, GPUs only: refused where the engine cannot sleep)

@@ -57,6 +57,11 @@ Rollout modes (`[rollout] mode`):
   the time and generated with it, and step s trains its own groups only: every token it trains
   is at most k versions old by construction. Nothing is dropped or re-queued (nothing can be
   older); a result that were older would fail the step (`StalenessExceeded`), never be trained.
+  With `in_flight_updates` (the default) the requests are `upgradable`: a worker moving to a
+  newer version for the next step's requests carries its unfinished ones along (their later
+  tokens a segment of the newer version, `workers/worker.py` `_carry_forward`) instead of
+  finishing them first, one version at a time. Versions only move forward, so the oldest
+  segment, and the bound, are the published version's.
 
 Every trained result's staleness (trained version − its oldest segment's version) is recorded;
 in `sync` (bound 0) and `async` (bound k) a result beyond the bound fails the step with
@@ -76,6 +81,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 import numpy as np
 
 from rlboost import wire
@@ -186,7 +192,7 @@ class Orchestrator:
     def __init__(self, clients: Clients, pool: str, engines: SeedingEngines, trainer: TrainerPort, *,
                  policy: str = "hybrid", window: SeedWindow | None = None, mode: str = "sync",
                  max_staleness: int = 1, overprovision: float = 0.25, samples: int = 8,
-                 on_result: Callable[[wire.RolloutResult, int, int], None] | None = None,
+                 in_flight_updates: bool = True, on_result: Callable[[wire.RolloutResult, int, int], None] | None = None,
                  waiting_period_s: float = 0.25, poll_s: float = 0.01) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}: use one of {', '.join(POLICIES)}")
@@ -199,6 +205,7 @@ class Orchestrator:
         self.window = window or SeedWindow()
         self.max_staleness = 0 if mode == "sync" else max_staleness
         self.overprovision = overprovision if mode == "partial" else 0.0
+        self.in_flight_updates = in_flight_updates and mode == "async"
         self.on_result = on_result
         self.waiting_period_s, self.poll_s = waiting_period_s, poll_s
         self.log = get_logger(component="orchestrator", policy=policy, mode=mode)
@@ -235,6 +242,8 @@ class Orchestrator:
         """Dispatch by capacity (step 1 of the docstring) and start collecting the step's results.
         `ahead` (async, a later step's requests): the seeding engines generate only in a seeding
         window, so their capacity counts for the share of each step they were open last step."""
+        if self.in_flight_updates:
+            requests = [msgspec.structs.replace(q, upgradable=True) for q in requests]
         weight = self.engines.capacity * (self._window_duty if ahead else 1.0)
         share = dispatch_share(len(requests), live, self.policy, weight)
         mine = set(np.linspace(0, len(requests) - 1, share).round().astype(int).tolist()) if share else set()

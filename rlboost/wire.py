@@ -369,6 +369,11 @@ class RolloutRequest(msgspec.Struct, frozen=True, kw_only=True):
     stop_ids: list[int] = []  # every EOS id of the model (generation_config + tokenizer), with eos_id
     group: int = 0  # prompt index within the step: GRPO groups by it
     episode: EpisodeSpec | None = None  # a multi-turn episode (schema 4); None: one response
+    # A newer version may continue it (async rollout's in-flight update): a worker moving to the
+    # next version carries the request along, its later tokens a segment of their own. The oldest
+    # segment stays `policy_version`, so the staleness bound holds. A worker that predates the
+    # field ignores it and generates the request under `policy_version` only, as before.
+    upgradable: bool = False
 
     def stops(self) -> frozenset[int]:
         return frozenset(self.stop_ids) | ({self.eos_id} if self.eos_id >= 0 else frozenset())

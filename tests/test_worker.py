@@ -535,3 +535,39 @@ async def test_the_next_versions_requests_outlast_a_long_tail_of_the_old_one(cli
     assert set(got) == {tail.request_id, *(r.request_id for r in nxt)}
     assert got[tail.request_id].segments[0].weights == "emulated-v0"
     assert all(got[r.request_id].segments[0].weights == "emulated-v1" for r in nxt)
+
+
+async def test_an_async_worker_carries_its_unfinished_requests_to_the_next_version(clients):
+    """Async's in-flight update: a worker halfway through a long upgradable request of version 0
+    meets the next version's requests. It does not hand them back until the long one ends: it
+    moves its engine to version 1 at once and continues the long request under it, a segment of
+    its own with version 1's weights, nothing regenerated. Each segment's tokens are exactly what
+    its version's weights make from that offset."""
+    js, step, pool = clients.js, 142, "carry"
+    w = RolloutWorker(WorkerSettings(pool=pool, slots=8, ack_wait_s=3.0, lease_ttl_s=2.0, heartbeat_s=0.2),
+                      EmulatedEngine(speed=0.5), clients, worker_id="carry-w", counters=Counters())
+    task = asyncio.create_task(w.run())
+    try:
+        # ~8 s of decoding at half speed (700 of seed 11's 1,149 tokens)
+        tail = wire.RolloutRequest(request_id=wire.request_id(step, 0, 0), step=step, policy_version=0,
+                                   prompt_ids=[5, 6, 7], max_new_tokens=700, seed=11, group=0, upgradable=True)
+        await js.publish(wire.request_subject(pool), wire.encode(tail))
+        deadline = time.monotonic() + 10
+        while w.counters.get("checkpointed") < 50 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        nxt = [msgspec.structs.replace(_req(step, i, version=1, max_new=5), upgradable=True) for i in range(1, 4)]
+        for r in nxt:
+            await js.publish(wire.request_subject(pool), wire.encode(r))
+        got = await step_results(js, step, 4, timeout=30)
+    finally:
+        w.request_drain("test over")
+        await task
+    assert set(got) == {tail.request_id, *(r.request_id for r in nxt)}
+    long = got[tail.request_id]
+    assert [(s.policy_version, s.weights) for s in long.segments] == [(0, "emulated-v0"), (1, "emulated-v1")]
+    at = long.segments[1].offset
+    assert 50 <= at < 700 and len(long.token_ids) == 700
+    assert long.token_ids[:at] == reference_tokens(11, tail.request_id, 0, at)[0]
+    assert long.token_ids[at:] == reference_tokens(11, tail.request_id, at, 700 - at, policy_version=1)[0]
+    assert all(got[r.request_id].segments[0].weights == "emulated-v1" for r in nxt)
+    assert w.counters.get("carried") == 1 and w.counters.get("wrong_weights") == 0

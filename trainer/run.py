@@ -184,7 +184,7 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
 
     orchestrator = Orchestrator(c, POOL, seeding, port, policy=rs.policy, window=window, mode=ro.mode,
                                 max_staleness=ro.max_staleness, overprovision=ro.overprovision, samples=ro.samples,
-                                on_result=on_result)
+                                in_flight_updates=ro.in_flight_updates, on_result=on_result)
     stack.push_async_callback(orchestrator.close)  # closed first: groups still being scored need the reward pool
     if ro.mode != "sync" and s.algorithm.off_policy == "none":
         # not switched on behind the user's back (none is a valid choice); said once, loudly

@@ -28,7 +28,8 @@ FIELDS = ("generated", "checkpointed", "fenced", "handed_off", "results", "claim
           "handed_back",  # episodes handed back to the environment lane (a drain past its grace, a failure)
           # a gauge, not a counter (`set`, not `add`): the worker's live asyncio tasks at its last
           # heartbeat tick, so `rlboost bench soak` can watch for leaked tasks from outside the process
-          "asyncio_tasks")
+          "asyncio_tasks",
+          "carried")  # requests moved to a newer version in flight (async's in-flight update)
 _FMT = "<" + "q" * len(FIELDS)
 _SIZE = struct.calcsize(_FMT)
 

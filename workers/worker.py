@@ -199,6 +199,8 @@ class RolloutWorker:
         # active yet, or a request still claiming would be generated with the new weights.
         self._version_users: collections.Counter[int] = collections.Counter()
         self._switch_wanted = 0.0  # when a request was handed back for its version (`_switch_pending`)
+        self._carry_to = 0  # a newer version an upgradable request waits for (`_carry_forward`)
+        self._version_moved = asyncio.Event()  # set (and cleared) at each in-flight update
         self._outbox: list[bus.Outgoing] = []  # token chunks and lease events to publish at the next flush
         self._publishing: asyncio.Task | None = None  # the outbox publish in flight (_publish_outbox_soon)
         self._progress_at = time.monotonic()  # the generate loop's (or the engine's) last sign of life
@@ -383,9 +385,15 @@ class RolloutWorker:
                 return
             if req.policy_version < self._floor:  # continued from its checkpoint under the floor's version
                 req = msgspec.structs.replace(req, policy_version=self._floor)
+            if req.upgradable and req.policy_version < self.engine.policy_version and req.episode is None:
+                # async's in-flight update: a request of an older version is continued (or
+                # started) under the newer one the engine holds, never the other way round
+                req = msgspec.structs.replace(req, policy_version=self.engine.policy_version)
             log = self.log.bind(request_id=req.request_id, step=req.step, policy_version=req.policy_version)
             try:
                 ready = await self._ensure_version(req.policy_version)
+                if not ready and req.upgradable and await self._carried_to(req.policy_version):
+                    ready = await self._ensure_version(req.policy_version)
             except VersionGone as e:  # left by a dead life or another run: it would wait forever
                 await bus.dead_letter(self.c.js, msg, f"stale request: {e}", wire.STREAM_REQUESTS)
                 self.counters.add("dead_lettered")
@@ -513,6 +521,102 @@ class RolloutWorker:
             n = 1
         return min(0.5 * 2 ** max(0, n - 3), 16 * self.cfg.ack_wait_s)
 
+    async def _carried_to(self, version: int) -> bool:
+        """An upgradable request of a newer version than the engine's: ask the generate loop to
+        move the engine to it, carrying the requests in flight along (`_carry_forward`), and
+        wait for that (at most half an ack_wait: the message is not extended meanwhile).
+        False: nothing to wait for (the engine is not older), or it did not happen in time."""
+        if version <= self.engine.policy_version or self.weights is None:
+            return False
+        if not self.weights.virtual:
+            try:  # the download here, not in the generate loop: it keeps generating meanwhile
+                await self.weights.path(version)
+            except VersionGone:
+                raise
+            except Exception as e:
+                self.log.warning("weight pull failed", version=version, error=str(e))
+                return False
+        self._carry_to = max(self._carry_to, version)
+        self.stop_engine.set()  # the move happens between two engine calls: end this one
+        self._wake.set()
+        deadline = time.monotonic() + self.cfg.ack_wait_s / 2
+        while self.engine.policy_version < version and (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._version_moved.wait(), timeout=left)
+        return self.engine.policy_version >= version
+
+    async def _carry_forward(self) -> None:
+        """Async rollout's in-flight update (as PipelineRL's): move the engine to the newer
+        version an upgradable request asked for, and continue the requests in flight under it
+        instead of finishing them first. Each is re-claimed under its lease (a new epoch, a
+        history line with the new version and weights: its later tokens are a segment of their
+        own), so a resume anywhere keeps the labels right; the staleness bound is the oldest
+        segment's, unchanged. Without this a worker holding one long response of the old version
+        could take none of the next version's requests until it ended: on the trace bench, ~13
+        responses a step at the 14K-token cap kept most instances so at every step boundary.
+
+        Runs between engine calls, after a flush (nothing pending). Not now (tried again after
+        the next call) while a request of another version that cannot move is in flight (not
+        upgradable, an episode) or still being admitted (it holds its version's reservation)."""
+        target = self._carry_to
+        if target <= self.engine.policy_version:
+            self._carry_to = 0
+            return
+        moving = [a for a in self.active.values() if a.req.policy_version != target and not a.done]
+        if any(not a.req.upgradable or a.episode is not None or a.pending_tokens or a.req.policy_version > target
+               for a in moving):
+            return
+        held = collections.Counter(a.req.policy_version for a in self.active.values())
+        if any(n > held[v] for v, n in self._version_users.items() if v != target):
+            return  # an admission of another version is claiming: it would land on the wrong weights
+        path: Path | None = None
+        if not self.weights.virtual:
+            try:  # pulled by the request that asked (`_carried_to`): a cache hit
+                path = await self.weights.path(target)
+            except Exception as e:  # gone meanwhile: the waiting requests are handed back
+                self.log.warning("in-flight update: weight pull failed", version=target, error=str(e))
+                self._carry_to = 0
+                return
+        async with self._version_lock:
+            if any(n > held[v] for v, n in self._version_users.items() if v != target):
+                return
+            try:
+                if path is None:
+                    self.engine.policy_version = target  # virtual weights: only a label
+                else:
+                    await self.engine.load_weights(path, target)
+                self.engine.weights_id = self.weights.weights_id(path, target)
+            except Exception as e:
+                self.log.warning("in-flight update: weight load failed", version=target, error=str(e))
+                self._carry_to = 0
+                return
+            self._carry_to = 0
+            claims = await asyncio.gather(*(
+                self.c.store.claim(a.req.request_id, self.worker_id, target, self.cfg.lease_ttl_s,
+                                   weights=self.engine.weights_id) for a in moving), return_exceptions=True)
+            for a, claim in zip(moving, claims, strict=True):
+                old = a.req.policy_version
+                if isinstance(claim, BaseException) or len(claim.token_ids) != a.durable:
+                    # lost meanwhile (another worker holds or finished it, or the store failed):
+                    # it is no longer ours to continue here
+                    why = claim if isinstance(claim, Exception) else LeaseLost(f"{a.req.request_id}: the checkpoint moved on meanwhile")
+                    if not isinstance(claim, BaseException):
+                        with contextlib.suppress(Exception):
+                            await self.c.store.release(a.req.request_id, claim.epoch)
+                    await self._drop_fenced(a, why)
+                    continue
+                a.req = msgspec.structs.replace(a.req, policy_version=target)
+                a.epoch, a.weights = claim.epoch, self.engine.weights_id
+                self._version_users[target] += 1
+                self._unreserve(old)
+                self.counters.add("carried")
+                await self._event(a.req, a.epoch, "claim", a.durable, detail=f"in-flight update from version {old}")
+        self.log.info("in-flight update", policy_version=target, weights=self.engine.weights_id, carried=len(moving))
+        self._switch_wanted = 0.0
+        self._version_moved.set()
+        self._version_moved.clear()
+        self._notify_slots()
+
     async def _ensure_version(self, version: int) -> bool:
         """Serve one policy version at a time. On True the caller holds a reservation of
         `version` (`_version_users`): the engine cannot switch away until it is released.
@@ -565,6 +669,8 @@ class RolloutWorker:
         k = self.cfg.checkpoint_tokens
         while True:
             self._wake.clear()  # before looking: whatever arrives from here on wakes the wait below
+            if self._carry_to and not self.draining.is_set():
+                await self._carry_forward()  # after the last call's flush: nothing is pending
             if not self.active:
                 self._progress_at = time.monotonic()
                 if self.draining.is_set() and self.admitting == 0:
@@ -963,8 +1069,10 @@ class RolloutWorker:
             released = [False] * len(leftover)
         mine = [a for a, ok in zip(leftover, released, strict=True) if ok]  # the rest: fenced out, not ours
         subject = wire.resume_subject(self.handoff_pool)
+        # a request carried to a newer version (`_carry_forward`) goes on under it: its message
+        # says so, or the next worker could continue it under the older one again
         outcomes = await bus.publish_batch(
-            self.c.js, [(subject, a.msg.data, {wire.HDR_MSG_ID: wire.handoff_msg_id(a.req.request_id, a.epoch)})
+            self.c.js, [(subject, wire.encode(a.req) if a.req.upgradable else a.msg.data, {wire.HDR_MSG_ID: wire.handoff_msg_id(a.req.request_id, a.epoch)})
                         for a in mine], ack_timeout_s=self.cfg.publish_timeout_s,
             deadline_s=min(self.cfg.publish_timeout_s * 2, self.cfg.drain_grace_s / 2))
         for a, out in zip(mine, outcomes, strict=True):

@@ -163,6 +163,7 @@ class EmulatedEngine(Engine):
         self.on_tokens = on_tokens  # called as tokens come off each emulated step
         self.weights_id = "emulated-v0"
         self._prefilled: set[str] = set()  # request ids whose KV cache this engine holds
+        self._kv_version = 0  # the version that KV cache was computed with
         self._gpu_free_at: float | None = None  # wall clock when the last call's modelled GPU work ended
         self._last_gpu_s = 0.0  # real duration of the last call's modelled GPU work
         # Per sequence of the batch: (request id, seed, max new, version) -> (target length, key).
@@ -216,6 +217,9 @@ class EmulatedEngine(Engine):
     async def generate(self, batch: list[Sequence], max_tokens: int,
                        stop: threading.Event | None = None) -> list[Generated]:
         now = time.monotonic()
+        if self._kv_version != self.policy_version:  # new weights: no KV of the old ones is reused
+            self._prefilled.clear()  # (vLLM resets its prefix cache likewise): prefilled again
+            self._kv_version = self.policy_version
         ids = {s.request_id for s in batch}
         continuing = bool(self._prefilled & ids)
         self._prefilled &= ids  # sequences that left the batch free their KV cache
