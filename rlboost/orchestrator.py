@@ -38,7 +38,9 @@ A step (policy `hybrid`, mode `sync`):
 `disaggregated`: training streams from the start (T_seed = 0) while rollout engines generate:
 the seeding engines' share (their `capacity`; 0 for a run whose reserved side only trains) and
 the preemptible pool. With no live preemptible worker every policy runs colocated, and if the
-pool dies mid-step the seeding engines take its work back (`take_back`): a step never stalls.
+pool dies mid-step the seeding engines take its work back (`take_back`): a step never stalls,
+and its rest runs colocated (they generate until the batch is in, then the trainer trains: the
+same GPUs cannot do both at once).
 
 Rollout modes (`[rollout] mode`):
 
@@ -60,8 +62,8 @@ Rollout modes (`[rollout] mode`):
   With `in_flight_updates` (the default) the requests are `upgradable`: a worker moving to a
   newer version for the next step's requests carries its unfinished ones along (their later
   tokens a segment of the newer version, `workers/worker.py` `_carry_forward`) instead of
-  finishing them first, one version at a time. Versions only move forward, so the oldest
-  segment, and the bound, are the published version's.
+  finishing them first, one version at a time. No segment is older than the published version,
+  so the bound holds.
 
 Every trained result's staleness (trained version − its oldest segment's version) is recorded;
 in `sync` (bound 0) and `async` (bound k) a result beyond the bound fails the step with
@@ -379,6 +381,9 @@ class Orchestrator:
                     out.fallback = True
                     self.fallbacks += 1
                     await self.engines.take_back(step)
+                    free_at = await self._colocated_rest(
+                        lambda: len(out.trained) + sum(1 for it in self._ready if eligible(it[0])) >= prompts
+                        or self._collectors_done(), free_at)
                 if self._collectors_done() and not self._scoring:
                     break  # partial: every request is in, nothing more will complete
             if item is None:
@@ -412,6 +417,21 @@ class Orchestrator:
             self._window_duty = min(1.0, out.window_s / out.step_s) if out.step_s > 0 else 1.0
         out.on_reserved, self._shares = self._shares, {}
         return out
+
+    async def _colocated_rest(self, batch_in: Callable[[], bool], free_at: float) -> float:
+        """A take-back: the reserved GPUs generate the pool's work, so they do not train
+        meanwhile (colocated, for the rest of the step): wait for the batch, stop serving the pool
+        (`end_step`: what the engines still generate of later steps goes back to it), then train.
+        Training while they generated let them make the steps published ahead for free (async on
+        the g4dn trace: 0.8 instances rented, 166% of the linear oracle). Returns when the
+        trainer is free again."""
+        while not batch_in():
+            self._arrived.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), timeout=0.1)
+            self._check_collectors()
+        await self.engines.end_step()
+        return max(free_at, time.monotonic())
 
     def untrained(self) -> dict[int, list[int]]:
         """Groups published and not trained yet, by step: what a partial run's checkpoint carries."""

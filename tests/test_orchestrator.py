@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import inspect
 import itertools
+import math
 import re
 import threading
 import time
@@ -53,11 +54,13 @@ class Clock:
 
     def __init__(self, train_s: float = 0.0) -> None:
         self.version, self.train_s = 0, train_s
+        self.trained_at: list[float] = []  # when each group's training started (monotonic)
 
     async def score(self, key, results):
         return None
 
     async def train_group(self, key, results, scored, start: float) -> float:
+        self.trained_at.append(time.monotonic())
         await asyncio.sleep(self.train_s)
         return time.monotonic()
 
@@ -80,7 +83,7 @@ class Requests:
 
 async def drive(services, mode: str, steps: int, preemptible: int = 0, policy: str = "hybrid", t_seed: float = 0.2,
                 at_handoff=None, prompts: int = 6, max_staleness: int = 1, overprovision: float = 0.5,
-                train_s: float = 0.0):
+                train_s: float = 0.0, spy=None):
     """`steps` steps of `policy` in `mode`, with `preemptible` in-process workers on the pool."""
     nats_url, redis_url = services
     run = wire.new_run_id()
@@ -99,6 +102,8 @@ async def drive(services, mode: str, steps: int, preemptible: int = 0, policy: s
                 return await hand_off()
             seeding.hand_off = hand_off_then
         clock = Clock(train_s)
+        if spy is not None:
+            spy(seeding)
         o = orch.Orchestrator(c, pool, seeding, clock, policy=policy, window=SeedWindow(initial_s=t_seed, floor_s=0.1),
                               mode=mode, max_staleness=max_staleness, overprovision=overprovision, samples=4)
         deadline = time.monotonic() + 10
@@ -134,10 +139,29 @@ def test_the_pool_dies_at_the_hand_off_and_the_reserved_side_takes_it_back(servi
         for w in workers:
             w.request_drain("preempted")  # hands its requests back to the resume lane and goes
 
-    outs, _ = asyncio.run(drive(services, mode, steps=1, preemptible=1, at_handoff=everyone_leaves, t_seed=0.05,
-                                prompts=8))
+    serving: list[tuple[float, float]] = []  # when the reserved side served the pool: take-back to end_step
+
+    def spy(seeding):
+        take_back, end_step = seeding.take_back, seeding.end_step
+
+        async def took_back(step):
+            serving.append((time.monotonic(), math.inf))
+            await take_back(step)
+
+        async def ended():
+            if serving and serving[-1][1] == math.inf:
+                serving[-1] = (serving[-1][0], time.monotonic())
+            await end_step()
+        seeding.take_back, seeding.end_step = took_back, ended
+
+    outs, clock = asyncio.run(drive(services, mode, steps=1, preemptible=1, at_handoff=everyone_leaves, t_seed=0.05,
+                                    prompts=8, spy=spy))
     o = outs[0]
     assert o.live == 1 and o.fallback and len(o.trained) == 8
+    # the reserved GPUs either generate the pool's work or train, never both: the rest of the
+    # step runs colocated (the batch in, the pool no longer served, then training)
+    (start, end), = serving
+    assert end < math.inf and not any(start <= t < end for t in clock.trained_at)
 
 
 def reference(r: wire.RolloutResult) -> tuple[list[int], list[float]]:
