@@ -54,8 +54,9 @@ Rollout modes (`[rollout] mode`):
   version. Requests of a group are trained together when the group is complete. Every step
   trains `prompts` groups and draws as many, so the draw sizes do not depend on timing; a
   resumed run hands the groups its checkpoint carried over to `carry()`.
-- `async` with `max_staleness = k`: the requests of the next k steps are published ahead, so
-  workers never wait for a step boundary; a request is published under the version current at
+- `async` with `max_staleness = k`: the requests of the next k steps are published ahead (while
+  preemptible workers are live: with none the step runs colocated, and the reserved GPUs cannot
+  generate ahead while they train), so workers never wait for a step boundary; a request is published under the version current at
   the time and generated with it, and step s trains its own groups only: every token it trains
   is at most k versions old by construction. Nothing is dropped or re-queued (nothing can be
   older); a result that were older would fail the step (`StalenessExceeded`), never be trained.
@@ -327,7 +328,11 @@ class Orchestrator:
         # 1. publish: this step (sync), what keeps prompts + overprovision groups in flight
         # (partial), or the steps up to step + k (async: the later ones under today's version)
         if self.mode == "async":
-            for s in range(step, step + (self.max_staleness if publish_ahead else 0) + 1):
+            # ahead only while preemptible workers are live: with none, the reserved GPUs would
+            # generate the steps ahead while they train (in the trace bench they did both at once:
+            # colocated steps of 90 s instead of 230 on g4dn's first 600 s, which offers no instance)
+            ahead = self.max_staleness if publish_ahead and live > 0 and self.policy != "colocated" else 0
+            for s in range(step, step + ahead + 1):
                 if s not in self._published:
                     await self._publish(s, source.requests(s, version, prompts), live, republish,  # resumed: all of them
                                         ahead=s > step)

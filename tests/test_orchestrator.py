@@ -129,8 +129,9 @@ def test_with_no_preemptible_worker_every_mode_completes_colocated(services, mod
     for o in outs:
         assert o.live == 0 and o.t_seed is None and o.handoffs == 0 and not o.fallback
         assert len(o.trained) == 6 and all(len(results) == 4 for _, results in o.trained)
-        bound = 0 if mode == "sync" else 1
-        assert mode == "partial" or max(o.staleness) <= bound
+        # async publishes nothing ahead with no preemptible worker (the reserved GPUs would
+        # generate it while they train): every step on-policy, as in sync
+        assert mode == "partial" or max(o.staleness) == 0
 
 
 @pytest.mark.parametrize("mode", orch.MODES)
