@@ -152,6 +152,7 @@ def test_a_single_turn_request_is_encoded_as_before_but_for_its_version():
                               seed=7)
     fields = msgspec.msgpack.decode(wire.encode(req))
     assert fields.pop("episode") is None and fields["v"] == 4
+    assert fields.pop("upgradable") is False  # async's in-flight update (an older worker ignores it)
     assert list(fields) == ["v", "request_id", "step", "policy_version", "prompt_ids", "max_new_tokens", "seed",
                             "sampling", "eos_id", "stop_ids", "group"]
     assert msgspec.msgpack.decode(msgspec.msgpack.encode([0, "w", 1, 0]), type=wire.Segment).kind == "model"
