@@ -580,14 +580,7 @@ class RolloutWorker:
         async with self._version_lock:
             if any(n > held[v] for v, n in self._version_users.items() if v != target):
                 return
-            try:
-                if path is None:
-                    self.engine.policy_version = target  # virtual weights: only a label
-                else:
-                    await self.engine.load_weights(path, target)
-                self.engine.weights_id = self.weights.weights_id(path, target)
-            except Exception as e:
-                self.log.warning("in-flight update: weight load failed", version=target, error=str(e))
+            if not await self._load(path, target):
                 self._carry_to = 0
                 return
             self._carry_to = 0
@@ -616,6 +609,19 @@ class RolloutWorker:
         self._version_moved.set()
         self._version_moved.clear()
         self._notify_slots()
+
+    async def _load(self, path: Path | None, version: int) -> bool:
+        """Put `version`'s weights in the engine (under `_version_lock`); False if that failed."""
+        try:
+            if path is None:
+                self.engine.policy_version = version  # virtual weights: only a label
+            else:
+                await self.engine.load_weights(path, version)
+            self.engine.weights_id = self.weights.weights_id(path, version)
+        except Exception as e:
+            self.log.warning("weight load failed", version=version, error=str(e))
+            return False
+        return True
 
     async def _ensure_version(self, version: int) -> bool:
         """Serve one policy version at a time. On True the caller holds a reservation of
@@ -650,14 +656,7 @@ class RolloutWorker:
                     return False
                 if path is None and not self.weights.virtual:
                     return False  # another version was loaded meanwhile: pull again next delivery
-                try:
-                    if path is None:
-                        self.engine.policy_version = version  # virtual weights: only a label
-                    else:
-                        await self.engine.load_weights(path, version)
-                    self.engine.weights_id = self.weights.weights_id(path, version)
-                except Exception as e:
-                    self.log.warning("weight load failed", version=version, error=str(e))
+                if not await self._load(path, version):
                     return False
                 self.log.info("policy version loaded", policy_version=version, weights=self.engine.weights_id)
             self._version_users[version] += 1
