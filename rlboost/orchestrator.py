@@ -56,8 +56,9 @@ Rollout modes (`[rollout] mode`):
   resumed run hands the groups its checkpoint carried over to `carry()`.
 - `async` with `max_staleness = k`: the requests of the next k steps are published ahead (while
   preemptible workers are live: with none the step runs colocated, and the reserved GPUs cannot
-  generate ahead while they train), so workers never wait for a step boundary; a request is published under the version current at
-  the time and generated with it, and step s trains its own groups only: every token it trains
+  generate ahead while they train), so workers never wait for a step boundary; a request is
+  published under the version current at the time and generated with it (or a newer one, see
+  below), and step s trains its own groups only: every token it trains
   is at most k versions old by construction. Nothing is dropped or re-queued (nothing can be
   older); a result that were older would fail the step (`StalenessExceeded`), never be trained.
   With `in_flight_updates` (the default) the requests are `upgradable`: a worker moving to a
@@ -195,7 +196,8 @@ class Orchestrator:
     def __init__(self, clients: Clients, pool: str, engines: SeedingEngines, trainer: TrainerPort, *,
                  policy: str = "hybrid", window: SeedWindow | None = None, mode: str = "sync",
                  max_staleness: int = 1, overprovision: float = 0.25, samples: int = 8,
-                 in_flight_updates: bool = True, on_result: Callable[[wire.RolloutResult, int, int], None] | None = None,
+                 in_flight_updates: bool = True,
+                 on_result: Callable[[wire.RolloutResult, int, int], None] | None = None,
                  waiting_period_s: float = 0.25, poll_s: float = 0.01) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}: use one of {', '.join(POLICIES)}")

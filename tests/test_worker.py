@@ -35,6 +35,13 @@ async def clients(nats_url, redis_url, js):
         yield c
 
 
+async def _counted(w: RolloutWorker, counter: str, n: int, timeout: float = 10.0) -> None:
+    """Until the worker's `counter` reaches `n` (a state, not a sleep), or `timeout`."""
+    deadline = time.monotonic() + timeout
+    while w.counters.get(counter) < n and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 def _worker(clients, pool: str, speed: float = 0.0, name: str = "w", **engine) -> RolloutWorker:
     settings = WorkerSettings(pool=pool, slots=8, ack_wait_s=3.0, lease_ttl_s=2.0, heartbeat_s=0.2)
     return RolloutWorker(settings, EmulatedEngine(speed=speed, **engine), clients, worker_id=f"{pool}-{name}",
@@ -306,9 +313,7 @@ async def test_a_request_of_the_next_version_is_handed_back_once_not_every_half_
     w = _worker(clients, pool, speed=0.5, lengths=LengthModel(median=1e9))  # 400 tokens: ~5 s
     task = asyncio.create_task(w.run())
     await js.publish(wire.request_subject(pool), wire.encode(_req(step, 0, version=0, max_new=400)))
-    deadline = time.monotonic() + 10
-    while w.counters.get("claims") < 1 and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    await _counted(w, "claims", 1)
     await js.publish(wire.request_subject(pool), wire.encode(_req(step, 1, version=1)))
     got = await step_results(js, step, 2, timeout=15)
     w.request_drain("test over")
@@ -522,9 +527,7 @@ async def test_the_next_versions_requests_outlast_a_long_tail_of_the_old_one(cli
         tail = wire.RolloutRequest(request_id=wire.request_id(step, 0, 0), step=step, policy_version=0,
                                    prompt_ids=[5, 6, 7], max_new_tokens=700, seed=11, group=0)
         await js.publish(wire.request_subject(pool), wire.encode(tail))
-        deadline = time.monotonic() + 10
-        while w.counters.get("claims") < 1 and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await _counted(w, "claims", 1)
         nxt = [_req(step, i, version=1, max_new=5) for i in range(1, 4)]
         for r in nxt:
             await js.publish(wire.request_subject(pool), wire.encode(r))
@@ -552,9 +555,7 @@ async def test_an_async_worker_carries_its_unfinished_requests_to_the_next_versi
         tail = wire.RolloutRequest(request_id=wire.request_id(step, 0, 0), step=step, policy_version=0,
                                    prompt_ids=[5, 6, 7], max_new_tokens=700, seed=11, group=0, upgradable=True)
         await js.publish(wire.request_subject(pool), wire.encode(tail))
-        deadline = time.monotonic() + 10
-        while w.counters.get("checkpointed") < 50 and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await _counted(w, "checkpointed", 50)
         nxt = [msgspec.structs.replace(_req(step, i, version=1, max_new=5), upgradable=True) for i in range(1, 4)]
         for r in nxt:
             await js.publish(wire.request_subject(pool), wire.encode(r))

@@ -514,7 +514,8 @@ class RolloutWorker:
         through minutes of tail) the next version's requests would otherwise be bounced towards
         max_deliver (20) and the dead-letter queue: with these delays 20 deliveries take ~26 min at
         the default 10 s ack_wait (~150 ack_waits), ~5 min in the trace bench (1.5 s: ~200); 20 x
-        0.5 s and the pauses between fetches once took ~20 ack_waits (the trace bench's reserved side taking a step back hung a run so)."""
+        0.5 s and the pauses between fetches once took ~20 ack_waits (the trace bench's reserved
+        side taking a step back hung a run so)."""
         try:
             n = int(msg.metadata.num_delivered or 1)
         except Exception:  # not a JetStream delivery: the first
@@ -592,7 +593,8 @@ class RolloutWorker:
                 if isinstance(claim, BaseException) or len(claim.token_ids) != a.durable:
                     # lost meanwhile (another worker holds or finished it, or the store failed):
                     # it is no longer ours to continue here
-                    why = claim if isinstance(claim, Exception) else LeaseLost(f"{a.req.request_id}: the checkpoint moved on meanwhile")
+                    why = (claim if isinstance(claim, Exception)
+                           else LeaseLost(f"{a.req.request_id}: the checkpoint moved on meanwhile"))
                     if not isinstance(claim, BaseException):
                         with contextlib.suppress(Exception):
                             await self.c.store.release(a.req.request_id, claim.epoch)
@@ -1071,7 +1073,8 @@ class RolloutWorker:
         # a request carried to a newer version (`_carry_forward`) goes on under it: its message
         # says so, or the next worker could continue it under the older one again
         outcomes = await bus.publish_batch(
-            self.c.js, [(subject, wire.encode(a.req) if a.req.upgradable else a.msg.data, {wire.HDR_MSG_ID: wire.handoff_msg_id(a.req.request_id, a.epoch)})
+            self.c.js, [(subject, wire.encode(a.req) if a.req.upgradable else a.msg.data,
+                         {wire.HDR_MSG_ID: wire.handoff_msg_id(a.req.request_id, a.epoch)})
                         for a in mine], ack_timeout_s=self.cfg.publish_timeout_s,
             deadline_s=min(self.cfg.publish_timeout_s * 2, self.cfg.drain_grace_s / 2))
         for a, out in zip(mine, outcomes, strict=True):
