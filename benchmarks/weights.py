@@ -1,7 +1,7 @@
 """`rlboost bench weights`: sparse weight deltas on real GRPO updates, and a late joiner's pull.
 
 A locally built model (default 33.6M parameters: the demo's architecture family, hidden 512,
-8 layers, mlp 2048; the demo's addition task) takes a few GRPO steps at each `--lrs` (fp32
+8 layers, mlp 2048; the demo's addition task) takes `--steps` GRPO steps at each `--lrs` (fp32
 master weights, AdamW), each a real step: a torch engine samples `--prompts` x `--samples`
 responses with the policy it pulled from the weight store, the task scores them, the trainer
 updates. An untrained model never gets an answer exactly right, so every group would score 0 and
@@ -16,7 +16,13 @@ one it holds (fetch the delta, replay, SHA-256 every tensor) plus whether the re
 are bit-identical to what the trainer published. Then a late joiner with an empty cache
 provisions the newest version (nearest snapshot + the deltas since, verified).
 
-- delta_bytes_ratio: median bytes of a delta version / bytes of the full version, at the first lr
+- delta_bytes_ratio: median bytes of a delta version / bytes of the full version over the steps, at
+  the first lr. Adam's first steps move every weight by about lr (its normalised update starts at
+  +-1 and shrinks as its second moment fills), so the deltas shrink over the first ~10 steps and then
+  hold (lr 1e-6: 2.3 % of the version at step 1, 1.0 % from step 10 on, sparse2): the default
+  23 steps make the median a step of that plateau, as in a long run, and leave a late joiner the
+  same 3 deltas to replay after the step-20 snapshot as the 3 steps did before
+  (`delta_ratio_by_step` has every step)
 - mb_per_s: the late joiner's effective rate = full version bytes / provisioning seconds, the median
   of `--late-trials` late joiners (each from an empty cache; every trial's rate is in the JSON)
 - snapshot_pull_mb_per_s: the same for a plain pull of the v0 snapshot (the same bytes, an empty
@@ -107,7 +113,7 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
     store = await JetStreamBlobStore.open(js, bucket)
     rng = random.Random(a.seed)
     try:
-        pub = WeightPublisher(store, full_every=a.full_every, keep_versions=a.steps + 1, delta_band=a.delta_band,
+        pub = WeightPublisher(store, full_every=a.full_every, keep_versions=a.steps + 1, delta_format=a.delta_format,
                               snapshot_deltas=a.snapshot_deltas)
         follower = WeightCache(work / f"follower-{lr}", store)
         sd = await asyncio.to_thread(trainer.state_dict)
@@ -173,6 +179,7 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
         ratios = [s["delta_bytes"] / full_bytes for s in steps if s["delta_bytes"]]
         return {"lr": lr, "params": sum(t.numel() for t in sd.values()), "dtype": rep.dtype,
                 "full_bytes": full_bytes, "delta_bytes_ratio": round(statistics.median(ratios), 4) if ratios else None,
+                "delta_ratio_by_step": [round(r, 4) for r in ratios],
                 "changed_frac_median": statistics.median(s["changed_frac"] for s in steps),
                 "bit_exact": exact, "late_joiner_s": round(late_s, 3), "late_joiner_bytes": late_stats.bytes_fetched,
                 "late_joiner_fetch_s": round(late_stats.fetch_s, 3),
@@ -222,7 +229,7 @@ async def run(nats_url: str, a: argparse.Namespace, work: Path) -> dict:
 def main(argv: list[str], s: Settings) -> int:
     p = argparse.ArgumentParser(prog="rlboost bench weights", description=__doc__.splitlines()[0])
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
-    p.add_argument("--steps", type=int, default=3, help="GRPO steps (published versions) per lr")
+    p.add_argument("--steps", type=int, default=23, help="GRPO steps (published versions) per lr")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
@@ -235,8 +242,8 @@ def main(argv: list[str], s: Settings) -> int:
                    help="late joiners and plain snapshot pulls timed alternately, each from an empty cache "
                         "(the medians are reported)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--delta-band", action="store_true",
-                   help="rank small-magnitude elements apart in the deltas: smaller, slower to replay")
+    p.add_argument("--delta-format", default="sparse3", choices=["sparse3", "sparse2"],
+                   help="how deltas are coded ([weights] delta_format): sparse2 is the format before")
     p.add_argument("--snapshot-deltas", action="store_true",
                    help="also publish each version's change from the last snapshot ([weights] snapshot_deltas, "
                         "opt-in): a late joiner replays one delta, the publisher encodes and uploads two")

@@ -301,9 +301,10 @@ class WeightsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     deltas: bool = True  # store a version as a sparse delta against the previous one when it pays
     delta_max_ratio: float = 0.5  # a delta pays when its bytes are at most this fraction of the full version
     full_every: int = 10  # a full snapshot at least every N versions (bounds a late joiner's replay)
-    # rank the small-magnitude elements apart in a delta: about a fifth fewer bytes at small lr,
-    # but every replayed version costs a pass over every element (rlboost/weights/deltas.py)
-    delta_band: bool = False
+    # how a delta is coded (rlboost/weights/deltas.py): "sparse3" (positions by magnitude class,
+    # about a quarter fewer bytes than sparse2 at lr 1e-6) or "sparse2", the format before, which
+    # workers older than sparse3 read: for a fleet upgraded while the trainer publishes
+    delta_format: str = "sparse3"
     # opt-in: a delta-only version also carries its change from the last snapshot when that is fewer
     # bytes than the deltas since, so a late joiner replays one delta; the publisher keeps the snapshot
     # in memory, encodes each version twice and uploads 2.7-3.3x the bytes (publish 0.50 -> 1.44 s on the
@@ -337,6 +338,8 @@ class WeightsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                f"peer_host {self.peer_host!r} binds every interface: say which address the others reach this worker at")
         _check(0 < self.delta_max_ratio <= 1, "weights.delta_max_ratio", "must be in (0, 1]")
         _check(self.full_every >= 1, "weights.full_every", "must be >= 1")
+        _check(self.delta_format in ("sparse3", "sparse2"), "weights.delta_format",
+               f"{self.delta_format!r}: use sparse3, or sparse2 for workers older than sparse3")
         _check(self.keep_versions >= 1, "weights.keep_versions", "must be >= 1")
         if self.store.startswith("s3://"):
             from rlboost.wire import parse_s3_url
@@ -353,7 +356,7 @@ class WeightsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def publisher_options(self) -> dict:
         return {"deltas": self.deltas, "delta_max_ratio": self.delta_max_ratio, "full_every": self.full_every,
-                "delta_band": self.delta_band, "snapshot_deltas": self.snapshot_deltas,
+                "delta_format": self.delta_format, "snapshot_deltas": self.snapshot_deltas,
                 "keep_versions": self.keep_versions}
 
     def store_options(self) -> dict:

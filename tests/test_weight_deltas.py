@@ -91,18 +91,26 @@ async def manifest(store: BlobStore, v: int) -> Manifest:
 
 
 def round_trip(old: torch.Tensor, new: torch.Tensor) -> str:
-    """Encode `new` against `old` with and without the band, decode it both ways (a copy, in
-    place): bit for bit `new`. Returns the encoding chosen (the same either way)."""
-    encs = set()
-    for band in (False, True):
-        enc, count, payload = deltas.encode(old, new, band=band)
-        encs.add(enc)
+    """Encode `new` against `old` in each format the publisher writes and as sparse2 with the band
+    (the format before: still read), decode each both ways (a copy, in place): bit for bit `new`.
+    Returns the encoding chosen by default."""
+    encs = {}
+    for fmt in deltas.SPARSE_FORMATS + ("band",):
+        if fmt == "band":
+            ob, nb = deltas.bits(old), deltas.bits(new)
+            changed = ob != nb
+            if not (changed.any() and old.dtype == new.dtype and old.shape == new.shape):
+                continue
+            enc, count = "sparse2", int(np.count_nonzero(changed))
+            payload = deltas._sparse2(ob, nb, changed, str(new.dtype).removeprefix("torch."), True)
+        else:
+            enc, count, payload = deltas.encode(old, new, fmt=fmt)
+        encs[fmt] = enc
         for inplace in (False, True):
             base = deltas.bits(old).copy()
             got = deltas.decode(base, enc, count, payload, new.numel(), new.element_size(), inplace=inplace)
-            assert np.array_equal(got, deltas.bits(new)), (new.dtype, enc, band, inplace)
-    assert len(encs) == 1
-    return encs.pop()
+            assert np.array_equal(got, deltas.bits(new)), (new.dtype, enc, fmt, inplace)
+    return encs["sparse3"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.bool])
@@ -118,37 +126,38 @@ def test_every_encoding_round_trips_bit_exactly(dtype):
     enc, count, payload = deltas.encode(None, old)  # no base: raw
     assert enc == "raw" and np.array_equal(deltas.decode(None, enc, count, payload, old.numel(),
                                                          old.element_size()), deltas.bits(old))
-    assert "same" in seen and "sparse2" in seen and seen & {"xor", "raw"}
+    assert "same" in seen and "sparse3" in seen and seen & {"xor", "raw"}
 
 
-def ulp_steps(dtype: torch.dtype, n: int, scale: float, lr: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A trainer's step as the publisher sees it: fp32 masters moved by lr, cast. Their magnitudes
-    spread over 8 octaves below `scale` (the small ones change most: a band)."""
+def small_steps(dtype: torch.dtype, n: int, scale: float, lr: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trainer's step as the publisher sees it: fp32 masters (Gaussian, as a weight matrix is)
+    moved by about lr each, cast. The small-magnitude ones change most."""
     g = torch.Generator().manual_seed(seed)
-    master = torch.randn(n, generator=g) * scale * 2 ** (-8 * torch.rand(n, generator=g))
-    return master.to(dtype), (master + torch.randn(n, generator=g).sign() * lr).to(dtype)
+    master = torch.randn(n, generator=g) * scale
+    return master.to(dtype), (master + torch.randn(n, generator=g) * lr).to(dtype)
 
 
-# lr: about 1% of a typical element's ULP; fp16's scale keeps most elements above its subnormals
-@pytest.mark.parametrize("dtype, scale, lr", [(torch.bfloat16, 0.02, 1e-6), (torch.float16, 1.0, 1e-6),
+# lr: bf16 and fp32 at about 1% of a typical element's ULP; fp16's scale keeps most elements above its subnormals
+@pytest.mark.parametrize("dtype, scale, lr", [(torch.bfloat16, 0.02, 1e-6), (torch.float16, 1.0, 1e-4),
                                               (torch.float32, 0.02, 1e-11)])
-def test_one_ulp_steps_cost_less_than_the_old_format_and_less_still_with_the_band(dtype, scale, lr):
-    old, new = ulp_steps(dtype, 1 << 16, scale, lr, seed=2)
-    assert round_trip(old, new) == "sparse2"
-    sizes = {}
-    for band in (False, True):
-        enc, count, payload = deltas.encode(old, new, band=band)
-        raw = deltas._unzstd(payload, (0, len(payload) * 1000))
-        threshold, _shift, in_band, _ = deltas._HEADER.unpack_from(raw)
-        assert (threshold and 0 < in_band < count) if band else threshold == in_band == 0
-        sizes[band] = len(payload)
-    assert sizes[True] < sizes[False]  # ranking the small elements apart pays on such steps
+def test_small_steps_cost_less_in_sparse3_than_in_each_format_before(dtype, scale, lr):
+    old, new = small_steps(dtype, 1 << 18, scale, lr, seed=2)
+    assert round_trip(old, new) == "sparse3"
+    ob, nb = deltas.bits(old), deltas.bits(new)
+    name = str(dtype).removeprefix("torch.")
+    enc, count, payload = deltas.encode(old, new)
+    t1, t2, in_a, in_b, *_ = deltas._HEADER3.unpack_from(payload)
+    assert 0 < t2 and 0 < in_a + in_b <= count  # the small elements' changes are coded in their classes
+    sizes = {"sparse3": len(payload), "sparse2": len(deltas.encode(old, new, fmt="sparse2")[2]),
+             "band": len(deltas._sparse2(ob, nb, ob != nb, name, True))}
+    # the band ranks the small elements apart too, sparse3 classes them and codes signs and steps apart
+    assert sizes["sparse3"] < sizes["band"] < sizes["sparse2"]
     # the format before (uint32 gaps and XORs, byte planes) of the same change is bigger; it is still read
     ob, nb = deltas.bits(old), deltas.bits(new)
     idx = np.flatnonzero(ob != nb)
     gaps = (np.diff(idx, prepend=-1) - 1).astype(np.uint32)
     legacy = deltas._zstd(deltas._planes(gaps) + deltas._planes((ob ^ nb)[idx]))
-    assert sizes[False] < 0.9 * len(legacy)
+    assert sizes["sparse2"] < 0.9 * len(legacy)
     assert np.array_equal(deltas.decode(ob.copy(), "sparse", count, legacy, old.numel(), old.element_size()), nb)
 
 
@@ -163,16 +172,16 @@ def test_adversarial_tensors_round_trip_bit_exactly():
     new = old.clone()
     new.view(torch.int16)[::13] ^= torch.tensor(0x7FFF, dtype=torch.int16)  # jumps across NaN, inf, sign, zero
     new.view(torch.int16)[-len(specials):] = specials.view(torch.int16).flip(0)  # NaN <-> inf <-> 0 ...
-    assert round_trip(old, new) == "sparse2"
+    assert round_trip(old, new) == "sparse3"
     assert round_trip(old, old.clone()) == "same"
     assert round_trip(old, (new.view(torch.int16) + 1).view(torch.bfloat16)) in ("raw", "xor")  # all changed
     one = old.clone()
     one.view(torch.int16)[-1] += 1  # a single change, the last element
-    assert round_trip(old, one) == "sparse2"
+    assert round_trip(old, one) == "sparse3"
     wide = torch.zeros(3 << 20, dtype=torch.bfloat16)  # gaps past 255, 2**16 and 2**21: escaped
     far = wide.clone()
     far[[0, 70_000, (3 << 20) - 1]] = 1.0
-    assert round_trip(wide, far) == "sparse2"
+    assert round_trip(wide, far) == "sparse3"
     gaps = np.array([0, 254, 255, 256, 70_000, (1 << 32) - 1], np.int64)
     packed, escapes = deltas._gaps(gaps)
     assert escapes == 4 and np.array_equal(deltas._ungaps(packed, gaps.size, escapes), gaps)
@@ -186,7 +195,7 @@ def test_a_hostile_payload_is_refused_not_allocated():
     old = torch.zeros(1000, dtype=torch.bfloat16)
     new = old.clone()
     new[::100] = 1
-    enc, count, payload = deltas.encode(old, new)
+    enc, count, payload = deltas.encode(old, new, fmt="sparse2")
     assert enc == "sparse2"
     base = deltas.bits(old)
     with pytest.raises(DeltaCorrupt):  # claims more elements than the tensor has
@@ -218,28 +227,71 @@ def test_a_hostile_payload_is_refused_not_allocated():
     with pytest.raises(DeltaCorrupt, match="past the end of its band"):
         deltas.decode(base, "sparse2", 1, sparse2((1 << 7, 7, 1, 1), b"\xff" + rank, zeros[:2]), 1000, 2)
     with pytest.raises(DeltaCorrupt, match="unknown delta encoding"):
-        deltas.decode(base, "sparse3", count, payload, 1000, 2)
+        deltas.decode(base, "sparse4", count, payload, 1000, 2)
     assert issubclass(DeltaCorrupt, ShardCorrupt) and issubclass(DeltaCorrupt, RlboostError)
 
 
-async def test_a_reader_of_the_format_before_refuses_a_sparse2_delta_clearly(tmp_path, monkeypatch):
+def sparse3(t1: int, t2: int, in_a: int, in_b: int, gaps: tuple[bytes, bytes, bytes], escapes=(0, 0, 0),
+            steps: bytes | None = None, count: int = 10) -> bytes:
+    """A sparse3 payload as written (`deltas._sparse3`), from its parts."""
+    frames = [deltas._zstd(g) for g in gaps]
+    tail = deltas._zstd(bytes(2 * count) if steps is None else steps)
+    return (deltas._HEADER3.pack(t1, t2, in_a, in_b, *escapes, *map(len, frames), len(tail))
+            + b"".join(frames) + bytes((count + 7) // 8) + tail)
+
+
+def test_a_hostile_sparse3_payload_is_refused():
+    base = deltas.bits(torch.zeros(1000, dtype=torch.bfloat16))  # magnitude 0: below any class threshold
+    c = bytes([99] * 10)  # ten changes, every 100th element
+    got = deltas.decode(base.copy(), "sparse3", 10, sparse3(0, 0, 0, 0, (b"", b"", c)), 1000, 2)
+    assert np.flatnonzero(got).tolist() == list(range(99, 1000, 100))  # the parts make a valid payload
+    a = 1 << 7  # class A: magnitudes below 1 << 7, here every element
+    refused = {
+        "header": [sparse3(a << 1, a, 0, 0, (b"", b"", c)),  # t1 above t2
+                   sparse3(0, 1 << 15, 0, 0, (b"", b"", c)),  # a threshold wider than the magnitude
+                   sparse3(0, a, 6, 5, (c[:6], c[:5], b"")),  # more changes in the classes than in all
+                   sparse3(0, 0, 1, 0, (c[:1], b"", c[:9])),  # a class without a threshold
+                   sparse3(a, a, 0, 0, (b"", b"", c))[:-1],  # its parts do not add up to it
+                   sparse3(a, a, 1, 0, (c[:1], b"", c[:9]), escapes=(2, 0, 0))],  # more escapes than gaps
+        "past the end of class A": [sparse3(a, a, 1, 0, (b"\xff" + deltas._planes(np.array([1000 - 255], np.uint32)),
+                                                         b"", c[:9]), escapes=(1, 0, 0))],
+        "past the end of class B": [sparse3(a, a, 0, 1, (b"", b"\x00", c[:9]))],  # B is empty
+        "past the end of the tensor": [sparse3(0, 0, 0, 0, (b"", b"", bytes([200] * 10)))],
+        "escapes": [sparse3(0, 0, 0, 0, (b"", b"", bytes([99] * 9 + [255])))],
+        "more than": [sparse3(0, 0, 0, 0, (b"", b"", c), steps=bytes(64 << 20))],  # a bomb of steps
+    }
+    for why, payloads in refused.items():
+        for payload in payloads:
+            with pytest.raises(DeltaCorrupt, match=why):
+                deltas.decode(base.copy(), "sparse3", 10, payload, 1000, 2)
+
+
+async def test_a_reader_of_a_format_before_refuses_a_newer_delta_clearly(tmp_path, monkeypatch):
     """The manifest names each tensor's encoding; a build that does not know one refuses the
-    version at the door instead of misreading its bytes. The reader before sparse2 knew these
-    encodings (as committed in 24c90b5); against a manifest this publisher writes."""
+    version at the door instead of misreading its bytes. The readers before sparse3 and before
+    sparse2 knew these encodings (as committed in 62d22c2 and 24c90b5); against manifests this
+    publisher writes, by default and with `delta_format = "sparse2"` (for workers before sparse3)."""
+    from rlboost.config import WeightsSettings
     from rlboost.weights import manifest as manifest_module
 
-    store = FileBlobStore(tmp_path / "store", create=True)
-    await publish_chain(WeightPublisher(store), Policy(seed=8, lr=1e-6), range(0, 2))
-    data = await store.read_all(wire.weights_manifest_key(1))
-    assert any(t.enc == "sparse2" for t in Manifest.decode(data).delta.tensors)
-    with monkeypatch.context() as m:
-        m.setattr(manifest_module, "ENCODINGS", ("same", "sparse", "xor", "raw"))  # the reader before
-        with pytest.raises(StoreError, match="'sparse2' is unknown to this build"):
-            Manifest.decode(data)
+    before = {"sparse3": ("same", "sparse2", "sparse", "xor", "raw"), "sparse2": ("same", "sparse", "xor", "raw")}
+    for fmt in ("sparse3", "sparse2"):
+        store = FileBlobStore(tmp_path / f"store-{fmt}", create=True)
+        pub = WeightPublisher(store, **WeightsSettings(delta_format=fmt).publisher_options())
+        await publish_chain(pub, Policy(seed=8, lr=1e-6), range(0, 2))
+        data = await store.read_all(wire.weights_manifest_key(1))
+        assert fmt in {t.enc for t in Manifest.decode(data).delta.tensors} <= {fmt, "same", "xor"}
+        with monkeypatch.context() as m:
+            m.setattr(manifest_module, "ENCODINGS", before[fmt])  # the reader before it
+            with pytest.raises(StoreError, match=f"'{fmt}' is unknown to this build"):
+                Manifest.decode(data)
+            if fmt == "sparse2":  # what a worker before sparse3 reads
+                m.setattr(manifest_module, "ENCODINGS", before["sparse3"])
+                Manifest.decode(data)
     m1 = Manifest.decode(data)  # and this build names what it does not know
-    later = msgspec.structs.replace(m1.delta, tensors=[msgspec.structs.replace(t, enc="sparse3")
+    later = msgspec.structs.replace(m1.delta, tensors=[msgspec.structs.replace(t, enc="sparse4")
                                                        for t in m1.delta.tensors])
-    with pytest.raises(StoreError, match="'sparse3' is unknown to this build"):
+    with pytest.raises(StoreError, match="'sparse4' is unknown to this build"):
         Manifest.decode(msgspec.structs.replace(m1, delta=later).encode())
 
 
@@ -505,18 +557,20 @@ async def test_a_base_snapshot_damaged_in_transit_is_received_again(tmp_path):
     assert not list(cache.tmp_dir.iterdir())
 
 
-async def test_the_delta_band_setting_gives_smaller_deltas_that_rebuild_bit_exactly(tmp_path):
+async def test_either_delta_format_rebuilds_bit_exactly_and_sparse3_is_smaller(tmp_path):
     from rlboost.config import WeightsSettings
 
     sizes = {}
-    for band in (False, True):
-        store = FileBlobStore(tmp_path / f"store-{band}", create=True)
-        pub = WeightPublisher(store, **WeightsSettings(delta_band=band).publisher_options())
+    for fmt in ("sparse3", "sparse2"):
+        store = FileBlobStore(tmp_path / f"store-{fmt}", create=True)
+        pub = WeightPublisher(store, **WeightsSettings(delta_format=fmt).publisher_options())
         truth = await publish_chain(pub, Policy(seed=5, lr=1e-6), range(0, 4))
-        late = WeightCache(tmp_path / f"late-{band}", store)  # the snapshot + 3 deltas replayed
+        late = WeightCache(tmp_path / f"late-{fmt}", store)  # the snapshot + 3 deltas replayed
         assert_exact((await late.ensure(3)).load_tensors(), truth[3])
-        sizes[band] = sum([(await manifest(store, v)).delta.bytes for v in (1, 2, 3)])
-    assert sizes[True] < sizes[False]
+        sizes[fmt] = sum([(await manifest(store, v)).delta.bytes for v in (1, 2, 3)])
+    assert sizes["sparse3"] < sizes["sparse2"]
+    with pytest.raises(ValueError, match="weights.delta_format: 'band'"):
+        WeightsSettings(delta_format="band")
 
 
 # ---------------------------------------------------------------- snapshot deltas (a late joiner replays one)

@@ -66,8 +66,12 @@ _BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _HEADER = struct.Struct("<QB3xII")  # sparse2: band threshold, exponent shift, changes in the band, escapes
+_HEADER3 = struct.Struct("<QQ9I")  # sparse3: t1 <= t2; changes in A, in B; escapes and frame bytes of A, B, C; steps' frame bytes
 _EXP_SHIFT = {"bfloat16": 7, "float16": 10, "float32": 23, "float64": 52}  # where the exponent starts
 BAND_MAX_FRACTION = 1 / 8  # of a tensor's elements at most: bounds the decoder's work
+CLASSES_MAX_FRACTION = 1 / 8  # sparse3: classes A and B hold at most this share of a tensor's elements
+CLASS_A_MAX_FRACTION = 1 / 32  # and A (whose members the decoder sorts) at most this share
+SPARSE3_ZSTD_LEVEL = 12
 
 
 def bits(t: torch.Tensor) -> np.ndarray:
@@ -231,10 +235,68 @@ def _sparse2(ob: np.ndarray, nb: np.ndarray, changed: np.ndarray, dtype_name: st
     return _zstd(_HEADER.pack(threshold, shift, ranks.size, escapes) + pos + _planes(diffs), SPARSE2_ZSTD_LEVEL)
 
 
-def encode(old: torch.Tensor | None, new: torch.Tensor, *, band: bool = False) -> tuple[str, int, bytes]:
+def _classes(mag: np.ndarray, changed: np.ndarray, shift: int) -> tuple[int, int]:
+    """sparse3's class boundaries (t1, t2) on the magnitude, at exponent steps: A = below t1, B = from
+    t1 to below t2, C = the rest. Chosen to minimise the estimated bits of the positions (A's changes
+    at each exponent's own rate, as A is ordered by magnitude; B's at B's rate among its members; C's
+    gaps over the whole tensor), with A within CLASS_A_MAX_FRACTION and A and B within
+    CLASSES_MAX_FRACTION of the elements; (0, 0), no classes, where they save under 2 %."""
+    exp = (mag >> mag.dtype.type(shift)).astype(np.int64)
+    n = np.cumsum(np.bincount(exp))  # elements of exponent <= i
+    k = np.cumsum(np.bincount(exp[changed], minlength=n.size))
+    total_n, total_k = mag.size, int(k[-1])
+    fits = np.flatnonzero(n <= total_n * CLASSES_MAX_FRACTION)
+    plain = _bits_needed(np.array([total_n]), np.array([total_k]))[0]
+    if fits.size == 0:
+        return 0, 0
+    n, k = n[:fits[-1] + 1], k[:fits[-1] + 1]
+    na, ka = np.concatenate([[0], n])[:, None], np.concatenate([[0], k])[:, None]  # row i: A = exponents < i
+    per_exponent = np.concatenate([[0], np.cumsum(_bits_needed(np.diff(n, prepend=0), np.diff(k, prepend=0)))])
+    cost = per_exponent[:, None] + _bits_needed(n[None, :] - na, k[None, :] - ka) \
+        + _bits_needed(np.full((1, n.size), total_n), total_k - k[None, :])  # column j: A + B = exponents <= j
+    cost[np.tril_indices(n.size + 1, -2, n.size)] = np.inf  # B would end below A
+    cost[na[:, 0] > total_n * CLASS_A_MAX_FRACTION] = np.inf  # A's members are sorted: keep it small
+    i, j = np.unravel_index(int(np.argmin(cost)), cost.shape)
+    if cost[i, j] >= 0.98 * plain:
+        return 0, 0
+    return int(i) << shift, int(j + 1) << shift
+
+
+def _sparse3(ob: np.ndarray, nb: np.ndarray, changed: np.ndarray, dtype_name: str) -> bytes:
+    shift = _EXP_SHIFT.get(dtype_name)
+    mag = _magnitude(ob)
+    t1, t2 = (0, 0) if shift is None else _classes(mag, changed, shift)
+    if t2:
+        members = np.flatnonzero(mag < t2)
+        low = mag[members] < t1
+        a, b = _by_magnitude(members[low], mag), members[~low]
+        ra, rb = np.flatnonzero(changed[a]), np.flatnonzero(changed[b])
+        rest = np.flatnonzero(changed & (mag >= t2))
+        idx = np.concatenate([a[ra], b[rb], rest])
+        gaps = np.concatenate([np.diff(ra, prepend=-1) - 1, np.diff(rb, prepend=-1) - 1, np.diff(rest, prepend=-1) - 1])
+    else:
+        ra = rb = np.zeros(0, np.int64)
+        idx = np.flatnonzero(changed)
+        gaps = np.diff(idx, prepend=-1) - 1
+    signed = _SIGNED[nb.itemsize]
+    d = nb.view(signed)[idx] - ob.view(signed)[idx]  # wraps: exact for any bit patterns
+    neg = d < 0
+    steps = np.where(neg, -d, d).view(_UNSIGNED[nb.itemsize]) - 1  # |d| - 1: mostly 0 (one ULP)
+    cuts = np.cumsum([0, ra.size, rb.size, gaps.size - ra.size - rb.size])
+    streams = [_gaps(gaps[lo:hi]) for lo, hi in zip(cuts[:-1], cuts[1:])]  # each class its own frame:
+    frames = [_zstd(g, SPARSE3_ZSTD_LEVEL) for g, _ in streams]  # zstd codes each one's gaps apart
+    tail = _zstd(_planes(steps), SPARSE3_ZSTD_LEVEL)
+    return b"".join([_HEADER3.pack(t1, t2, ra.size, rb.size, *(e for _, e in streams), *map(len, frames), len(tail)),
+                     *frames, np.packbits(neg).tobytes(), tail])
+
+
+SPARSE_FORMATS = ("sparse3", "sparse2")  # what `encode` writes; sparse2 for readers older than sparse3
+
+
+def encode(old: torch.Tensor | None, new: torch.Tensor, *, fmt: str = "sparse3") -> tuple[str, int, bytes]:
     """(encoding, changed elements, payload) of `new` given `old`; the smallest that is exact.
-    `band`: rank the small-magnitude elements apart where that pays (see the module docstring:
-    about a fifth fewer bytes at lr 1e-6, for a pass over every element when decoding)."""
+    `fmt`: the sparse format to write, "sparse3" or "sparse2" (the format before, no band: what
+    builds before sparse3 read, for a fleet upgraded while the trainer publishes)."""
     nb = bits(new)
     if old is None or old.shape != new.shape or old.dtype != new.dtype or nb.size >= 1 << 32:
         return "raw", nb.size, _zstd(_planes(nb))
@@ -246,7 +308,9 @@ def encode(old: torch.Tensor | None, new: torch.Tensor, *, band: bool = False) -
         return "same", 0, b""
     options = []
     if n * 2 < nb.size:  # positions + differences: worth trying while a minority of elements changed
-        options.append(("sparse2", _sparse2(ob, nb, changed, str(new.dtype).removeprefix("torch."), band)))
+        dtype_name = str(new.dtype).removeprefix("torch.")
+        options.append(("sparse2", _sparse2(ob, nb, changed, dtype_name, False)) if fmt == "sparse2"
+                       else ("sparse3", _sparse3(ob, nb, changed, dtype_name)))
     if n * 8 > nb.size:  # the dense XOR only pays once changes are no longer rare
         options.append(("xor", _zstd(_planes(x))))
     if n * 2 >= nb.size:  # the new bits beat an XOR only when most elements changed
@@ -273,11 +337,13 @@ def decode(base: np.ndarray | None, enc: str, count: int, payload: bytes | memor
     if enc == "xor":
         planes = _unzstd(payload, numel * itemsize)
         return _xor_planes(base, planes) if inplace else base ^ _unplanes(planes, dtype)
-    if enc not in ("sparse", "sparse2"):
+    if enc not in ("sparse", "sparse2", "sparse3"):
         raise DeltaCorrupt(f"unknown delta encoding {enc[:20]!r}")
     if not 0 < count <= numel or numel >= 1 << 32:
         raise DeltaCorrupt(f"sparse delta of {count} elements for a tensor of {numel}")
     out = base if inplace else base.copy()
+    if enc == "sparse3":
+        return _decode3(out, count, payload, numel, itemsize)
     if enc == "sparse":  # the format before sparse2: uint32 gaps, XORs
         raw = _unzstd(payload, count * (4 + itemsize))
         gaps = _unplanes(memoryview(raw)[:count * 4], np.uint32).astype(np.int64)
@@ -316,6 +382,86 @@ def decode(base: np.ndarray | None, enc: str, count: int, payload: bytes | memor
             raise DeltaCorrupt("sparse2 delta writes past the end of the tensor")
         idx[in_band:] = rest.astype(np.int64)
     return _add_at(out, idx, raw[_HEADER.size + npos:], itemsize)
+
+
+def _decode3(out: np.ndarray, count: int, payload: bytes | memoryview, numel: int, itemsize: int) -> np.ndarray:
+    """sparse3: a header, the gaps of classes A, B and C (a zstd frame each), the signs (a bit each),
+    the steps (|difference| - 1, byte planes, a zstd frame)."""
+    payload = memoryview(payload)
+    if len(payload) < _HEADER3.size:
+        raise DeltaCorrupt("sparse3 delta: shorter than its header")
+    t1, t2, in_a, in_b, *rest = _HEADER3.unpack_from(payload)
+    escapes, lengths = rest[:3], rest[3:]
+    sizes = (in_a, in_b, count - in_a - in_b)
+    signs = (count + 7) // 8
+    if in_a + in_b > count or t1 > t2 or t2 >> (8 * itemsize - 1) or (in_a or in_b) and not t2 \
+            or any(e > n for e, n in zip(escapes, sizes)) or _HEADER3.size + sum(lengths) + signs != len(payload):
+        raise DeltaCorrupt("sparse3 delta: its header does not fit the tensor")
+    at = _HEADER3.size
+
+    def ranks(i: int, limit: int, what: str) -> np.ndarray:
+        """Stream i's positions: change j is at the gaps up to it plus one per change before it."""
+        nonlocal at
+        raw = _unzstd(payload[at:at + lengths[i]], sizes[i] + 4 * escapes[i])
+        at += lengths[i]
+        if escapes[i]:
+            r = np.cumsum(_ungaps(raw, sizes[i], escapes[i]), dtype=np.int64)  # < (2**32 + 255) * 2**32
+        else:
+            g = np.frombuffer(raw, np.uint8)
+            if g.size and g.max() == 255:
+                raise DeltaCorrupt("sparse3 delta: its positions do not match their escapes")
+            r = g.astype(np.int64)
+            np.cumsum(r, out=r)
+        r += np.arange(sizes[i], dtype=np.int64)
+        if r.size and r[-1] >= limit:
+            raise DeltaCorrupt(f"sparse3 delta points past the end of {what}")
+        return r
+
+    idx = np.empty(count, np.int64)
+    if in_a or in_b:
+        mag = _magnitude(out)
+        low = mag < t1
+        a = _by_magnitude(np.flatnonzero(low), mag)  # A is small: its members, ordered
+        idx[:in_a] = a[ranks(0, a.size, "class A")]
+        # B (most of A + B) as a bitmap and its running count: cheaper than its members' indices
+        b = np.packbits(mag < t2)
+        np.bitwise_and(b, ~np.packbits(low), out=b)
+        upto = _running_count(b)
+        idx[in_a:in_a + in_b] = _select(b, upto, ranks(1, int(upto[-1]) if upto.size else 0, "class B"))
+    else:
+        ranks(0, 0, "class A"), ranks(1, 0, "class B")  # empty streams: only their frames are read
+    idx[in_a + in_b:] = ranks(2, numel, "the tensor")
+    neg = np.unpackbits(np.frombuffer(payload, np.uint8, signs, at), count=count).view(bool)
+    d = _unplanes(_unzstd(payload[at + signs:], count * itemsize), _UNSIGNED[itemsize]) + _UNSIGNED[itemsize](1)
+    np.negative(d, out=d, where=neg)  # |d| back to d, wrapping
+    signed = out.view(_SIGNED[itemsize])
+    signed[idx] += d.view(_SIGNED[itemsize])  # wraps; a position named twice (only a hostile payload) fails the SHA-256
+    return out
+
+
+_NTH_BIT = np.array([[i for i in range(8) if v & (0x80 >> i)] + [0] * (8 - bin(v).count("1"))
+                     for v in range(256)], np.uint8)  # [byte, k]: where its k-th set bit is (packbits' order)
+
+
+def _by_magnitude(members: np.ndarray, mag: np.ndarray) -> np.ndarray:
+    """Class A's members ordered by magnitude (stable): its change rate falls steeply with the
+    exponent, so ordered its changes come in runs that cost few bits."""
+    return members[np.argsort(mag[members], kind="stable")]
+
+
+def _running_count(bitmap: np.ndarray) -> np.ndarray:
+    """Set bits in bytes 0..i of a bitmap, as uint32 (a tensor has fewer than 2**32 elements)."""
+    upto = np.bitwise_count(bitmap).astype(np.uint32)
+    return np.cumsum(upto, out=upto)  # in place: a widening cumsum of uint8 is many times slower
+
+
+def _select(bitmap: np.ndarray, upto: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """The positions of the `ranks`-th set bits of `bitmap` (`upto`: its `_running_count`):
+    the byte by a binary search, the bit in it by a table."""
+    r = ranks.astype(np.uint32)
+    byte = np.searchsorted(upto, r, side="right")
+    r -= np.where(byte > 0, upto[byte - 1], np.uint32(0))  # the rank within the byte
+    return byte * 8 + _NTH_BIT[bitmap[byte], r]
 
 
 def _add_at(out: np.ndarray, idx: np.ndarray, planes: memoryview, itemsize: int) -> np.ndarray:

@@ -28,7 +28,7 @@ import msgspec
 from rlboost.weights.errors import StoreError
 
 MANIFEST_SCHEMA = 2
-ENCODINGS = ("same", "sparse2", "sparse", "xor", "raw")  # see rlboost.weights.deltas; a new format, a new name
+ENCODINGS = ("same", "sparse3", "sparse2", "sparse", "xor", "raw")  # see rlboost.weights.deltas; a new format, a new name
 DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 _SHA = re.compile(r"[0-9a-f]{64}")

@@ -52,6 +52,7 @@ from nats.js import JetStreamContext
 from rlboost import wire
 from rlboost.logs import get_logger
 from rlboost.weights import deltas
+from rlboost.weights.deltas import SPARSE_FORMATS
 from rlboost.weights.blobstore import BlobStore, FileBlobStore, JetStreamBlobStore
 from rlboost.weights.errors import ObjectMissing, StoreError, StoreUnavailable
 from rlboost.weights.manifest import Delta, DeltaTensor, Manifest, ShardEntry, SnapshotDelta, TensorEntry, TensorPart
@@ -136,7 +137,7 @@ def _serialize(group: dict[str, torch.Tensor]) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
-def _encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], band: bool = False) -> tuple[
+def _encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], fmt: str = "sparse3") -> tuple[
         list[DeltaTensor], list[bytes], int]:
     """Per tensor the smallest exact encoding against `old`, packed into blobs of about
     DELTA_BLOB_BYTES. Returns (entries with blob ids, blobs, changed elements)."""
@@ -144,7 +145,7 @@ def _encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
     blobs: list[bytearray] = [bytearray()]
     changed = 0
     for name, t in new.items():
-        enc, count, payload = deltas.encode(old.get(name), t, band=band)
+        enc, count, payload = deltas.encode(old.get(name), t, fmt=fmt)
         changed += count
         if blobs[-1] and len(blobs[-1]) + len(payload) > DELTA_BLOB_BYTES:
             blobs.append(bytearray())
@@ -185,12 +186,14 @@ class WeightPublisher:
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                  target_shard_bytes: int = DEFAULT_TARGET_SHARD_BYTES,
                  keep_versions: int = 3, parallel: int = 2, deltas: bool = True,
-                 delta_max_ratio: float = 0.5, full_every: int = 10, delta_band: bool = False,
+                 delta_max_ratio: float = 0.5, full_every: int = 10, delta_format: str = "sparse3",
                  snapshot_deltas: bool = False) -> None:
         if keep_versions < 1:
             raise ValueError("keep_versions must be >= 1")
         if full_every < 1:
             raise ValueError("full_every must be >= 1")
+        if delta_format not in SPARSE_FORMATS:  # (`deltas` is the on/off argument here)
+            raise ValueError(f"delta_format must be one of {SPARSE_FORMATS}")
         self.store = store
         self.pointer = pointer
         self.max_shard_bytes = max_shard_bytes
@@ -200,7 +203,7 @@ class WeightPublisher:
         self.deltas = deltas
         self.delta_max_ratio = delta_max_ratio
         self.full_every = full_every
-        self.delta_band = delta_band  # smaller deltas, slower to replay (`rlboost.weights.deltas`)
+        self.delta_format = delta_format  # sparse2: for workers older than sparse3 (`rlboost.weights.deltas`)
         self.snapshot_deltas = snapshot_deltas
         # the last version this process published: (version, manifest digest, tensors) = the next delta's base
         self._prev: tuple[int, str, dict[str, torch.Tensor]] | None = None
@@ -240,8 +243,8 @@ class WeightPublisher:
             # second thread (numpy and zstd release the GIL), which a busy box does not always have
             cumulative = snap is not None and snap[0] < prev[0] and version - snap[0] < self.full_every
             encoded = await asyncio.gather(
-                asyncio.to_thread(_encode_delta, prev[2], tensors, self.delta_band),
-                *([asyncio.to_thread(_encode_delta, snap[2], tensors, self.delta_band)] if cumulative else []))
+                asyncio.to_thread(_encode_delta, prev[2], tensors, self.delta_format),
+                *([asyncio.to_thread(_encode_delta, snap[2], tensors, self.delta_format)] if cumulative else []))
             dts, blobs, changed = encoded[0]
             if sum(map(len, blobs)) <= self.delta_max_ratio * full_bytes:  # else it does not pay
                 delta = await self._upload_delta(prev, dts, blobs, put)
