@@ -216,6 +216,12 @@ def peer_blob_key(sha256_hex: str) -> str:
     return f"blob.{sha256_hex}"
 
 
+def peer_version_key(manifest_digest: str) -> str:
+    """A version's entry in BUCKET_PEERS: the workers that serve it whole (`peers.BlobHolders`,
+    no claim), by its manifest's digest."""
+    return f"version.{manifest_digest}"
+
+
 _S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _BLOB_PATH = re.compile(r"[A-Za-z0-9._/-]+")
 

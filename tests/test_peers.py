@@ -359,3 +359,64 @@ async def test_eight_late_joiners_the_origin_serves_each_blob_about_once(s3_serv
             await liar.close()
     finally:
         s3_server.drop_bucket(bucket)
+
+
+async def test_a_late_joiner_takes_a_rebuilt_version_whole_from_a_peer_and_refuses_a_lie(peers_kv, tmp_path):
+    """A version rebuilt from deltas is served whole: a late joiner with an empty cache takes its
+    files from a peer that holds it (nothing replayed, no snapshot or delta from the origin),
+    checking the header and every tensor's SHA-256 as they arrive. A peer that serves one byte
+    wrong is refused and not asked again; with no honest holder the joiner takes the snapshot
+    and the deltas from the origin, and then serves the version itself."""
+    origin = FileBlobStore(tmp_path / "origin", create=True)
+    g = torch.Generator().manual_seed(7)
+    master = {f"layers.{i}.weight": torch.randn(256, 1024, generator=g) * 0.02 for i in range(4)}
+    pub = WeightPublisher(origin, full_every=10)
+    truth = {}
+    for v in range(4):  # v0 a snapshot, v1-v3 deltas
+        if v:
+            for t in master.values():
+                t.add_(torch.randn(t.shape, generator=g) * 1e-5)
+        truth[v] = {k: t.to(torch.bfloat16) for k, t in master.items()}
+        await pub.publish(truth[v], v)
+    m3 = Manifest.decode(await origin.read_all(wire.weights_manifest_key(3)))
+    assert not m3.shards and m3.delta is not None
+
+    def exact(cache: WeightCache, vv) -> None:
+        got = vv.load_tensors()
+        assert all(torch.equal(got[k].view(torch.int16), truth[3][k].view(torch.int16)) for k in truth[3])
+        all_whole(cache)
+        assert not list(cache.tmp_dir.iterdir())
+
+    follower = await joiner(tmp_path, "follower", peers_kv, origin)
+    counted = {"bytes": 0}
+    first = second = None
+    liar = None
+    try:
+        for v in range(4):
+            await follower[0].ensure(v)  # each delta replayed on the version before: advertised whole
+        assert follower[0].stats.peer_versions == 0 and follower[0].stats.reconstructed == 3
+        files = sorted((follower[0].versions_dir / f"v{3:012d}").glob("tensors-*.safetensors"))
+        assert len(files) == 1
+        liar = await LyingPeer({"0": files[0].read_bytes()}).start()
+        liar_net = PeerNetwork(peers_kv, "liar")
+        liar_net.url = liar.url
+        await liar_net.advertise_version(m3.digest())
+
+        await follower[0].peers.withdraw("", wire.peer_version_key(m3.digest()))  # the liar alone
+        first = await joiner(tmp_path, "first", peers_kv, origin)
+        exact(first[0], await first[0].ensure(3))
+        st = first[0].stats
+        assert liar.served == st.peer_rejected == 1 and st.peer_versions == 0  # refused, then the origin
+        assert st.reconstructed == 1 and st.origin_bytes > m3.delta.bytes  # the snapshot and the deltas
+
+        second = await joiner(tmp_path, "second", peers_kv, CountingStore(origin, counted))
+        exact(second[0], await second[0].ensure(3))  # the liar is still advertised, and now `first`
+        st = second[0].stats
+        assert st.peer_versions == 1 and st.reconstructed == 0 and st.origin_bytes == 0
+        assert st.peer_rejected == liar.served - 1  # asked the liar first, or not at all
+        assert counted["bytes"] < 10_000  # from the origin: only manifests
+        assert (second[0].versions_dir / f"v{3:012d}" / files[0].name).read_bytes() == files[0].read_bytes()
+    finally:
+        await leave(*(m for m in (follower, first, second) if m is not None))
+        if liar is not None:
+            await liar.close()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import os
 import queue
 import random
@@ -61,8 +62,8 @@ from rlboost.weights.errors import (
 from rlboost.weights.manifest import Delta, Manifest, ShardEntry, SnapshotDelta, check_shard_id
 from rlboost.weights.peerhttp import PeerBusy, PeerError
 from rlboost.weights.publisher import published_versions, read_snapshot_delta
-from rlboost.weights.rebuild import BaseFiles, rebuild
-from rlboost.weights.safetensors_io import RECONSTRUCTED_GLOB, load_tensors
+from rlboost.weights.rebuild import BaseFiles, layout, rebuild, write_all
+from rlboost.weights.safetensors_io import ITEMSIZE, RECONSTRUCTED_GLOB, load_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -94,6 +95,7 @@ class CacheStats:
     peer_bytes: int = 0
     peer_blobs: int = 0  # blobs taken from a peer, verified
     peer_rejected: int = 0  # copies a peer served that failed verification (another source was tried)
+    peer_versions: int = 0  # versions taken whole from a peer (nothing replayed)
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,11 @@ class WeightCache:
             if await self._cached(manifest):
                 return VerifiedVersion(version, self._vdir(version), manifest)
             refused: list[StoreError] = []
-            for cost, cached, start, chain in await self._paths(manifest):
+            paths = await self._paths(manifest)
+            if self.peers is not None and not manifest.shards and manifest.delta is not None \
+                    and not (paths and paths[0][1]) and await self._from_peer_version(manifest):
+                return VerifiedVersion(version, self._vdir(version), manifest)  # a peer held it whole
+            for cost, cached, start, chain in paths:
                 try:
                     t0 = time.perf_counter()
                     await self._fetch_all([(b, True) for _, d in chain for b in d.blobs])  # small
@@ -180,6 +186,8 @@ class WeightCache:
                         await self._rebuild(start, chain, None)
                     else:
                         await self._from_snapshot(start, chain, t0)
+                    if chain and self.peers is not None:  # rebuilt: served whole to late joiners
+                        await self.peers.advertise_version(manifest.digest())
                     return VerifiedVersion(version, self._vdir(version), manifest)
                 except (ShardCorrupt, VersionUnavailable) as e:  # DeltaCorrupt is a ShardCorrupt
                     self.stats.paths_refused += 1
@@ -267,6 +275,102 @@ class WeightCache:
         finally:
             for sha, (_, entry) in held.items():
                 self._drop_copy(sha, entry)
+
+    async def _from_peer_version(self, target: Manifest) -> bool:
+        """Take a version rebuilt from deltas whole from a peer that holds it (`rlboost.weights.peers`):
+        its files, laid out as this cache would write them (the layout follows from the manifest),
+        each checked as it arrives (the header byte for byte, every tensor against its SHA-256), then
+        installed as a rebuilt version. A joiner with no cached base replays nothing this way, as a
+        plain snapshot pull does not. False (nothing kept) when no holder serves every file: the
+        caller takes the snapshot and the deltas."""
+        peers, digest = self.peers, target.digest()
+        st = await peers.version_state(digest)
+        holders = [(h, url) for h, url in st.holders.items() if h != peers.peer_id]
+        if not holders:
+            return False
+        random.shuffle(holders)
+        t0 = time.perf_counter()
+        vdir = self._vdir(target.version)
+        tmp = self.tmp_dir / f"{vdir.name}.{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        bad: set[str] = set()
+        try:
+            jobs, files = await asyncio.to_thread(layout, target.tensors, tmp)
+            try:
+                spans: dict[int, list[tuple[int, int, str]]] = {fd: [] for _, _, fd in files}
+                for entry, fd, offset in jobs:
+                    spans[fd].append((offset, math.prod(entry.shape) * ITEMSIZE[entry.dtype], entry.sha256))
+
+                async def one(index: int, header: bytes, fd: int) -> None:
+                    regions = [(0, len(header), "")] + sorted(spans[fd])
+                    deadline = time.monotonic() + peers.wait_s
+                    async with self._sem:
+                        while time.monotonic() < deadline:
+                            busy = False
+                            for h, url in [x for x in holders if x[0] not in bad][:peers.tries]:
+                                try:
+                                    if await self._take_version_file(peers.read_version(url, digest, index), fd,
+                                                                     header, regions):
+                                        return
+                                    self.stats.peer_rejected += 1
+                                    log.warning("peer served a version file that failed verification; not asked "
+                                                "again", version=target.version, file=index, peer=h, url=url)
+                                except PeerBusy:
+                                    busy = True
+                                    continue
+                                except PeerError as e:
+                                    log.info("peer could not serve a version file; trying the next source",
+                                             version=target.version, file=index, peer=h, error=str(e))
+                                bad.add(h)
+                            if not busy:
+                                break
+                            await asyncio.sleep(0.05 + random.random() * 0.2)
+                    raise PeerError(f"no peer served version {target.version} file {index}")
+
+                await _all_or_none([asyncio.create_task(one(i, header, fd)) for i, (_, header, fd) in enumerate(files)])
+            finally:
+                for _, _, fd in files:
+                    os.close(fd)
+            (tmp / "manifest.json").write_bytes(target.encode())
+            await asyncio.to_thread(self._install, tmp, vdir)
+        except PeerError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.info("weights: no peer served the version whole; taking the snapshot and the deltas",
+                     version=target.version, error=str(e))
+            return False
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            self.stats.fetch_s += time.perf_counter() - t0
+        self._verified_dirs[target.version] = digest
+        self.stats.peer_versions += 1
+        await peers.advertise_version(digest)
+        return True
+
+    async def _take_version_file(self, chunks: AsyncIterator[Buffer], fd: int, header: bytes,
+                                 regions: list[tuple[int, int, str]]) -> bool:
+        """Stream one version file from a peer into `fd` through a worker thread that writes each
+        chunk at its place and checks it (`_check_to_fd`); True when every byte checked out."""
+        loop = asyncio.get_running_loop()
+        q: queue.SimpleQueue[Buffer | None] = queue.SimpleQueue()
+        sink = loop.run_in_executor(self._pool, _check_to_fd, fd, q, header, regions)
+        size, n = regions[-1][0] + regions[-1][1], 0
+        try:
+            async with contextlib.aclosing(chunks) as body:
+                async for chunk in body:
+                    n += len(chunk)
+                    if n > size:
+                        break  # longer than the manifest allows: a lie, stop reading
+                    q.put(chunk)
+        finally:
+            q.put(None)
+            self.stats.peer_bytes += n
+            ok = await sink
+        if ok and n == size:
+            self.stats.bytes_fetched += n
+            return True
+        return False
 
     async def _copy(self, shard: ShardEntry) -> tuple[Path, list]:
         """An unverified copy of a base snapshot's shard in tmp/, shared by the pulls that need it
@@ -692,6 +796,16 @@ class WeightCache:
         self._refuse(shard, f"received copy {reason}", n)
         return None
 
+    def open_version_file(self, digest: str, index: int) -> BinaryIO | None:
+        """File `index` of a version this process rebuilt (or took whole) and checked, whose
+        manifest digest is `digest`, opened for reading; else None. What a `PeerServer` serves
+        to late joiners (`_from_peer_version`), who check every byte again."""
+        for v, d in list(self._verified_dirs.items()):
+            if d == digest:
+                with contextlib.suppress(OSError):
+                    return open(self._vdir(v) / f"tensors-{index:05d}.safetensors", "rb")  # noqa: SIM115
+        return None
+
     def open_verified(self, sha: str) -> BinaryIO | None:
         """A blob (shard or delta) this process hashed itself, opened for reading, if the file is
         still exactly the one it hashed (inode, size, mtime); else None. What a `PeerServer`
@@ -796,7 +910,9 @@ class WeightCache:
                 live.update(s.sha256 for s in m.shards)
                 live.update(b.sha256 for b in (m.delta.blobs if m.delta else []))
         for v in dropped:
-            self._verified_dirs.pop(v, None)
+            digest = self._verified_dirs.pop(v, None)
+            if digest and self.peers is not None:
+                self.peers.withdraw_soon(key=wire.peer_version_key(digest))
         for p in [*self.shards_dir.glob("*.safetensors"), *self.deltas_dir.glob("*.zst")]:
             sha = p.name.split(".")[0]
             if sha not in live and sha not in self._inflight:
@@ -818,6 +934,44 @@ def _hash_to_file(path: Path, chunks: queue.SimpleQueue, hashing: bool = True) -
             f.write(chunk)
             n += len(chunk)
     return n, h.hexdigest() if h is not None else ""
+
+
+def _check_to_fd(fd: int, chunks: queue.SimpleQueue, header: bytes, regions: list[tuple[int, int, str]]) -> bool:
+    """(thread) Write chunks until None at their places in `fd`, checking them against `regions`
+    ((offset, bytes, SHA-256), ascending, back to back from 0; the first is the header, compared
+    byte for byte). True if every region checked out and nothing came past the last."""
+    size = regions[-1][0] + regions[-1][1]
+    pos, i, ok = 0, 0, all(a[0] + a[1] == b[0] for a, b in zip(regions, regions[1:]))
+    h = hashlib.sha256()
+    while (chunk := chunks.get()) is not None:
+        if not ok:
+            continue  # drain: the receiver stops on its own
+        mv = memoryview(chunk).cast("B")
+        if pos + len(mv) > size:
+            ok = False
+            continue
+        write_all(fd, mv, pos)
+        off = 0
+        while off < len(mv):
+            start, n, sha = regions[i]
+            take = min(len(mv) - off, start + n - (pos + off))
+            piece = mv[off:off + take]
+            if sha:
+                h.update(piece)
+            elif piece != header[pos + off:pos + off + take]:
+                ok = False
+                break
+            off += take
+            if pos + off == start + n:  # a region ends here
+                if sha:
+                    ok = ok and h.hexdigest() == sha
+                    h = hashlib.sha256()
+                i += 1
+                if i == len(regions):
+                    break
+        pos += len(mv)
+    empty = hashlib.sha256().hexdigest()  # regions of no bytes left at the end (an empty tensor)
+    return ok and pos == size and all(n == 0 and sha in ("", empty) for _, n, sha in regions[i:])
 
 
 async def _all_or_none(tasks: list[asyncio.Task]) -> None:

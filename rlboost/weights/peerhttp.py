@@ -1,9 +1,11 @@
 """Peers' HTTP: a worker serves the blobs its weight cache holds verified, another one reads them.
 
-One route, `GET /blob/<sha256>`, content-addressed: the name is the SHA-256 of the bytes, 64
+Two routes. `GET /blob/<sha256>`, content-addressed: the name is the SHA-256 of the bytes, 64
 lower-case hex characters (anything else is refused before a path is built), and the file is
 served only if the cache hashed it itself and it has not changed since (`WeightCache.open_verified`:
-same inode, size and mtime). The receiver hashes every byte against its manifest anyway, so a
+same inode, size and mtime). `GET /version/<manifest digest>/<i>`: file i of a version the cache
+rebuilt from deltas and checked in this process (`WeightCache.open_version_file`), whose bytes
+follow from the manifest. The receiver checks every byte against its manifest anyway, so a
 serving bug or a lying peer costs a retry elsewhere, never a wrong weight.
 
 Bounded: at most `max_serving` bodies go out at once, a request past that is answered 503 at
@@ -35,9 +37,11 @@ if TYPE_CHECKING:
 
 log = get_logger(component="peers")
 
-__all__ = ["PeerServer", "PeerError", "PeerBusy", "read_blob", "BLOB_ROUTE"]
+__all__ = ["PeerServer", "PeerError", "PeerBusy", "read_blob", "read_version_file", "BLOB_ROUTE", "VERSION_ROUTE"]
 
 BLOB_ROUTE = "/blob/"
+VERSION_ROUTE = "/version/"
+_VERSION_FILE = re.compile(r"([0-9a-f]{64})/([0-9]{1,6})")
 _SHA = re.compile(r"[0-9a-f]{64}")
 CHUNK = 1 << 20
 MAX_HEADER_BYTES = 16 << 10
@@ -131,15 +135,22 @@ class PeerServer:
         if req.method != b"GET":
             return await _send(conn, writer, 405, b"GET only\n")
         target = req.target.decode("latin-1")
-        if not target.startswith(BLOB_ROUTE):
+        if target.startswith(BLOB_ROUTE):
+            sha = target[len(BLOB_ROUTE):]
+            if not _SHA.fullmatch(sha):
+                return await _send(conn, writer, 400, b"a blob is named by its SHA-256: 64 lower-case hex digits\n")
+            opener = lambda: self.cache.open_verified(sha)  # noqa: E731
+        elif target.startswith(VERSION_ROUTE):
+            m = _VERSION_FILE.fullmatch(target[len(VERSION_ROUTE):])
+            if m is None:
+                return await _send(conn, writer, 400, b"a version file is <manifest digest>/<index>\n")
+            opener = lambda: self.cache.open_version_file(m[1], int(m[2]))  # noqa: E731
+        else:
             return await _send(conn, writer, 404, b"no such route\n")
-        sha = target[len(BLOB_ROUTE):]
-        if not _SHA.fullmatch(sha):
-            return await _send(conn, writer, 400, b"a blob is named by its SHA-256: 64 lower-case hex digits\n")
         if self.serving >= self.max_serving:
             self.busy_refusals += 1
             return await _send(conn, writer, 503, b"busy\n")
-        f = self.cache.open_verified(sha)
+        f = opener()
         if f is None:
             return await _send(conn, writer, 404, b"not held here\n")
         self.serving += 1
@@ -187,13 +198,29 @@ async def _send(conn: h11.Connection, writer: asyncio.StreamWriter, status: int,
     await writer.drain()
 
 
-async def read_blob(url: str, sha: str, *, token: str = "", connect_timeout_s: float = 2.0,
-                    read_timeout_s: float = IDLE_TIMEOUT_S) -> AsyncIterator[bytes]:
+def read_blob(url: str, sha: str, *, token: str = "", connect_timeout_s: float = 2.0,
+              read_timeout_s: float = IDLE_TIMEOUT_S) -> AsyncIterator[bytes]:
     """Stream blob `sha` from the peer at `url`. Raises PeerBusy (503) or PeerError (anything
     else that is not the whole body: refused, 404, unreachable, stalled, cut). The bytes are
     unverified: the caller hashes them against its manifest."""
     if not _SHA.fullmatch(sha):
         raise ValueError(f"invalid blob name {sha!r}")
+    return _get(url, BLOB_ROUTE + sha, f"blob {sha[:12]}", token, connect_timeout_s, read_timeout_s)
+
+
+def read_version_file(url: str, digest: str, index: int, *, token: str = "", connect_timeout_s: float = 2.0,
+                      read_timeout_s: float = IDLE_TIMEOUT_S) -> AsyncIterator[bytes]:
+    """Stream file `index` of the version whose manifest digest is `digest` from the peer at
+    `url`; as `read_blob` (unverified bytes, PeerBusy / PeerError)."""
+    name = f"{digest}/{index}"
+    if not _VERSION_FILE.fullmatch(name):
+        raise ValueError(f"invalid version file {name!r}")
+    return _get(url, VERSION_ROUTE + name, f"version {digest[:12]} file {index}", token, connect_timeout_s,
+                read_timeout_s)
+
+
+async def _get(url: str, target: str, what: str, token: str, connect_timeout_s: float,
+               read_timeout_s: float) -> AsyncIterator[bytes]:
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname or not parts.port:
         raise PeerError(f"peer URL {url!r} is not http://host:port")
@@ -206,7 +233,7 @@ async def read_blob(url: str, sha: str, *, token: str = "", connect_timeout_s: f
         headers = [("host", parts.netloc), ("connection", "close")]
         if token:
             headers.append(("authorization", f"Bearer {token}"))
-        writer.write(conn.send(h11.Request(method="GET", target=BLOB_ROUTE + sha, headers=headers)))
+        writer.write(conn.send(h11.Request(method="GET", target=target, headers=headers)))
         writer.write(conn.send(h11.EndOfMessage()))
         await writer.drain()
         event = await _client_next(conn, reader, read_timeout_s)
@@ -215,7 +242,7 @@ async def read_blob(url: str, sha: str, *, token: str = "", connect_timeout_s: f
         if event.status_code == 503:
             raise PeerBusy(f"peer {url} is busy")
         if event.status_code != 200:
-            raise PeerError(f"peer {url}: blob {sha[:12]}: HTTP {event.status_code}")
+            raise PeerError(f"peer {url}: {what}: HTTP {event.status_code}")
         while True:
             event = await _client_next(conn, reader, read_timeout_s)
             if isinstance(event, h11.Data):
@@ -223,9 +250,9 @@ async def read_blob(url: str, sha: str, *, token: str = "", connect_timeout_s: f
             elif isinstance(event, h11.EndOfMessage):
                 return
             else:
-                raise PeerError(f"peer {url}: blob {sha[:12]}: unexpected {type(event).__name__}")
+                raise PeerError(f"peer {url}: {what}: unexpected {type(event).__name__}")
     except (OSError, TimeoutError, h11.ProtocolError) as e:  # refused mid-way, stalled, cut short
-        raise PeerError(f"peer {url}: blob {sha[:12]}: {e!r}") from None
+        raise PeerError(f"peer {url}: {what}: {e!r}") from None
     finally:
         writer.close()
         with contextlib.suppress(Exception):

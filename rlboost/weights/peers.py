@@ -19,9 +19,17 @@ Every byte from a peer is hashed against the manifest as it arrives and a copy t
 match is refused (`CacheStats.peer_rejected`): a lying peer costs a retry, never a wrong weight.
 The directory is advisory only: a stale or forged entry costs a failed request.
 
+A version rebuilt from deltas is served whole too: its cache's files are the same bytes on every
+worker (the layout follows from the manifest, every tensor's bytes are its SHA-256), so a worker
+advertises `version.<manifest digest>` and serves its files; a late joiner with an empty cache
+takes the version from such a holder, file by file, checking the header and every tensor's
+SHA-256 as the bytes arrive (`WeightCache._from_peer_version`), instead of the nearest snapshot
+and the deltas since. It replays nothing, as a plain snapshot pull does not.
+
 Not done here: a base snapshot a late joiner only replays deltas on (`_from_base_snapshot`) is
 not kept, so it is neither claimed nor advertised (its shards come from peers that pulled that
-snapshot version, else from the origin).
+snapshot version, else from the origin); a version is not claimed (a joiner that finds no holder
+takes the snapshot and the deltas since, and serves the version it rebuilt).
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from rlboost import wire
 from rlboost.logs import get_logger
 from rlboost.weights.blobstore import BlobStore
 from rlboost.weights.errors import StoreError
-from rlboost.weights.peerhttp import PeerBusy, PeerError, PeerServer, read_blob
+from rlboost.weights.peerhttp import PeerBusy, PeerError, PeerServer, read_blob, read_version_file
 
 if TYPE_CHECKING:
     from rlboost.config import WeightsSettings
@@ -97,17 +105,27 @@ class PeerNetwork:
     async def state(self, sha: str) -> BlobHolders:
         """The blob's entry; an empty one if there is none or the bucket does not answer (the
         pull then goes to the origin, as without peers)."""
+        return await self._state(wire.peer_blob_key(sha))
+
+    async def version_state(self, digest: str) -> BlobHolders:
+        """Who serves the version of this manifest digest whole (empty: nobody, or no answer)."""
+        return await self._state(wire.peer_version_key(digest))
+
+    async def _state(self, key: str) -> BlobHolders:
         try:
-            entry = await self.kv.get(wire.peer_blob_key(sha))
+            entry = await self.kv.get(key)
             return msgspec.json.decode(entry.value, type=BlobHolders)
         except KeyNotFoundError:
             return BlobHolders()
         except Exception as e:
-            log.warning("peer directory unreadable", blob=sha[:12], error=repr(e))
+            log.warning("peer directory unreadable", key=key[:24], error=repr(e))
             return BlobHolders()
 
     def read(self, url: str, sha: str) -> AsyncIterator[bytes]:
         return read_blob(url, sha, token=self.token)
+
+    def read_version(self, url: str, digest: str, index: int) -> AsyncIterator[bytes]:
+        return read_version_file(url, digest, index, token=self.token)
 
     def live_claim(self, st: BlobHolders) -> bool:
         """Someone else is fetching it from the origin and was alive a moment ago."""
@@ -115,10 +133,11 @@ class PeerNetwork:
 
     # -- writing (compare-and-set on the blob's entry)
 
-    async def _change(self, sha: str, fn) -> BlobHolders | None:
-        """Apply `fn(entry) -> new entry | None (no change)` atomically; the entry after it, or
-        None when the bucket did not answer (every caller treats that as "no peers")."""
-        key = wire.peer_blob_key(sha)
+    async def _change(self, sha: str, fn, key: str = "") -> BlobHolders | None:
+        """Apply `fn(entry) -> new entry | None (no change)` atomically to blob `sha`'s entry (or
+        to `key`'s); the entry after it, or None when the bucket did not answer (every caller
+        treats that as "no peers")."""
+        key = key or wire.peer_blob_key(sha)
         try:
             for _ in range(32):
                 try:
@@ -137,7 +156,7 @@ class PeerNetwork:
                     await asyncio.sleep(random.random() * 0.02)
             raise TimeoutError("too much contention")
         except Exception as e:
-            log.warning("peer directory not updated", blob=sha[:12], error=repr(e))
+            log.warning("peer directory not updated", key=key[:24], error=repr(e))
             return None
 
     async def claim(self, sha: str, exclude: set[str] = frozenset()) -> bool:
@@ -180,10 +199,12 @@ class PeerNetwork:
         finally:
             task.cancel()
 
-    async def advertise(self, sha: str) -> None:
-        """This worker holds `sha` verified and serves it (clears its own claim in the same write)."""
+    async def advertise(self, sha: str, key: str = "") -> None:
+        """This worker holds `sha` verified and serves it (clears its own claim in the same write);
+        with `key`, that entry instead (`advertise_version`)."""
         if not self.url:
             return
+        key = key or wire.peer_blob_key(sha)
 
         def fn(cur: BlobHolders) -> BlobHolders | None:
             if cur.holders.get(self.peer_id) == self.url and cur.claim != self.peer_id:
@@ -194,27 +215,33 @@ class PeerNetwork:
                 cur.holders.pop(next(iter(cur.holders)))
             return _cleared(cur, self.peer_id) or cur
 
-        if await self._change(sha, fn) is not None:
-            self._advertised.add(sha)
+        if await self._change(sha, fn, key) is not None:
+            self._advertised.add(key)
 
-    async def withdraw(self, sha: str) -> None:
-        self._advertised.discard(sha)
-        await self._change(sha, lambda cur: cur if cur.holders.pop(self.peer_id, None) else None)
+    async def advertise_version(self, digest: str) -> None:
+        """This worker holds the version of manifest `digest` whole, verified, and serves its files."""
+        await self.advertise("", wire.peer_version_key(digest))
 
-    def withdraw_soon(self, sha: str) -> None:
+    async def withdraw(self, sha: str, key: str = "") -> None:
+        key = key or wire.peer_blob_key(sha)
+        self._advertised.discard(key)
+        await self._change(sha, lambda cur: cur if cur.holders.pop(self.peer_id, None) else None, key)
+
+    def withdraw_soon(self, sha: str = "", key: str = "") -> None:
         """(from sync code: the cache's prune) best effort, in the background."""
-        if sha not in self._advertised:
+        key = key or wire.peer_blob_key(sha)
+        if key not in self._advertised:
             return
         with contextlib.suppress(RuntimeError):  # no running loop: the stale entry costs a 404
-            task = asyncio.get_running_loop().create_task(self.withdraw(sha))
+            task = asyncio.get_running_loop().create_task(self.withdraw(sha, key))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Withdraw every advert (the server is going away), within `timeout_s`."""
-        shas = list(self._advertised)
+        keys = list(self._advertised)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*(self.withdraw(s) for s in shas), *self._background,
+            await asyncio.wait_for(asyncio.gather(*(self.withdraw("", k) for k in keys), *self._background,
                                                   return_exceptions=True), timeout_s)
         self.url = ""
 

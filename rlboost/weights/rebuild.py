@@ -36,7 +36,7 @@ from rlboost.weights.errors import DeltaCorrupt, StoreError
 from rlboost.weights.manifest import Delta, Manifest, TensorEntry
 from rlboost.weights.safetensors_io import ITEMSIZE, Span, header_bytes, read_header
 
-__all__ = ["BaseFiles", "rebuild", "OUT_FILE_BYTES"]
+__all__ = ["BaseFiles", "rebuild", "layout", "write_all", "OUT_FILE_BYTES"]
 
 OUT_FILE_BYTES = 256 << 20  # a rebuilt version is written in files of about this size
 
@@ -118,7 +118,7 @@ def _read_into(buf: memoryview, segments: list[Segment]) -> None:
         pos += n
 
 
-def _write_all(fd: int, data: memoryview, offset: int) -> None:
+def write_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):  # a write moves 2 GiB at most per call
         done += os.pwrite(fd, data[done:], offset + done)
@@ -136,7 +136,7 @@ def rebuild(target: Manifest, chain: list[tuple[Manifest, Delta]], base: BaseFil
     Only the target's hashes are checked: the intermediate versions are never installed or
     served, and a bad delta anywhere in the chain shows up in the target's hash."""
     steps = [({t.name: t for t in m.tensors}, {dt.name: dt for dt in d.tensors}) for m, d in chain]
-    jobs, files = _layout(target.tensors, out_dir)
+    jobs, files = layout(target.tensors, out_dir)
     local = threading.local()
 
     def one(entry: TensorEntry, fd: int, offset: int) -> None:
@@ -159,12 +159,12 @@ def rebuild(target: Manifest, chain: list[tuple[Manifest, Delta]], base: BaseFil
         if x is None or x.nbytes != nbytes or hashlib.sha256(x).hexdigest() != entry.sha256:
             raise DeltaCorrupt(f"v{target.version} tensor {entry.name}: the rebuilt tensor does not match "
                                f"the manifest's SHA-256 (corrupt delta, wrong base or a lying hash)")
-        _write_all(fd, memoryview(x).cast("B"), offset)
+        write_all(fd, memoryview(x).cast("B"), offset)
 
     paths = []
     try:
         for path, header, fd in files:
-            _write_all(fd, memoryview(header), 0)
+            write_all(fd, memoryview(header), 0)
             paths.append(path)
         # every tensor submitted at once, taken in manifest order (the order its shards arrive in):
         # a thread waiting for a shard does not hold up the others
@@ -181,7 +181,7 @@ def rebuild(target: Manifest, chain: list[tuple[Manifest, Delta]], base: BaseFil
     return paths
 
 
-def _layout(entries: list[TensorEntry], out_dir: Path) -> tuple[list[tuple[TensorEntry, int, int]],
+def layout(entries: list[TensorEntry], out_dir: Path) -> tuple[list[tuple[TensorEntry, int, int]],
                                                                list[tuple[Path, bytes, int]]]:
     """Group the tensors into files of about OUT_FILE_BYTES (manifest order) and place each one:
     ([(entry, fd, offset)] in manifest order, [(path, header, fd)]). Within a file the tensors are
