@@ -28,6 +28,9 @@ provisions the newest version (nearest snapshot + the deltas since, verified).
 - snapshot_pull_mb_per_s: the same for a plain pull of the v0 snapshot (the same bytes, an empty
   cache, nothing to replay), `--late-trials` of them interleaved with the late joiners
 - late_joiner_vs_snapshot: the two medians' ratio (what replaying the deltas on arrival costs)
+- late_joiner_vs_snapshot_peers: the same with peers on (`[weights] peers`): a holder that
+  followed the run serves both over loopback HTTP; the late joiner takes the newest version whole
+  from it (`late_joiner_peer_whole`: how many did), the snapshot pull the v0 shards
 - publish_s_median: the trainer's publish time per version (encoding the delta and, with
   `--snapshot-deltas`, from the second version after a snapshot, the snapshot delta a late joiner
   replays instead; uploading them)
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import shutil
 import statistics
 import tempfile
@@ -176,6 +180,8 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
         late_s, late_stats = sorted(trials, key=lambda x: x[0])[len(trials) // 2]  # the median trial
         snap_s = statistics.median(snaps)
         late_rate, snap_rate = full_bytes / MB / late_s, full_bytes / MB / snap_s
+        peered = await _peer_trials(js, a, store, work / f"peers-{lr}", sd) if a.peers else {}
+        exact = exact and peered.get("bit_exact", True)
         ratios = [s["delta_bytes"] / full_bytes for s in steps if s["delta_bytes"]]
         return {"lr": lr, "params": sum(t.numel() for t in sd.values()), "dtype": rep.dtype,
                 "full_bytes": full_bytes, "delta_bytes_ratio": round(statistics.median(ratios), 4) if ratios else None,
@@ -189,6 +195,7 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
                 "snapshot_pull_trials_mb_per_s": [round(full_bytes / MB / s, 1) for s in snaps],
                 "snapshot_pull_mb_per_s": round(snap_rate, 1),
                 "late_joiner_vs_snapshot": round(late_rate / snap_rate, 3),
+                **{k: v for k, v in peered.items() if k != "bit_exact"},
                 "publish_s_median": statistics.median(s["publish_s"] for s in steps), "steps": steps}
     finally:
         await engine.close()
@@ -196,6 +203,57 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
             await js.delete_object_store(bucket)
         except Exception:
             pass
+
+
+async def _peer_trials(js, a: argparse.Namespace, store, work: Path, newest: dict) -> dict:
+    """The same late joiners and snapshot pulls with peers on (`[weights] peers`): one holder (a
+    worker that followed the run: it holds the v0 snapshot and the newest version, rebuilt)
+    serves both, over loopback HTTP. A late joiner then takes the newest version whole from it,
+    a snapshot pull takes the v0 shards from it: the same bytes from the same source, one
+    replaying nothing and the other nothing either."""
+    import numpy as np
+
+    from rlboost.weights import WeightCache, deltas
+    from rlboost.weights.peerhttp import PeerServer
+    from rlboost.weights.peers import PeerNetwork, open_peers_bucket
+
+    kv = await open_peers_bucket(js)
+    run_id = uuid.uuid4().hex[:8]
+    holder = WeightCache(work / "holder", store, peers=PeerNetwork(kv, f"bench-holder-{run_id}"))
+    server = PeerServer(holder)
+    holder.peers.url = await server.start()
+    late_s, snap_s, exact, versions = [], [], True, []
+    try:
+        await holder.ensure(0)
+        await holder.ensure(a.steps)  # the snapshot and the deltas since, then served whole
+
+        async def trial(kind: str, i: int) -> None:
+            nonlocal exact
+            cache = WeightCache(work / f"{kind}-{i}", store, peers=PeerNetwork(kv, f"bench-{kind}-{i}-{run_id}"))
+            t = time.perf_counter()
+            vv = await cache.ensure(a.steps if kind == "late" else 0)
+            (late_s if kind == "late" else snap_s).append(time.perf_counter() - t)
+            if kind == "late":
+                versions.append(cache.stats.peer_versions)
+                got = await asyncio.to_thread(vv.load_tensors)
+                exact = exact and all(np.array_equal(deltas.bits(got[k]), deltas.bits(v)) for k, v in newest.items())
+            cache.close()
+            await asyncio.to_thread(shutil.rmtree, work / f"{kind}-{i}")
+
+        for i in range(a.late_trials):
+            for kind in (("late", "snap") if i % 2 == 0 else ("snap", "late")):
+                await trial(kind, i)
+    finally:
+        await holder.peers.close()
+        await server.close()
+        holder.close()
+    full = sum(math.prod(t.shape) * t.element_size() for t in newest.values())
+    late_rate, snap_rate = full / MB / statistics.median(late_s), full / MB / statistics.median(snap_s)
+    return {"late_joiner_peer_mb_per_s": round(late_rate, 1), "snapshot_pull_peer_mb_per_s": round(snap_rate, 1),
+            "late_joiner_vs_snapshot_peers": round(late_rate / snap_rate, 3),
+            "late_joiner_peer_trials_mb_per_s": [round(full / MB / s, 1) for s in late_s],
+            "snapshot_pull_peer_trials_mb_per_s": [round(full / MB / s, 1) for s in snap_s],
+            "late_joiner_peer_whole": sum(versions), "bit_exact": exact}
 
 
 async def run(nats_url: str, a: argparse.Namespace, work: Path) -> dict:
@@ -215,6 +273,7 @@ async def run(nats_url: str, a: argparse.Namespace, work: Path) -> dict:
         "mb_per_s": first["late_joiner_mb_per_s"],
         "snapshot_pull_mb_per_s": first["snapshot_pull_mb_per_s"],
         "late_joiner_vs_snapshot": first["late_joiner_vs_snapshot"],
+        "late_joiner_vs_snapshot_peers": first.get("late_joiner_vs_snapshot_peers"),
         "publish_s_median": first["publish_s_median"],
         "lr": first["lr"],
         "bit_exact": all(r["bit_exact"] for r in per_lr),
@@ -242,6 +301,8 @@ def main(argv: list[str], s: Settings) -> int:
                    help="late joiners and plain snapshot pulls timed alternately, each from an empty cache "
                         "(the medians are reported)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-peers", dest="peers", action="store_false",
+                   help="leave out the late joiners and snapshot pulls with peers on")
     p.add_argument("--delta-format", default="sparse3", choices=["sparse3", "sparse2"],
                    help="how deltas are coded ([weights] delta_format): sparse2 is the format before")
     p.add_argument("--snapshot-deltas", action="store_true",

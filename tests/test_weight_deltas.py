@@ -146,11 +146,12 @@ def test_small_steps_cost_less_in_sparse3_than_in_each_format_before(dtype, scal
     ob, nb = deltas.bits(old), deltas.bits(new)
     name = str(dtype).removeprefix("torch.")
     enc, count, payload = deltas.encode(old, new)
-    t1, t2, in_a, in_b, *_ = deltas._HEADER3.unpack_from(payload)
-    assert 0 < t2 and 0 < in_a + in_b <= count  # the small elements' changes are coded in their classes
+    threshold, in_band, *_ = deltas._HEADER3.unpack_from(payload)
+    assert threshold and 0 < in_band <= count  # the small elements' changes are ranked in their band
     sizes = {"sparse3": len(payload), "sparse2": len(deltas.encode(old, new, fmt="sparse2")[2]),
              "band": len(deltas._sparse2(ob, nb, ob != nb, name, True))}
-    # the band ranks the small elements apart too, sparse3 classes them and codes signs and steps apart
+    # sparse2's band ranks the small elements apart too; sparse3 also codes each stream, the signs and
+    # the steps apart
     assert sizes["sparse3"] < sizes["band"] < sizes["sparse2"]
     # the format before (uint32 gaps and XORs, byte planes) of the same change is bigger; it is still read
     ob, nb = deltas.bits(old), deltas.bits(new)
@@ -231,34 +232,32 @@ def test_a_hostile_payload_is_refused_not_allocated():
     assert issubclass(DeltaCorrupt, ShardCorrupt) and issubclass(DeltaCorrupt, RlboostError)
 
 
-def sparse3(t1: int, t2: int, in_a: int, in_b: int, gaps: tuple[bytes, bytes, bytes], escapes=(0, 0, 0),
-            steps: bytes | None = None, count: int = 10) -> bytes:
+def sparse3(threshold: int, in_band: int, gaps: tuple[bytes, bytes], escapes=(0, 0), steps: bytes | None = None,
+            count: int = 10) -> bytes:
     """A sparse3 payload as written (`deltas._sparse3`), from its parts."""
     frames = [deltas._zstd(g) for g in gaps]
     tail = deltas._zstd(bytes(2 * count) if steps is None else steps)
-    return (deltas._HEADER3.pack(t1, t2, in_a, in_b, *escapes, *map(len, frames), len(tail))
+    return (deltas._HEADER3.pack(threshold, in_band, *escapes, *map(len, frames), len(tail))
             + b"".join(frames) + bytes((count + 7) // 8) + tail)
 
 
 def test_a_hostile_sparse3_payload_is_refused():
-    base = deltas.bits(torch.zeros(1000, dtype=torch.bfloat16))  # magnitude 0: below any class threshold
+    base = deltas.bits(torch.zeros(1000, dtype=torch.bfloat16))  # magnitude 0: in any band
     c = bytes([99] * 10)  # ten changes, every 100th element
-    got = deltas.decode(base.copy(), "sparse3", 10, sparse3(0, 0, 0, 0, (b"", b"", c)), 1000, 2)
+    got = deltas.decode(base.copy(), "sparse3", 10, sparse3(0, 0, (b"", c)), 1000, 2)
     assert np.flatnonzero(got).tolist() == list(range(99, 1000, 100))  # the parts make a valid payload
-    a = 1 << 7  # class A: magnitudes below 1 << 7, here every element
+    t = 1 << 7  # the band: magnitudes below 1 << 7, here every element
     refused = {
-        "header": [sparse3(a << 1, a, 0, 0, (b"", b"", c)),  # t1 above t2
-                   sparse3(0, 1 << 15, 0, 0, (b"", b"", c)),  # a threshold wider than the magnitude
-                   sparse3(0, a, 6, 5, (c[:6], c[:5], b"")),  # more changes in the classes than in all
-                   sparse3(0, 0, 1, 0, (c[:1], b"", c[:9])),  # a class without a threshold
-                   sparse3(a, a, 0, 0, (b"", b"", c))[:-1],  # its parts do not add up to it
-                   sparse3(a, a, 1, 0, (c[:1], b"", c[:9]), escapes=(2, 0, 0))],  # more escapes than gaps
-        "past the end of class A": [sparse3(a, a, 1, 0, (b"\xff" + deltas._planes(np.array([1000 - 255], np.uint32)),
-                                                         b"", c[:9]), escapes=(1, 0, 0))],
-        "past the end of class B": [sparse3(a, a, 0, 1, (b"", b"\x00", c[:9]))],  # B is empty
-        "past the end of the tensor": [sparse3(0, 0, 0, 0, (b"", b"", bytes([200] * 10)))],
-        "escapes": [sparse3(0, 0, 0, 0, (b"", b"", bytes([99] * 9 + [255])))],
-        "more than": [sparse3(0, 0, 0, 0, (b"", b"", c), steps=bytes(64 << 20))],  # a bomb of steps
+        "header": [sparse3(1 << 15, 1, (c[:1], c[:9])),  # a threshold wider than the magnitude
+                   sparse3(t, 11, (c + c[:1], b"")),  # more changes in the band than in all
+                   sparse3(0, 1, (c[:1], c[:9])),  # a band without a threshold
+                   sparse3(t, 0, (b"", c))[:-1],  # its parts do not add up to it
+                   sparse3(t, 1, (c[:1], c[:9]), escapes=(2, 0))],  # more escapes than gaps
+        "past the end of its band": [sparse3(t, 1, (b"\xff" + deltas._planes(np.array([1000 - 255], np.uint32)),
+                                                    c[:9]), escapes=(1, 0))],
+        "past the end of the tensor": [sparse3(0, 0, (b"", bytes([200] * 10)))],
+        "escapes": [sparse3(0, 0, (b"", bytes([99] * 9 + [255])))],
+        "more than": [sparse3(0, 0, (b"", c), steps=bytes(64 << 20))],  # a bomb of steps
     }
     for why, payloads in refused.items():
         for payload in payloads:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -66,12 +67,11 @@ _BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _HEADER = struct.Struct("<QB3xII")  # sparse2: band threshold, exponent shift, changes in the band, escapes
-_HEADER3 = struct.Struct("<QQ9I")  # sparse3: t1 <= t2; changes in A, in B; escapes and frame bytes of A, B, C; steps' frame bytes
+_HEADER3 = struct.Struct("<Q6I")  # sparse3: threshold; changes in the band; escapes and frame bytes of its and the rest's gaps; steps' frame bytes
 _EXP_SHIFT = {"bfloat16": 7, "float16": 10, "float32": 23, "float64": 52}  # where the exponent starts
 BAND_MAX_FRACTION = 1 / 8  # of a tensor's elements at most: bounds the decoder's work
-CLASSES_MAX_FRACTION = 1 / 8  # sparse3: classes A and B hold at most this share of a tensor's elements
-CLASS_A_MAX_FRACTION = 1 / 32  # and A (whose members the decoder sorts) at most this share
-CLASSES_SAMPLE = 16  # the encoder estimates the magnitudes' spread from every 16th element
+BAND3_MAX_FRACTION = 1/16  # sparse3: its band holds at most this share of a tensor's elements
+BAND3_SAMPLE = 16  # the encoder estimates the magnitudes' spread from every 16th element
 SPARSE3_ZSTD_LEVEL = 12
 
 
@@ -236,38 +236,26 @@ def _sparse2(ob: np.ndarray, nb: np.ndarray, changed: np.ndarray, dtype_name: st
     return _zstd(_HEADER.pack(threshold, shift, ranks.size, escapes) + pos + _planes(diffs), SPARSE2_ZSTD_LEVEL)
 
 
-def _classes(mag: np.ndarray, changed_mag: np.ndarray, shift: int) -> tuple[int, int]:
-    """sparse3's class boundaries (t1, t2) on the magnitude, at exponent steps: A = below t1, B = from
-    t1 to below t2, C = the rest. Chosen to minimise the estimated bits of the positions (A's changes
-    at each exponent's own rate, as A is ordered by magnitude; B's at B's rate among its members; C's
-    gaps over the whole tensor), with A within CLASS_A_MAX_FRACTION and A and B within
-    CLASSES_MAX_FRACTION of the elements; (0, 0), no classes, where they save under 2 %.
+def _threshold3(mag: np.ndarray, changed_mag: np.ndarray, shift: int) -> int:
+    """sparse3's band: the elements of magnitude below the returned threshold (at an exponent
+    step), chosen to minimise the estimated bits of the positions (the band's changes at each
+    exponent's own rate, as the band is ordered by magnitude; the rest's gaps over the whole
+    tensor), within BAND3_MAX_FRACTION of the elements; 0, no band, where it saves under 2 %.
     `changed_mag`: the changed elements' magnitudes. Each exponent's element count is estimated
-    from every CLASSES_SAMPLE-th element (a choice of thresholds needs no more)."""
-    step = CLASSES_SAMPLE if mag.size >= CLASSES_SAMPLE << 12 else 1
+    from every BAND3_SAMPLE-th element (a threshold needs no more)."""
+    step = BAND3_SAMPLE if mag.size >= BAND3_SAMPLE << 12 else 1
     n = np.bincount((mag[::step] >> mag.dtype.type(shift)).astype(np.intp)) * (mag.size / -(-mag.size // step))
     k = np.bincount((changed_mag >> mag.dtype.type(shift)).astype(np.intp))
     size = max(n.size, k.size)
     n, k = np.pad(n, (0, size - n.size)), np.pad(k, (0, size - k.size))
-    first = int(np.flatnonzero(n + k)[0])  # exponents below it hold nothing: left out of the search
-    n = np.cumsum(np.maximum(n[first:], k[first:]))  # elements of exponent <= first + i (never below the changes)
-    k = np.cumsum(k[first:])
-    total_n, total_k = mag.size, int(k[-1])
-    fits = np.flatnonzero(n <= total_n * CLASSES_MAX_FRACTION)
-    plain = _bits_needed(np.array([total_n]), np.array([total_k]))[0]
-    if fits.size == 0:
-        return 0, 0
-    n, k = n[:fits[-1] + 1], k[:fits[-1] + 1]
-    na, ka = np.concatenate([[0], n])[:, None], np.concatenate([[0], k])[:, None]  # row i: A = exponents < i
-    per_exponent = np.concatenate([[0], np.cumsum(_bits_needed(np.diff(n, prepend=0), np.diff(k, prepend=0)))])
-    cost = per_exponent[:, None] + _bits_needed(n[None, :] - na, k[None, :] - ka) \
-        + _bits_needed(np.full((1, n.size), total_n), total_k - k[None, :])  # column j: A + B = exponents <= j
-    cost[np.tril_indices(n.size + 1, -2, n.size)] = np.inf  # B would end below A
-    cost[na[:, 0] > total_n * CLASS_A_MAX_FRACTION] = np.inf  # A's members are sorted: keep it small
-    i, j = np.unravel_index(int(np.argmin(cost)), cost.shape)
-    if cost[i, j] >= 0.98 * plain:
-        return 0, 0
-    return int(i + first) << shift, int(j + first + 1) << shift
+    n = np.maximum(n, k)  # an estimate is never below the changes
+    total_n, total_k = mag.size, int(k.sum())
+    band = np.concatenate([[0.0], np.cumsum(_bits_needed(n, k))])  # i: the band = exponents < i
+    inside_n, inside_k = np.concatenate([[0], np.cumsum(n)]), np.concatenate([[0], np.cumsum(k)])
+    cost = band + _bits_needed(np.full(size + 1, total_n), total_k - inside_k)
+    cost[inside_n > total_n * BAND3_MAX_FRACTION] = np.inf  # the decoder sorts the band: keep it small
+    i = int(np.argmin(cost))
+    return i << shift if i and cost[i] < 0.98 * cost[0] else 0
 
 
 def _sparse3(ob: np.ndarray, nb: np.ndarray, changed: np.ndarray, dtype_name: str) -> bytes:
@@ -275,27 +263,23 @@ def _sparse3(ob: np.ndarray, nb: np.ndarray, changed: np.ndarray, dtype_name: st
     mag = _magnitude(ob)
     idx = np.flatnonzero(changed)
     changed_mag = mag[idx]
-    t1, t2 = (0, 0) if shift is None else _classes(mag, changed_mag, shift)
-    if t2:
-        members = np.flatnonzero(mag < t2)
-        low = mag[members] < t1
-        a, b = _by_magnitude(members[low], mag), members[~low]
-        ra, rb = np.flatnonzero(changed[a]), np.flatnonzero(changed[b])
-        rest = idx[changed_mag >= t2]
-        idx = np.concatenate([a[ra], b[rb], rest])
-        gaps = np.concatenate([np.diff(ra, prepend=-1) - 1, np.diff(rb, prepend=-1) - 1, np.diff(rest, prepend=-1) - 1])
+    threshold = 0 if shift is None else _threshold3(mag, changed_mag, shift)
+    if threshold:
+        band = np.flatnonzero(mag < threshold)
+        band = _by_magnitude(band, mag[band])
+        ranks = np.flatnonzero(changed[band])
+        rest = idx[changed_mag >= threshold]
+        idx = np.concatenate([band[ranks], rest])
     else:
-        ra = rb = np.zeros(0, np.int64)
-        gaps = np.diff(idx, prepend=-1) - 1
+        ranks, rest = np.zeros(0, np.int64), idx
     signed = _SIGNED[nb.itemsize]
     d = nb.view(signed)[idx] - ob.view(signed)[idx]  # wraps: exact for any bit patterns
     neg = d < 0
     steps = np.where(neg, -d, d).view(_UNSIGNED[nb.itemsize]) - 1  # |d| - 1: mostly 0 (one ULP)
-    cuts = np.cumsum([0, ra.size, rb.size, gaps.size - ra.size - rb.size])
-    streams = [_gaps(gaps[lo:hi]) for lo, hi in zip(cuts[:-1], cuts[1:])]  # each class its own frame:
-    frames = [_zstd(g, SPARSE3_ZSTD_LEVEL) for g, _ in streams]  # zstd codes each one's gaps apart
+    streams = [_gaps(np.diff(ranks, prepend=-1) - 1), _gaps(np.diff(rest, prepend=-1) - 1)]
+    frames = [_zstd(g, SPARSE3_ZSTD_LEVEL) for g, _ in streams]  # each its own frame: zstd codes them apart
     tail = _zstd(_planes(steps), SPARSE3_ZSTD_LEVEL)
-    return b"".join([_HEADER3.pack(t1, t2, ra.size, rb.size, *(e for _, e in streams), *map(len, frames), len(tail)),
+    return b"".join([_HEADER3.pack(threshold, ranks.size, *(e for _, e in streams), *map(len, frames), len(tail)),
                      *frames, np.packbits(neg).tobytes(), tail])
 
 
@@ -393,16 +377,17 @@ def decode(base: np.ndarray | None, enc: str, count: int, payload: bytes | memor
 
 
 def _decode3(out: np.ndarray, count: int, payload: bytes | memoryview, numel: int, itemsize: int) -> np.ndarray:
-    """sparse3: a header, the gaps of classes A, B and C (a zstd frame each), the signs (a bit each),
-    the steps (|difference| - 1, byte planes, a zstd frame)."""
+    """sparse3: a header, the gaps of the band's changes (ranks in the band, ordered by magnitude)
+    and of the rest's (positions in the tensor), a zstd frame each, the signs (a bit each), the
+    steps (|difference| - 1, byte planes, a zstd frame)."""
     payload = memoryview(payload)
     if len(payload) < _HEADER3.size:
         raise DeltaCorrupt("sparse3 delta: shorter than its header")
-    t1, t2, in_a, in_b, *rest = _HEADER3.unpack_from(payload)
-    escapes, lengths = rest[:3], rest[3:]
-    sizes = (in_a, in_b, count - in_a - in_b)
+    threshold, in_band, *rest = _HEADER3.unpack_from(payload)
+    escapes, lengths = rest[:2], rest[2:]
+    sizes = (in_band, count - in_band)
     signs = (count + 7) // 8
-    if in_a + in_b > count or t1 > t2 or t2 >> (8 * itemsize - 1) or (in_a or in_b) and not t2 \
+    if in_band > count or threshold >> (8 * itemsize - 1) or in_band and not threshold \
             or any(e > n for e, n in zip(escapes, sizes)) or _HEADER3.size + sum(lengths) + signs != len(payload):
         raise DeltaCorrupt("sparse3 delta: its header does not fit the tensor")
     at = _HEADER3.size
@@ -426,19 +411,9 @@ def _decode3(out: np.ndarray, count: int, payload: bytes | memoryview, numel: in
         return r
 
     idx = np.empty(count, np.int64)
-    if in_a or in_b:
-        mag = _magnitude(out)
-        low = mag < t1
-        a = _by_magnitude(np.flatnonzero(low), mag)  # A is small: its members, ordered
-        idx[:in_a] = a[ranks(0, a.size, "class A")]
-        # B (most of A + B) as a bitmap and its running count: cheaper than its members' indices
-        b = np.packbits(mag < t2)
-        np.bitwise_and(b, ~np.packbits(low), out=b)
-        upto = _running_count(b)
-        idx[in_a:in_a + in_b] = _select(b, upto, ranks(1, int(upto[-1]) if upto.size else 0, "class B"))
-    else:
-        ranks(0, 0, "class A"), ranks(1, 0, "class B")  # empty streams: only their frames are read
-    idx[in_a + in_b:] = ranks(2, numel, "the tensor")
+    band = _band3(out, threshold) if in_band else np.zeros(0, np.int64)
+    idx[:in_band] = band[ranks(0, band.size, "its band")]
+    idx[in_band:] = ranks(1, numel, "the tensor")
     neg = np.unpackbits(np.frombuffer(payload, np.uint8, signs, at), count=count).view(bool)
     d = _unplanes(_unzstd(payload[at + signs:], count * itemsize), _UNSIGNED[itemsize]) + _UNSIGNED[itemsize](1)
     np.negative(d, out=d, where=neg)  # |d| back to d, wrapping
@@ -447,29 +422,36 @@ def _decode3(out: np.ndarray, count: int, payload: bytes | memoryview, numel: in
     return out
 
 
-_NTH_BIT = np.array([[i for i in range(8) if v & (0x80 >> i)] + [0] * (8 - bin(v).count("1"))
-                     for v in range(256)], np.uint8)  # [byte, k]: where its k-th set bit is (packbits' order)
+_CHUNK = 1 << 20  # elements per pass of `_band3`, through its thread's scratch buffers
+_SCRATCH = threading.local()
 
 
-def _by_magnitude(members: np.ndarray, mag: np.ndarray) -> np.ndarray:
-    """Class A's members ordered by magnitude (stable): its change rate falls steeply with the
-    exponent, so ordered its changes come in runs that cost few bits."""
-    return members[np.argsort(mag[members], kind="stable")]
+def _band3(bits: np.ndarray, threshold: int) -> np.ndarray:
+    """The band of the base `bits` (magnitude below `threshold`) ordered by magnitude (stable),
+    found in chunks through this thread's scratch buffers, allocated once: no temporary the size
+    of the tensor (in a rebuild on a few threads, a freed big buffer is unmapped and faulted in
+    again for the next tensor, which cost more than the passes themselves)."""
+    u = bits.view(_UNSIGNED[bits.itemsize])
+    keep = u.dtype.type((1 << (8 * bits.itemsize - 1)) - 1)
+    bufs = getattr(_SCRATCH, "bufs", None) or {}
+    if u.dtype not in bufs:
+        bufs[u.dtype] = (np.empty(_CHUNK, u.dtype), np.empty(_CHUNK, bool))
+        _SCRATCH.bufs = bufs
+    mag, below = bufs[u.dtype]
+    found: list[np.ndarray] = []
+    for lo in range(0, u.size, _CHUNK):
+        k = min(_CHUNK, u.size - lo)
+        np.bitwise_and(u[lo:lo + k], keep, out=mag[:k])
+        np.less(mag[:k], threshold, out=below[:k])
+        found.append(np.flatnonzero(below[:k]) + lo)
+    members = np.concatenate(found)
+    return _by_magnitude(members, u[members] & keep)
 
 
-def _running_count(bitmap: np.ndarray) -> np.ndarray:
-    """Set bits in bytes 0..i of a bitmap, as uint32 (a tensor has fewer than 2**32 elements)."""
-    upto = np.bitwise_count(bitmap).astype(np.uint32)
-    return np.cumsum(upto, out=upto)  # in place: a widening cumsum of uint8 is many times slower
-
-
-def _select(bitmap: np.ndarray, upto: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-    """The positions of the `ranks`-th set bits of `bitmap` (`upto`: its `_running_count`):
-    the byte by a binary search, the bit in it by a table."""
-    r = ranks.astype(np.uint32)
-    byte = np.searchsorted(upto, r, side="right")
-    r -= np.where(byte > 0, upto[byte - 1], np.uint32(0))  # the rank within the byte
-    return byte * 8 + _NTH_BIT[bitmap[byte], r]
+def _by_magnitude(members: np.ndarray, magnitudes: np.ndarray) -> np.ndarray:
+    """The band's members ordered by their magnitudes (stable): its change rate falls steeply with
+    the exponent, so ordered its changes come in runs that cost few bits."""
+    return members[np.argsort(magnitudes, kind="stable")]
 
 
 def _add_at(out: np.ndarray, idx: np.ndarray, planes: memoryview, itemsize: int) -> np.ndarray:
