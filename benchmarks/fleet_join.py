@@ -12,8 +12,11 @@ Assumptions (each a flag of the command, printed with the table):
   piece (`piece_mb`); the version spreads along a pipelined tree, one piece-time per level:
   size / min(rate, origin) + ceil(log2 N) x piece / rate;
 - a follower's version is `delta_ratio` of the full bytes on the wire (measured by `bench
-  weights`), then rebuilt from the previous one and every rebuilt tensor hashed (as the cache
-  does): the whole version's bytes at the verify rate, after the transfer.
+  weights`), then rebuilt from the previous one: decoded at `decode_ns` an element per thread
+  (sparse3 finds its band with a pass over the base tensor) and every rebuilt tensor hashed (as
+  the cache does), on `verify_threads` threads, after the transfer;
+- a joiner with peers takes the version whole (a holder serves a rebuilt version's files), so a
+  joiner replays nothing in either column.
 """
 
 from __future__ import annotations
@@ -36,10 +39,15 @@ class Bandwidth:
     verify_mb_s: float = 1000.0  # SHA-256 per thread (measured on this box by `measure_verify`)
     verify_threads: int = 8
     piece_mb: float = 64.0
-    delta_ratio: float = 0.0199
+    delta_ratio: float = 0.0074  # `bench weights`' median at lr 1e-6, sparse3 (Nov 29, 2026)
+    decode_ns: float = 2.5  # a delta's decode per element and thread (sparse3, this box, Nov 29, 2026)
 
     def verify_bytes_s(self) -> float:
         return self.verify_mb_s * 1e6 * self.verify_threads
+
+    def rebuild_s(self, size: float) -> float:
+        """A follower's replay of one delta on a bf16 version of `size` bytes: decode, then hash."""
+        return size / self.verify_bytes_s() + size / 2 * self.decode_ns * 1e-9 / self.verify_threads
 
     def instance_bytes_s(self) -> float:
         return min(self.link_gbps * GB / 8, self.verify_bytes_s())
@@ -65,7 +73,7 @@ def table(bw: Bandwidth) -> list[dict]:
     rows = []
     for model, size in MODELS.items():
         for what, nbytes, rebuild in (("join (whole version)", size, 0.0),
-                                      ("follow (delta)", size * bw.delta_ratio, size / bw.verify_bytes_s())):
+                                      ("follow (delta)", size * bw.delta_ratio, bw.rebuild_s(size))):
             for n in FLEETS:
                 rows.append({"model": model, "pull": what, "instances": n, "bytes_gb": round(nbytes / GB, 2),
                              "origin_only_s": round(origin_only_s(nbytes, n, bw) + rebuild, 1),

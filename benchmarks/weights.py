@@ -316,11 +316,13 @@ def main(argv: list[str], s: Settings) -> int:
     g.add_argument("--piece-mb", type=float, default=Bandwidth.piece_mb)
     g.add_argument("--delta-ratio", type=float, default=Bandwidth.delta_ratio,
                    help="a follower's bytes over a whole version's (bench weights' median delta)")
+    g.add_argument("--decode-ns", type=float, default=Bandwidth.decode_ns,
+                   help="a delta's decode per element and thread, in ns (a follower's replay)")
     a = p.parse_args(argv)
     if a.model_fleet:  # the verify rate is this box's, measured now; the rest are the flags
         print_result(report(Bandwidth(link_gbps=a.link_gbps, origin_gbps=a.origin_gbps, verify_mb_s=measure_verify(),
                                       verify_threads=a.verify_threads, piece_mb=a.piece_mb,
-                                      delta_ratio=a.delta_ratio)))
+                                      delta_ratio=a.delta_ratio, decode_ns=a.decode_ns)))
         return 0
     if not (s.services.nats_url and s.services.redis_url):
         s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-bench-")

@@ -98,6 +98,9 @@ class CacheStats:
     peer_versions: int = 0  # versions taken whole from a peer (nothing replayed)
 
 
+PEER_PIECE_BYTES = 16 << 20  # a version taken whole from peers comes in pieces of about this size, in parallel
+
+
 @dataclass(frozen=True)
 class VerifiedVersion:
     """Exactly `version`'s shards, each verified against the manifest, in `path`
@@ -173,11 +176,11 @@ class WeightCache:
             if await self._cached(manifest):
                 return VerifiedVersion(version, self._vdir(version), manifest)
             refused: list[StoreError] = []
-            paths = await self._paths(manifest)
             if self.peers is not None and not manifest.shards and manifest.delta is not None \
-                    and not (paths and paths[0][1]) and await self._from_peer_version(manifest):
-                return VerifiedVersion(version, self._vdir(version), manifest)  # a peer held it whole
-            for cost, cached, start, chain in paths:
+                    and not (self._vdir(manifest.delta.base) / "manifest.json").exists() \
+                    and await self._from_peer_version(manifest):  # not a follower: a peer's whole copy
+                return VerifiedVersion(version, self._vdir(version), manifest)
+            for cost, cached, start, chain in await self._paths(manifest):
                 try:
                     t0 = time.perf_counter()
                     await self._fetch_all([(b, True) for _, d in chain for b in d.blobs])  # small
@@ -284,6 +287,8 @@ class WeightCache:
         plain snapshot pull does not. False (nothing kept) when no holder serves every file: the
         caller takes the snapshot and the deltas."""
         peers, digest = self.peers, target.digest()
+        if not all(e.sha256 for e in target.tensors):
+            return False  # a tensor without a hash could not be checked
         st = await peers.version_state(digest)
         holders = [(h, url) for h, url in st.holders.items() if h != peers.peer_id]
         if not holders:
@@ -300,17 +305,21 @@ class WeightCache:
                 spans: dict[int, list[tuple[int, int, str]]] = {fd: [] for _, _, fd in files}
                 for entry, fd, offset in jobs:
                     spans[fd].append((offset, math.prod(entry.shape) * ITEMSIZE[entry.dtype], entry.sha256))
+                pieces = []  # (file index, fd, header, regions): whole tensors, about PEER_PIECE_BYTES each
+                for index, (_, header, fd) in enumerate(files):
+                    for regions in _pieces([(0, len(header), "")] + sorted(spans[fd]), PEER_PIECE_BYTES):
+                        pieces.append((index, fd, header, regions))
 
-                async def one(index: int, header: bytes, fd: int) -> None:
-                    regions = [(0, len(header), "")] + sorted(spans[fd])
+                async def one(index: int, fd: int, header: bytes, regions: list[tuple[int, int, str]]) -> None:
+                    start, stop = regions[0][0], regions[-1][0] + regions[-1][1]
                     deadline = time.monotonic() + peers.wait_s
                     async with self._sem:
                         while time.monotonic() < deadline:
                             busy = False
                             for h, url in [x for x in holders if x[0] not in bad][:peers.tries]:
                                 try:
-                                    if await self._take_version_file(peers.read_version(url, digest, index), fd,
-                                                                     header, regions):
+                                    if await self._take_version_file(
+                                            peers.read_version(url, digest, index, start, stop), fd, header, regions):
                                         return
                                     self.stats.peer_rejected += 1
                                     log.warning("peer served a version file that failed verification; not asked "
@@ -327,7 +336,7 @@ class WeightCache:
                             await asyncio.sleep(0.05 + random.random() * 0.2)
                     raise PeerError(f"no peer served version {target.version} file {index}")
 
-                await _all_or_none([asyncio.create_task(one(i, header, fd)) for i, (_, header, fd) in enumerate(files)])
+                await _all_or_none([asyncio.create_task(one(*piece)) for piece in pieces])
             finally:
                 for _, _, fd in files:
                     os.close(fd)
@@ -350,12 +359,13 @@ class WeightCache:
 
     async def _take_version_file(self, chunks: AsyncIterator[Buffer], fd: int, header: bytes,
                                  regions: list[tuple[int, int, str]]) -> bool:
-        """Stream one version file from a peer into `fd` through a worker thread that writes each
-        chunk at its place and checks it (`_check_to_fd`); True when every byte checked out."""
+        """Stream a piece of a version file (`regions`, back to back) from a peer into `fd` through a
+        worker thread that writes each chunk at its place and checks it (`_check_to_fd`); True when
+        every byte checked out."""
         loop = asyncio.get_running_loop()
         q: queue.SimpleQueue[Buffer | None] = queue.SimpleQueue()
         sink = loop.run_in_executor(self._pool, _check_to_fd, fd, q, header, regions)
-        size, n = regions[-1][0] + regions[-1][1], 0
+        size, n = regions[-1][0] + regions[-1][1] - regions[0][0], 0
         try:
             async with contextlib.aclosing(chunks) as body:
                 async for chunk in body:
@@ -936,12 +946,24 @@ def _hash_to_file(path: Path, chunks: queue.SimpleQueue, hashing: bool = True) -
     return n, h.hexdigest() if h is not None else ""
 
 
+def _pieces(regions: list[tuple[int, int, str]], piece: int) -> list[list[tuple[int, int, str]]]:
+    """Back-to-back regions cut into runs of about `piece` bytes (a region is never split: its
+    SHA-256 is checked whole)."""
+    out: list[list[tuple[int, int, str]]] = [[]]
+    for r in regions:
+        if out[-1] and sum(n for _, n, _ in out[-1]) + r[1] > piece:
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
 def _check_to_fd(fd: int, chunks: queue.SimpleQueue, header: bytes, regions: list[tuple[int, int, str]]) -> bool:
     """(thread) Write chunks until None at their places in `fd`, checking them against `regions`
-    ((offset, bytes, SHA-256), ascending, back to back from 0; the first is the header, compared
-    byte for byte). True if every region checked out and nothing came past the last."""
+    ((offset, bytes, SHA-256), ascending, back to back from the first's offset; one of no hash
+    is the file's header, compared byte for byte). True if every region checked out and nothing
+    came past the last."""
     size = regions[-1][0] + regions[-1][1]
-    pos, i, ok = 0, 0, all(a[0] + a[1] == b[0] for a, b in zip(regions, regions[1:]))
+    pos, i, ok = regions[0][0], 0, all(a[0] + a[1] == b[0] for a, b in zip(regions, regions[1:]))
     h = hashlib.sha256()
     while (chunk := chunks.get()) is not None:
         if not ok:

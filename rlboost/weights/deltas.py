@@ -4,47 +4,43 @@ An RL step moves every weight a little, but in the publish dtype (bf16) most ele
 their bit pattern: an update smaller than half a unit in the last place (ULP) rounds back to the
 same value. So a version is shipped as the elements whose bits changed. Per tensor, the smallest of:
 - "same": no element changed (no bytes);
-- "sparse2": the changed positions and, there, the integer difference of the new and old bit
-  patterns (below);
+- "sparse3": the changed positions and, there, the change of the bit patterns (below);
 - "xor": the XOR of the old and new bit patterns over the whole tensor (zero where unchanged);
 - "raw": the new bit patterns (a new tensor, a changed shape, or a delta that would not pay).
-"sparse" (positions as uint32 gaps, the XOR of the bits there) is the format before "sparse2":
-it is still read, no longer written. A reader that does not know an encoding refuses the
-manifest that names it (`rlboost.weights.manifest.ENCODINGS`), so a new format gets a new name.
+The formats before are still read: "sparse2" (positions as byte gaps, differences zigzagged, with
+an optional band; still written with `fmt="sparse2"`, for workers older than sparse3) and
+"sparse" (uint32 gaps, XORs). A reader that does not know an encoding refuses the manifest that
+names it (`rlboost.weights.manifest.ENCODINGS`), so a new format gets a new name.
 
-Why "sparse2" is laid out the way it is (measured on `rlboost bench weights`' GRPO updates):
+Why "sparse3" is laid out the way it is (measured on `rlboost bench weights`' GRPO updates):
 - which elements change depends mostly on their magnitude: a step of size lr crosses a rounding
   boundary with a probability of about lr / ULP, and the ULP halves with every exponent step
-  down. Small-magnitude elements change often, large ones rarely. The decoder holds the base, so
-  both sides can order elements by it: with `encode(..., band=True)` the elements below a
-  magnitude threshold (the "band", at most an eighth of the tensor, chosen by the encoder where
-  its estimated bits pay, named in the payload) are ranked by exponent (stable), their changed
-  ranks coded as gaps; every other change by its gap in the tensor. On the bench's lr 1e-6 steps
-  that is 0.0142 of the full version instead of 0.0178, but finding the band is a pass over every
-  element of the base (a mask and its indices, ~1.5-3 ns an element here) for every version
-  replayed: it made a late joiner's replay of 3 deltas about twice as slow, and at fleet scale
-  (25 Gbps links) the CPU costs far more time than the bytes save. So it is off by default (the
-  publisher's `delta_band`); the decoder always reads it. Ranking the whole tensor (a sort of
-  every element) would save a little more (0.0129 at zstd 19) at a higher cost still;
-- gaps are one byte each, 255 escaping to a uint32 kept apart (most gaps are short): smaller
-  than LEB128 varints once compressed (measured: 0.01419 against 0.01457 of the full version) and a
-  few times quicker to decode;
-- the value change is `new - old` of the bit patterns as integers (a one-ULP step is +-1 for a
-  positive value, whatever bits it carries into), zigzag-mapped (+-1 -> 2, 1) so the high byte
-  plane is all zeros; the XOR of a one-ULP step is 1, 3, 7, 15... by the bits it carries through.
-Every array is split into byte planes (all first bytes, then all second bytes, ...) before zstd:
-the high byte of a bf16 (sign and exponent) barely changes, the low byte is noise, and zstd
-compresses each plane far better apart than interleaved.
+  down (on the bench at lr 1e-6: 1 % of the elements of exponent -8 change a step, 16 % of -12,
+  99 % of -20). The decoder holds the base, so both sides can tell the small elements apart: the
+  *band*, the elements of magnitude below a threshold the encoder picks per tensor (at an
+  exponent step, where its estimated bits pay, at most BAND3_MAX_FRACTION of the elements), is
+  ordered by magnitude and its changes are coded by their ranks in it, so they come in runs;
+  every other change by its gap in the tensor. The positions cost 6.2 bits a change instead of
+  7.4 on the bench's steps (5.0 would be each exponent's own rate; more classes or a full sort
+  saved a little more for much more decoding);
+- each of the two gap streams is its own zstd frame (zstd then codes each one's statistics);
+  gaps are one byte each, 255 escaping to a uint32 kept apart;
+- the value change: its sign a bit each (`np.packbits`: 1 bit, where zstd coded the zigzagged
+  difference in about 2.7 bits), then |new - old| - 1 of the bit patterns as integers (a one-ULP
+  step is 0: 87 % of them), byte planes, a zstd frame.
+On the bench's lr 1e-6 steps a delta is 0.74 % of the version where sparse2 took 1.0 %, for
+about three times sparse2's decoding (finding the band is a pass over the base: ~1.5 ns an
+element); docs/benchmarks/weights.md has the figures.
 
-"sparse2" payload, zstd-compressed: a 20-byte header `<QB3xII` (band threshold on the bit
-pattern's magnitude `bits & ~sign`, 0 = no band; the exponent's shift; changes in the band;
-escapes), `count` gap bytes (the band's rank gaps, then the tensor gaps of the rest, ascending),
-the escapes' uint32 planes, then the `count` zigzagged differences as byte planes.
+"sparse3" payload: a 32-byte header `<Q6I` (the band's threshold on the bit pattern's magnitude
+`bits & ~sign`, 0 = no band; changes in the band; escapes of the band's and of the rest's gaps;
+the bytes of their two zstd frames and of the steps' frame), the band's gap frame, the rest's gap
+frame, ceil(count / 8) bytes of signs, the steps' frame.
 
-Decoding treats the payload as hostile: the decompressed size must fit what the tensor's
-shape, dtype and count imply (a frame declaring any other size is refused before allocating), positions
-must fall inside the tensor (and the band), and the caller compares the result's SHA-256 with the manifest
-before anything uses it.
+Decoding treats the payload as hostile: every frame's decompressed size must fit what the tensor's
+shape, dtype and count imply (a frame declaring any other size is refused before allocating), the
+header must add up to the payload, positions must fall inside the tensor (and ranks inside the
+band), and the caller compares the result's SHA-256 with the manifest before anything uses it.
 """
 
 from __future__ import annotations
@@ -217,6 +213,12 @@ def _threshold(mag: np.ndarray, changed: np.ndarray, shift: int) -> int:
 
 
 def _sparse2(ob: np.ndarray, nb: np.ndarray, changed: np.ndarray, dtype_name: str, band: bool) -> bytes:
+    """The format before sparse3, zstd-compressed as one frame: a 20-byte header `<QB3xII` (band
+    threshold on the magnitude, 0 = no band; the exponent's shift; changes in the band; escapes),
+    `count` gap bytes (the band's rank gaps, ranked by exponent, then the tensor gaps of the rest),
+    the escapes' uint32 planes, then the `count` zigzagged differences of the bit patterns as byte
+    planes. Written with `fmt="sparse2"` (no band) for workers older than sparse3; the band was
+    an opt-in of Nov 26-28 builds, still read."""
     shift = _EXP_SHIFT.get(dtype_name)
     mag = _magnitude(ob)
     threshold = 0 if shift is None or not band else _threshold(mag, changed, shift)

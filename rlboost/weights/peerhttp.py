@@ -42,6 +42,7 @@ __all__ = ["PeerServer", "PeerError", "PeerBusy", "read_blob", "read_version_fil
 BLOB_ROUTE = "/blob/"
 VERSION_ROUTE = "/version/"
 _VERSION_FILE = re.compile(r"([0-9a-f]{64})/([0-9]{1,6})")
+_RANGE = re.compile(r"bytes=([0-9]{1,15})-([0-9]{1,15})")
 _SHA = re.compile(r"[0-9a-f]{64}")
 CHUNK = 1 << 20
 MAX_HEADER_BYTES = 16 << 10
@@ -155,8 +156,14 @@ class PeerServer:
             return await _send(conn, writer, 404, b"not held here\n")
         self.serving += 1
         try:
-            size = _size(f)
-            writer.write(conn.send(h11.Response(status_code=200, headers=[
+            size, status = _size(f), 200
+            if "range" in headers:  # one range, first-last inclusive (a late joiner's piece of a version file)
+                m = _RANGE.fullmatch(headers["range"].strip())
+                if m is None or not int(m[1]) <= int(m[2]) < size:
+                    return await _send(conn, writer, 416, b"one range within the file: bytes=first-last\n")
+                await asyncio.to_thread(f.seek, int(m[1]))
+                size, status = int(m[2]) + 1 - int(m[1]), 206
+            writer.write(conn.send(h11.Response(status_code=status, headers=[
                 ("content-type", "application/octet-stream"), ("content-length", str(size)),
                 ("connection", "close")])))
             sent = 0
@@ -208,19 +215,19 @@ def read_blob(url: str, sha: str, *, token: str = "", connect_timeout_s: float =
     return _get(url, BLOB_ROUTE + sha, f"blob {sha[:12]}", token, connect_timeout_s, read_timeout_s)
 
 
-def read_version_file(url: str, digest: str, index: int, *, token: str = "", connect_timeout_s: float = 2.0,
-                      read_timeout_s: float = IDLE_TIMEOUT_S) -> AsyncIterator[bytes]:
-    """Stream file `index` of the version whose manifest digest is `digest` from the peer at
-    `url`; as `read_blob` (unverified bytes, PeerBusy / PeerError)."""
+def read_version_file(url: str, digest: str, index: int, start: int, stop: int, *, token: str = "",
+                      connect_timeout_s: float = 2.0, read_timeout_s: float = IDLE_TIMEOUT_S) -> AsyncIterator[bytes]:
+    """Stream bytes [start, stop) of file `index` of the version whose manifest digest is `digest`
+    from the peer at `url`; as `read_blob` (unverified bytes, PeerBusy / PeerError)."""
     name = f"{digest}/{index}"
-    if not _VERSION_FILE.fullmatch(name):
-        raise ValueError(f"invalid version file {name!r}")
+    if not _VERSION_FILE.fullmatch(name) or not 0 <= start < stop:
+        raise ValueError(f"invalid version file {name!r} [{start}, {stop})")
     return _get(url, VERSION_ROUTE + name, f"version {digest[:12]} file {index}", token, connect_timeout_s,
-                read_timeout_s)
+                read_timeout_s, ("range", f"bytes={start}-{stop - 1}"))
 
 
 async def _get(url: str, target: str, what: str, token: str, connect_timeout_s: float,
-               read_timeout_s: float) -> AsyncIterator[bytes]:
+               read_timeout_s: float, *extra: tuple[str, str]) -> AsyncIterator[bytes]:
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname or not parts.port:
         raise PeerError(f"peer URL {url!r} is not http://host:port")
@@ -230,7 +237,7 @@ async def _get(url: str, target: str, what: str, token: str, connect_timeout_s: 
         raise PeerError(f"peer {url}: cannot connect: {e!r}") from None
     conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
     try:
-        headers = [("host", parts.netloc), ("connection", "close")]
+        headers = [("host", parts.netloc), ("connection", "close"), *extra]
         if token:
             headers.append(("authorization", f"Bearer {token}"))
         writer.write(conn.send(h11.Request(method="GET", target=target, headers=headers)))
@@ -241,7 +248,7 @@ async def _get(url: str, target: str, what: str, token: str, connect_timeout_s: 
             raise PeerError(f"peer {url}: no response")
         if event.status_code == 503:
             raise PeerBusy(f"peer {url} is busy")
-        if event.status_code != 200:
+        if event.status_code != (206 if extra else 200):
             raise PeerError(f"peer {url}: {what}: HTTP {event.status_code}")
         while True:
             event = await _client_next(conn, reader, read_timeout_s)

@@ -124,8 +124,8 @@ class PeerNetwork:
     def read(self, url: str, sha: str) -> AsyncIterator[bytes]:
         return read_blob(url, sha, token=self.token)
 
-    def read_version(self, url: str, digest: str, index: int) -> AsyncIterator[bytes]:
-        return read_version_file(url, digest, index, token=self.token)
+    def read_version(self, url: str, digest: str, index: int, start: int, stop: int) -> AsyncIterator[bytes]:
+        return read_version_file(url, digest, index, start, stop, token=self.token)
 
     def live_claim(self, st: BlobHolders) -> bool:
         """Someone else is fetching it from the origin and was alive a moment ago."""
