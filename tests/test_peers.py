@@ -442,3 +442,11 @@ async def test_a_late_joiner_takes_a_rebuilt_version_whole_from_a_peer_and_refus
         await leave(*(m for m in (follower, first, second) if m is not None))
         if liar is not None:
             await liar.close()
+
+
+def test_a_version_file_is_cut_into_pieces_of_whole_tensors_each_with_bytes():
+    from rlboost.weights.cache import _pieces
+
+    header, big, empty, small = (0, 8, ""), (8, 100, "a" * 64), (108, 0, "b" * 64), (108, 5, "c" * 64)
+    assert _pieces([header, big, empty, small], 50) == [[header], [big, empty], [small]]
+    assert _pieces([header, big, empty, small], 1 << 20) == [[header, big, empty, small]]

@@ -948,10 +948,11 @@ def _hash_to_file(path: Path, chunks: queue.SimpleQueue, hashing: bool = True) -
 
 def _pieces(regions: list[tuple[int, int, str]], piece: int) -> list[list[tuple[int, int, str]]]:
     """Back-to-back regions cut into runs of about `piece` bytes (a region is never split: its
-    SHA-256 is checked whole)."""
+    SHA-256 is checked whole; one of no bytes, an empty tensor, joins the run before it, so every
+    run has bytes to ask for)."""
     out: list[list[tuple[int, int, str]]] = [[]]
     for r in regions:
-        if out[-1] and sum(n for _, n, _ in out[-1]) + r[1] > piece:
+        if out[-1] and r[1] and sum(n for _, n, _ in out[-1]) + r[1] > piece:
             out.append([])
         out[-1].append(r)
     return out
