@@ -63,11 +63,15 @@ _BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _HEADER = struct.Struct("<QB3xII")  # sparse2: band threshold, exponent shift, changes in the band, escapes
-_HEADER3 = struct.Struct("<Q6I")  # sparse3: threshold; changes in the band; escapes and frame bytes of its and the rest's gaps; steps' frame bytes
+# sparse3: the band's threshold; changes in the band; escapes of the band's and of the rest's gaps;
+# the bytes of their two zstd frames and of the steps' frame
+_HEADER3 = struct.Struct("<Q6I")
 _EXP_SHIFT = {"bfloat16": 7, "float16": 10, "float32": 23, "float64": 52}  # where the exponent starts
 BAND_MAX_FRACTION = 1 / 8  # of a tensor's elements at most: bounds the decoder's work
-BAND3_MAX_FRACTION = 1/16  # sparse3: its band holds at most this share of a tensor's elements
+BAND3_MAX_FRACTION = 1 / 16  # sparse3: its band holds at most this share of a tensor's elements
 BAND3_SAMPLE = 16  # the encoder estimates the magnitudes' spread from every 16th element
+# its streams are small: level 12 codes the bench's deltas ~4 % smaller than 9 at about the same
+# publish time (68 MB/s on gap bytes here); 15 gains ~1 % more at a third of the speed
 SPARSE3_ZSTD_LEVEL = 12
 
 
