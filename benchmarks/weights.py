@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import shutil
 import statistics
 import tempfile
@@ -180,7 +179,7 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
         late_s, late_stats = sorted(trials, key=lambda x: x[0])[len(trials) // 2]  # the median trial
         snap_s = statistics.median(snaps)
         late_rate, snap_rate = full_bytes / MB / late_s, full_bytes / MB / snap_s
-        peered = await _peer_trials(js, a, store, work / f"peers-{lr}", sd) if a.peers else {}
+        peered = await _peer_trials(js, a, store, work / f"peers-{lr}", sd, full_bytes) if a.peers else {}
         exact = exact and peered.get("bit_exact", True)
         ratios = [s["delta_bytes"] / full_bytes for s in steps if s["delta_bytes"]]
         return {"lr": lr, "params": sum(t.numel() for t in sd.values()), "dtype": rep.dtype,
@@ -205,7 +204,7 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
             pass
 
 
-async def _peer_trials(js, a: argparse.Namespace, store, work: Path, newest: dict) -> dict:
+async def _peer_trials(js, a: argparse.Namespace, store, work: Path, newest: dict, full: int) -> dict:
     """The same late joiners and snapshot pulls with peers on (`[weights] peers`): one holder (a
     worker that followed the run: it holds the v0 snapshot and the newest version, rebuilt)
     serves both, over loopback HTTP. A late joiner then takes the newest version whole from it,
@@ -247,7 +246,6 @@ async def _peer_trials(js, a: argparse.Namespace, store, work: Path, newest: dic
         await holder.peers.close()
         await server.close()
         holder.close()
-    full = sum(math.prod(t.shape) * t.element_size() for t in newest.values())
     late_rate, snap_rate = full / MB / statistics.median(late_s), full / MB / statistics.median(snap_s)
     return {"late_joiner_peer_mb_per_s": round(late_rate, 1), "snapshot_pull_peer_mb_per_s": round(snap_rate, 1),
             "late_joiner_vs_snapshot_peers": round(late_rate / snap_rate, 3),

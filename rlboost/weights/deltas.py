@@ -173,10 +173,25 @@ def _ungaps(b: bytes | memoryview, count: int, escapes: int) -> np.ndarray:
     g = np.frombuffer(b, np.uint8, count).astype(np.uint64)
     at = np.flatnonzero(g == 255)
     if at.size != escapes:
-        raise DeltaCorrupt("sparse2 delta: its positions do not match their escapes")
+        raise DeltaCorrupt("sparse delta: its positions do not match their escapes")
     if escapes:
         g[at] += _unplanes(memoryview(b)[count:count + 4 * escapes], np.uint32)
     return g
+
+
+def _positions(raw: bytes | memoryview, count: int, escapes: int) -> np.ndarray:
+    """`_gaps`' bytes (exactly `count` gaps and their escapes) to positions, int64: change j is at
+    the gaps up to it plus one per change before it (< (2**32 + 255) * 2**32: no wrap)."""
+    if escapes:
+        r = np.cumsum(_ungaps(raw, count, escapes), dtype=np.int64)
+    else:
+        g = np.frombuffer(raw, np.uint8, count)
+        if count and g.max() == 255:
+            raise DeltaCorrupt("sparse delta: its positions do not match their escapes")
+        r = g.astype(np.int64)  # then summed in place: a widening cumsum of uint8 is many times slower
+        np.cumsum(r, out=r)
+    r += np.arange(count, dtype=np.int64)
+    return r
 
 
 def _magnitude(b: np.ndarray) -> np.ndarray:
@@ -357,11 +372,7 @@ def decode(base: np.ndarray | None, enc: str, count: int, payload: bytes | memor
             or threshold >> (8 * itemsize - 1) > 1 or (threshold - 1) >> shift >= 1 << 16 and threshold:
         raise DeltaCorrupt("sparse2 delta: its header does not fit the tensor")
     if not in_band and not escapes:  # the usual case (no band, every gap short): the positions in two passes
-        g = np.frombuffer(raw, np.uint8, count, _HEADER.size)
-        if g.max() == 255:
-            raise DeltaCorrupt("sparse2 delta: its positions do not match their escapes")
-        idx = np.cumsum(g, dtype=np.int64)  # < 255 * 2**32: no wrap
-        idx += np.arange(count, dtype=np.int64)  # position i: the gaps up to it, plus one per change before it
+        idx = _positions(raw[_HEADER.size:_HEADER.size + count], count, 0)
         if idx[-1] >= numel:
             raise DeltaCorrupt("sparse2 delta writes past the end of the tensor")
         return _add_at(out, idx, raw[_HEADER.size + npos:], itemsize)
@@ -399,19 +410,10 @@ def _decode3(out: np.ndarray, count: int, payload: bytes | memoryview, numel: in
     at = _HEADER3.size
 
     def ranks(i: int, limit: int, what: str) -> np.ndarray:
-        """Stream i's positions: change j is at the gaps up to it plus one per change before it."""
+        """Stream i's positions (in the band, or in the tensor)."""
         nonlocal at
-        raw = _unzstd(payload[at:at + lengths[i]], sizes[i] + 4 * escapes[i])
+        r = _positions(_unzstd(payload[at:at + lengths[i]], sizes[i] + 4 * escapes[i]), sizes[i], escapes[i])
         at += lengths[i]
-        if escapes[i]:
-            r = np.cumsum(_ungaps(raw, sizes[i], escapes[i]), dtype=np.int64)  # < (2**32 + 255) * 2**32
-        else:
-            g = np.frombuffer(raw, np.uint8)
-            if g.size and g.max() == 255:
-                raise DeltaCorrupt("sparse3 delta: its positions do not match their escapes")
-            r = g.astype(np.int64)
-            np.cumsum(r, out=r)
-        r += np.arange(sizes[i], dtype=np.int64)
         if r.size and r[-1] >= limit:
             raise DeltaCorrupt(f"sparse3 delta points past the end of {what}")
         return r
