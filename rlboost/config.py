@@ -225,6 +225,12 @@ class RunSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # `--env`'s demo model: stop its warm start after this many steps (0 = no cap). Unlike the
     # seconds, a step count gives the same model on a loaded box as on an idle one
     bootstrap_steps: int = 0
+    # `--env`'s demo model, after its warm start: this many steps more (at a tenth of the rate) on
+    # demonstrations of which `bootstrap_guess_share` answer at once, without the tools. The model
+    # keeps the skill but seldom uses it, as a base model that guesses: RL has to teach it when
+    # the tools pay (docs/concepts/environments.md). 0 = none: RL starts from a tool imitator
+    bootstrap_guess_steps: int = 200
+    bootstrap_guess_share: float = 0.8
     # The run lease (rlboost/runlease.py): one run per set of servers. A run renews it every third
     # of this; a run killed without a chance to release it (SIGKILL, a lost machine) blocks its
     # servers this long at most. Kept by the servers for all runs: the last run to take it sets it
@@ -241,6 +247,9 @@ class RunSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _check(self.keep_checkpoints >= 1, "run.keep_checkpoints", "must be >= 1")
         _check(self.eval_every >= 1, "run.eval_every", "must be >= 1")
         _check(self.bootstrap_steps >= 0, "run.bootstrap_steps", "must be >= 0 (0 = no cap)")
+        _check(self.bootstrap_guess_steps >= 0, "run.bootstrap_guess_steps", "must be >= 0 (0 = no guessing phase)")
+        # at 1 the model would never call a tool again, and RL would never see one that pays
+        _check(0.0 <= self.bootstrap_guess_share < 1.0, "run.bootstrap_guess_share", "must be in [0, 1)")
         # under 1 s a renewal (every third) races the servers' expiry; over an hour a dead run blocks too long
         _check(1.0 <= self.lease_ttl_s <= 3600.0, "run.lease_ttl_s", "must be in [1, 3600] seconds")
         bad = [x for x in self.loggers if x not in LOGGERS]

@@ -306,11 +306,17 @@ async def test_an_episode_result_becomes_a_sample_scored_by_the_trainers_environ
     bad = await _result(runner, row, "r-1", wrong=True, forged_score=True)
     assert (await training_episode(runner, bad)).reward == 0.0
     import msgspec
-    failed = msgspec.structs.replace(good, finish_reason="error", error="engine broke", episode=None)
+    failed = msgspec.structs.replace(good, request_id="r-2", finish_reason="error", error="engine broke", episode=None)
     scorer = EpisodeScorer(runner)
     assert await scorer.group(row, [good, bad, failed]) == [1.0, 0.0, 0.0]
-    stats = scorer.step.row()
+    # a step row counts the episodes that step trains, not those scored while it ran (async
+    # scores the next step's groups during this one): none until trained, each once
+    assert scorer.trained([]).row()["episodes"] == 0
+    stats = scorer.trained([((0, 0), [good, bad]), ((0, 1), [failed])]).row()
     assert stats["episodes"] == 3 and stats["tool_calls_mean"] == round(2 * len(row["steps"]) / 3, 3)
+    assert sum(stats["episode_ends"].values()) == 3
+    assert scorer.trained([((0, 0), [good, bad])]).row()["episodes"] == 0  # trained once
+    assert scorer.total.episodes == 3
 
 
 async def test_the_episode_source_makes_each_rows_episode_requests_inside_a_running_loop():
@@ -535,6 +541,48 @@ def test_worker_processes_get_the_runs_env_settings():
     got = load_settings(None, environ=worker_env(env)).env
     assert got == EnvSettings(ref="calculator", describe_tools=False, max_turns=3, tool_timeout_s=2.5)
     assert worker_env(EnvSettings()) == {}
+
+
+def test_an_untooled_demonstration_is_the_opening_then_the_answer_at_once():
+    """The guessing phase's demonstrations: a worked solution without its tool turns."""
+    from rlboost.envs import calculator
+    from trainer.data import DataError
+    from trainer.episodes import untooled
+
+    row = calculator.rows("train", 1, level="small")[0]
+    worked = calculator.solution(row, instructions=False)
+    assert sum(1 for m in worked if m.tool_calls) >= 2
+    got = untooled(worked)
+    assert [m.role for m in got] == ["user", "assistant"] and not any(m.tool_calls for m in got)
+    assert got[0] == worked[0] and got[-1].content == f"Answer: {row['answer']}"
+    with pytest.raises(DataError, match="plain answer"):
+        untooled(worked[:-2])  # ends in a tool turn
+
+
+def test_the_guessing_phase_runs_after_the_warm_start_and_names_the_model_it_built(tmp_path):
+    """`run.bootstrap_guess_steps`: more steps after the warm start (its own model, recorded in
+    the meta), and a demo model built with another guessing phase is not taken for this one."""
+    from rlboost.config import EnvSettings, RunSettings
+    from trainer.episodes import check_demo_model, warm_start
+    from trainer.model import read_meta
+
+    env = EnvSettings(ref="calculator", describe_tools=False, options={"instructions": False, "level": "small"})
+    tiny = dict(hidden=32, layers=1, heads=2, mlp=64, batch=2, eval_rows=2, eval_every=100)
+    plain = warm_start(env, tmp_path / "plain", target=1.0, max_seconds=600, max_steps=3, **tiny)
+    out = warm_start(env, tmp_path / "guess", target=1.0, max_seconds=600, max_steps=3, guess_steps=2,
+                     guess_share=0.5, **tiny)
+    assert plain["steps"] == 3 and out["steps"] == 5 and out["guess_steps"] == 2
+    assert out["tool_eval_acc"] == plain["eval_acc"]  # the same warm start before the guesses
+    a, b = (open(tmp_path / d / "model.safetensors", "rb").read() for d in ("plain", "guess"))
+    assert a != b
+    meta = read_meta(tmp_path / "guess")
+    assert (meta["guess_steps"], meta["guess_share"]) == (2, 0.5)
+    assert check_demo_model(tmp_path / "guess", env, 2, 0.5) and check_demo_model(tmp_path / "plain", env)
+    assert not check_demo_model(tmp_path / "guess", env) and not check_demo_model(tmp_path / "guess", env, 2, 0.8)
+    assert not check_demo_model(tmp_path / "plain", env, 200, 0.8)
+    for bad in (dict(bootstrap_guess_steps=-1), dict(bootstrap_guess_share=1.0), dict(bootstrap_guess_share=-0.1)):
+        with pytest.raises(Exception, match="run.bootstrap_guess"):
+            RunSettings(**bad)
 
 
 def test_the_env_warm_start_stops_at_its_step_cap_with_the_same_model_every_time(tmp_path):

@@ -93,10 +93,15 @@ def resolve_model(rs: RunSettings, s: Settings, env: EnvSettings | None = None) 
         print(f"the demo model for --env {env.ref} in {model_dir} (build + warm start on first use)...", flush=True)
         configure_logging(json=s.log_json, level="info")  # its progress lines
         try:
-            out = ensure_demo_model(env, model_dir, rs.bootstrap_target, rs.bootstrap_seconds, rs.bootstrap_steps)
+            out = ensure_demo_model(env, model_dir, rs.bootstrap_target, rs.bootstrap_seconds, rs.bootstrap_steps,
+                                    guess_steps=rs.bootstrap_guess_steps, guess_share=rs.bootstrap_guess_share)
         finally:
             configure_logging(json=s.log_json, level=os.environ.get("RLBOOST_LOG_LEVEL", "warning"))
-        if out:
+        if out and out["guess_steps"]:
+            print(f"model ready after {out['seconds']} s: held-out success {out['tool_eval_acc']:.3f} imitating the "
+                  f"tool use, {out['eval_acc']:.3f} after {out['guess_steps']} steps of guessing (RL's to win back)",
+                  flush=True)
+        elif out:
             print(f"model ready: held-out success {out['eval_acc']:.3f} after {out['seconds']} s", flush=True)
         return str(model_dir)
     model_dir = Path(rs.model_dir or Path(s.services.data_dir).expanduser() / "model").expanduser()

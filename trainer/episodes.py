@@ -29,6 +29,7 @@ its reward and training sample, held-out success, and a supervised warm start.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -231,9 +232,15 @@ async def training_episode(runner: EpisodeRunner, result: wire.RolloutResult) ->
                            end_reason=done.end_reason, turns=done.turns, tool_calls=done.tool_calls)
 
 
+def tally(e: TrainingEpisode) -> tuple[int, int, float, int, str]:
+    """What a step row keeps of an episode (not its tokens): tool calls, turns, reward, whether
+    it went unscored, why it ended."""
+    return e.tool_calls, e.turns, e.reward, int(e.metrics.get("unscored", 0)), e.end_reason
+
+
 @dataclass
 class EpisodeStats:
-    """Per step: episodes scored, their tool calls, turns and rewards (the step row's episode fields)."""
+    """Episodes' tool calls, turns, rewards and ends, summed (a step row's episode fields: the episodes it trained)."""
 
     episodes: int = 0
     tool_calls: int = 0
@@ -243,12 +250,16 @@ class EpisodeStats:
     ends: dict[str, int] = field(default_factory=dict)
 
     def add(self, e: TrainingEpisode) -> None:
+        self.add_tally(tally(e))
+
+    def add_tally(self, t: tuple[int, int, float, int, str]) -> None:
+        tool_calls, turns, reward, unscored, end = t
         self.episodes += 1
-        self.tool_calls += e.tool_calls
-        self.turns += e.turns
-        self.reward += e.reward
-        self.unscored += int(e.metrics.get("unscored", 0))
-        self.ends[e.end_reason] = self.ends.get(e.end_reason, 0) + 1
+        self.tool_calls += tool_calls
+        self.turns += turns
+        self.reward += reward
+        self.unscored += unscored
+        self.ends[end] = self.ends.get(end, 0) + 1
 
     def row(self) -> dict:
         n = max(1, self.episodes)
@@ -267,6 +278,11 @@ class EpisodeRewards(list):
         self.turn_rewards = turn_rewards
 
 
+# scored episodes waiting for the step that trains them: a group scored and then never trained
+# (dropped as too stale) must not hold its episode for the rest of the run
+SCORED_KEPT = 65536
+
+
 class EpisodeScorer:
     """A group's rewards from the environment (see the module doc: the trainer scores)."""
 
@@ -274,21 +290,35 @@ class EpisodeScorer:
         self.runner = runner
         self.step_errors = self.step_timeouts = 0
         self.errors = self.timeouts = 0  # score errors, run total (the environment's `score_error` metric)
-        self.step = EpisodeStats()
         self.total = EpisodeStats()
+        self._scored: dict[str, tuple] = {}  # `tally` by request id, until a step trains it
+
+    def trained(self, groups: list[tuple[Any, list[wire.RolloutResult]]]) -> EpisodeStats:
+        """The episode fields of a step's row: the episodes it trained. In async and partial
+        modes a group is scored while an earlier step trains, so the episodes scored during a
+        step are not the ones it trains (a step's row said 64 episodes, the next 0)."""
+        stats = EpisodeStats()
+        for _, results in groups:
+            for r in results:
+                t = self._scored.pop(r.request_id, None)
+                if t is not None:
+                    stats.add_tally(t)
+        return stats
 
     async def group(self, row: dict, results: list[wire.RolloutResult]) -> list[float]:
         scored = [await training_episode(self.runner, r) for r in results]
-        for e in scored:
-            self.step.add(e)
+        for r, e in zip(results, scored, strict=True):
+            self._scored[r.request_id] = tally(e)
             self.total.add(e)
+        while len(self._scored) > SCORED_KEPT:
+            del self._scored[next(iter(self._scored))]
+        for e in scored:
             err = int(e.metrics.get("score_error", 0))
             self.step_errors += err
             self.errors += err
         return EpisodeRewards([e.reward for e in scored], [e.turn_rewards for e in scored])
 
     def begin_step(self) -> None:
-        self.step = EpisodeStats()
         self.step_errors = self.step_timeouts = 0
 
     def close(self) -> None:
@@ -360,13 +390,33 @@ def solutions(env: Any, rows: list[dict]) -> list[list]:
     return [fn(r) for r in rows]
 
 
+def untooled(messages: list) -> list:
+    """A worked conversation without its tool turns: the opening, then the final answer at once
+    (a demonstrator that answers from its head)."""
+    opening = list(itertools.takewhile(lambda m: m.role != "assistant", messages))
+    last = messages[-1] if messages else None
+    if last is None or last.role != "assistant" or last.tool_calls or not last.content:
+        raise DataError("a worked solution that does not end in a plain answer: no untooled demonstration of it "
+                        "for the warm start's guessing phase (--run.bootstrap_guess_steps 0 leaves it out)")
+    return opening + [last]
+
+
 def warm_start(env_settings: EnvSettings, out_dir: Path, target: float, max_seconds: float, *, seed: int = 0,
                context: int = 512, batch: int = 16, lr: float = 3e-3, eval_every: int = 100,
-               eval_rows: int = 64, max_steps: int = 0, **arch: int) -> dict:
+               eval_rows: int = 64, max_steps: int = 0, guess_steps: int = 0, guess_share: float = 0.8,
+               **arch: int) -> dict:
     """Build the demo's character model for `[env] ref` (its alphabet: the environment's
     `alphabet`) with `context` positions and train it on the environment's worked solutions until
     the greedy held-out success reaches `target`, `max_seconds` pass or `max_steps` steps are done
-    (0: no step cap; a step cap stops at the same model however loaded the box). RL then takes over."""
+    (0: no step cap; a step cap stops at the same model however loaded the box).
+
+    Then, for `guess_steps` steps at a tenth of the rate, on demonstrations of which `guess_share`
+    answer at once without the tools (`untooled`): the model keeps the skill but seldom uses it,
+    as a base model that guesses where it should call a tool. Greedy, it guesses (held-out success
+    near 0); sampled, about 1 - `guess_share` of its episodes call the tools and mostly succeed:
+    what RL then has to teach is when the tools pay. Without this phase RL starts from a model
+    that already imitates the tool use, and its gain hangs on where the warm start stopped in the
+    copying transition (docs/concepts/environments.md, "Learning on this box")."""
     import torch
 
     from trainer import model as M
@@ -386,8 +436,11 @@ def warm_start(env_settings: EnvSettings, out_dir: Path, target: float, max_seco
     held = data.eval_samples()
     tools = run_sync(runner.begin("tools", held[0])).tools
 
-    def batch_of(rows: list[dict]):
-        convs = [fmt.conversation_ids(m, tools) for m in solutions(env, rows)]
+    guesses = random.Random(f"guess/{seed}")
+
+    def batch_of(rows: list[dict], share: float = 0.0):
+        demos = [untooled(m) if share and guesses.random() < share else m for m in solutions(env, rows)]
+        convs = [fmt.conversation_ids(m, tools) for m in demos]
         width = max(len(ids) for ids, _ in convs)
         ids_t = torch.full((len(convs), width), tokenizer.pad_token_id)
         labels = torch.full((len(convs), width), -100)
@@ -419,12 +472,27 @@ def warm_start(env_settings: EnvSettings, out_dir: Path, target: float, max_seco
                      tool_calls=round(calls, 2), seconds=round(elapsed, 1))
             if acc >= target or last or elapsed >= max_seconds:
                 break
+    tool_acc, reached = acc, acc >= target
+    if guess_steps:
+        if not reached:
+            log.warning("env warm start below its target: the guessing phase leaves RL little to find",
+                        env=env_settings.ref, eval_success=round(acc, 3), target=target)
+        # a fresh optimizer: the warm start's second moments are of a converged loss, and the
+        # guesses' larger gradients over them would take steps far above the rate
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr / 10, weight_decay=0.01)
+        for _ in range(guess_steps):
+            step += 1
+            loss = sft_step(model, optimizer, *batch_of(data.next_batch(batch), guess_share))
+        acc, calls = success()
+        log.info("env warm start, guessing", env=env_settings.ref, step=step, loss=round(loss, 4),
+                 eval_success=round(acc, 3), tool_calls=round(calls, 2), seconds=round(time.monotonic() - t0, 1))
     seconds = round(time.monotonic() - t0, 1)
     meta = {"task": f"env:{env_settings.ref}", "env": env_settings.ref, "env_options": json.dumps(env_settings.options),
             "trained": True, "eval_acc": acc, "eval_tool_calls": calls, "steps": step, "seconds": seconds,
+            "tool_eval_acc": tool_acc, "guess_steps": guess_steps, "guess_share": guess_share if guess_steps else 0.0,
             "context": context, "params": sum(p.numel() for p in model.parameters())}
     M.save(model, tokenizer, out_dir, meta=meta)
-    return {"out": str(out_dir), "target": target, "reached": acc >= target, "loss": round(loss, 4), **meta}
+    return {"out": str(out_dir), "target": target, "reached": reached, "loss": round(loss, 4), **meta}
 
 
 # ---------------------------------------------------------------- what `rlboost run --env` wires
@@ -449,13 +517,15 @@ def demo_model_dir(data_dir: str | Path, ref: str) -> Path:
     return Path(data_dir).expanduser() / f"model-env-{name}"
 
 
-def check_demo_model(model_dir: Path, env: EnvSettings) -> bool:
-    """True if `model_dir` holds the demo's model warm-started for this environment and options."""
+def check_demo_model(model_dir: Path, env: EnvSettings, guess_steps: int = 0, guess_share: float = 0.8) -> bool:
+    """True if `model_dir` holds the demo's model warm-started for this environment and options,
+    with this guessing phase (`warm_start`)."""
     from trainer.model import read_meta
 
     meta = read_meta(model_dir)
     return bool(meta.get("trained")) and meta.get("env") == env.ref and \
-        meta.get("env_options") == json.dumps(env.options)
+        meta.get("env_options") == json.dumps(env.options) and \
+        meta.get("guess_steps", 0) == guess_steps and meta.get("guess_share", 0.0) == (guess_share if guess_steps else 0.0)
 
 
 def make_data(env_settings: EnvSettings, data, seed: int) -> EpisodeData:
@@ -471,18 +541,19 @@ def max_turn_tokens(data) -> int:
 
 
 def ensure_demo_model(env_settings: EnvSettings, model_dir: Path, target: float, seconds: float,
-                      steps: int = 0) -> dict | None:
+                      steps: int = 0, *, guess_steps: int = 0, guess_share: float = 0.8) -> dict | None:
     """The demo's model for the run's environment in `model_dir`, built and warm-started on
     first use (one thread: on a shared box more threads only wait on each other; `steps`: the
-    warm start's step cap, 0 = none). None if it was there already."""
+    warm start's step cap, 0 = none; `guess_*`: its guessing phase). None if it was there already."""
     import torch
 
-    if check_demo_model(model_dir, env_settings):
+    if check_demo_model(model_dir, env_settings, guess_steps, guess_share):
         return None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return warm_start(env_settings, model_dir, target, seconds, max_steps=steps)
+        return warm_start(env_settings, model_dir, target, seconds, max_steps=steps, guess_steps=guess_steps,
+                          guess_share=guess_share)
     finally:
         torch.set_num_threads(threads)
 

@@ -261,7 +261,7 @@ async def step(run: Run, step: int) -> dict:
                           filtered=run.source.step_filtered, reward_errors=run.scorer.step_errors,
                           reward_timeouts=run.scorer.step_timeouts, data_state=run.source.data.state())
     if episodic:  # tool calls, turns, success and why episodes ended; the held-out episodes' tool calls
-        row.update(run.scorer.step.row())
+        row.update(run.scorer.trained(o.trained).row())
         if eval_acc is not None:
             row["eval_tool_calls"] = run.evaluation.last.get("eval_tool_calls")
     return row
