@@ -601,3 +601,27 @@ def test_the_env_warm_start_stops_at_its_step_cap_with_the_same_model_every_time
     assert a == b
     with pytest.raises(Exception, match="run.bootstrap_steps"):
         RunSettings(bootstrap_steps=-1)
+
+
+def test_the_calculator_example_config_is_the_measured_command_line():
+    """`examples/calculator.toml` (the README's agentic first run) holds the settings of the
+    command line that docs/concepts/environments.md measured, flag for flag."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    import msgspec
+
+    from rlboost.config import load_settings
+    from trainer.command import parse
+
+    root = Path(__file__).resolve().parents[1]
+    blocks = re.findall(r"```sh\n(.*?)```", (root / "docs/concepts/environments.md").read_text(), re.S)
+    measured = [b for b in blocks if "--run.bootstrap_target 0.6" in b]
+    assert len(measured) == 1
+    argv = shlex.split(measured[0].replace("\\\n", " "))
+    assert argv[:2] == ["rlboost", "run"]
+    from_flags = parse(argv[2:]).settings
+    from_file = parse([], s=load_settings(root / "examples/calculator.toml")).settings
+    assert msgspec.to_builtins(from_file) == msgspec.to_builtins(from_flags)
+    assert from_file.env.ref == "calculator" and from_file.rollout.mode == "async" and from_file.run.policy == "hybrid"
