@@ -249,10 +249,8 @@ class EpisodeStats:
     unscored: int = 0
     ends: dict[str, int] = field(default_factory=dict)
 
-    def add(self, e: TrainingEpisode) -> None:
-        self.add_tally(tally(e))
-
-    def add_tally(self, t: tuple[int, int, float, int, str]) -> None:
+    def add(self, t: tuple[int, int, float, int, str]) -> None:
+        """One episode's `tally`."""
         tool_calls, turns, reward, unscored, end = t
         self.episodes += 1
         self.tool_calls += tool_calls
@@ -302,14 +300,14 @@ class EpisodeScorer:
             for r in results:
                 t = self._scored.pop(r.request_id, None)
                 if t is not None:
-                    stats.add_tally(t)
+                    stats.add(t)
         return stats
 
     async def group(self, row: dict, results: list[wire.RolloutResult]) -> list[float]:
         scored = [await training_episode(self.runner, r) for r in results]
         for r, e in zip(results, scored, strict=True):
-            self._scored[r.request_id] = tally(e)
-            self.total.add(e)
+            t = self._scored[r.request_id] = tally(e)
+            self.total.add(t)
         while len(self._scored) > SCORED_KEPT:
             del self._scored[next(iter(self._scored))]
         for e in scored:
