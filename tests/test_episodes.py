@@ -392,3 +392,22 @@ async def test_bench_chaos_episodes_keeps_every_invariant_under_sigkill_and_sigt
     assert out["ok"], out
     assert out["completed"] == 8 and out["tool_call_keys"] == out["tool_calls_expected"] > 8
     assert out["kills_during_generation"] == 1, out["actions"]
+
+
+async def test_a_turn_cut_by_its_budget_ends_the_episode_length_not_as_a_finished_turn(clients, tmp_path):
+    """The worker's turn budget cuts the scripted tool call mid-way: the episode ends `length`,
+    the half-written call never reaches the environment (no tool runs)."""
+    js, step, pool = clients.js, 502, "cut"
+    rows = calculator.rows("train", 3, seed=2)
+    log = str(tmp_path / "calls.log")
+    reqs = await episode_env.requests(step, rows, log, max_turns=6, max_turn_tokens=6)
+    w = _worker(clients, pool, rows)
+    task = asyncio.create_task(w.run())
+    await PoolClient(clients, pool).publish_step(reqs)
+    got = await step_results(js, step, len(reqs))
+    w.request_drain("test over")
+    await task
+    for r in got.values():
+        assert r.episode.reason == "length", r.episode.reason
+        assert len(r.token_ids) == 6 and not r.episode.calls
+    assert episode_env.calls(log) == []

@@ -124,8 +124,12 @@ class EpisodeRun:
         """The model turn that just ended (the checkpoint's tokens past `turn_start`), recorded and
         parsed, and the state that follows it fenced in: tool calls to run, or the end."""
         if self.snap.phase == "generate":
+            turn = list(tokens[self.turn_start:])
+            # a turn that does not end in a stop id was cut by its budget: `length`, never a
+            # finished turn (the environment would answer a half-written message)
+            reason = "stop" if turn and turn[-1] in self.runner.fmt.stop_ids else "length"
             self.snap = self.runner.model_turn(self.snap, Generation(
-                token_ids=list(tokens[self.turn_start:]), logprobs=list(logprobs[self.turn_start:]),
+                token_ids=turn, logprobs=list(logprobs[self.turn_start:]), finish_reason=reason,
                 policy_version=version, weights_digest=weights, worker=self.worker_id))
             await self._put(put, len(tokens))
 
