@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import random
 import time
 from collections.abc import Callable, Coroutine
@@ -232,15 +233,26 @@ async def training_episode(runner: EpisodeRunner, result: wire.RolloutResult) ->
                            end_reason=done.end_reason, turns=done.turns, tool_calls=done.tool_calls)
 
 
-def tally(e: TrainingEpisode) -> tuple[int, int, float, int, str]:
+# the runner's counts in an episode's metrics (`EpisodeRunner.result`) that a step row shows as
+# `<name>_mean` beside `tool_calls_mean`; `turns` and `tool_calls` have their own fields, and
+# `score_error` is counted by `reward_errors`. Every other key is the environment's own
+# (`Score.metrics`), shown as `env/<name>` so that no name of an environment's can shadow a field of ours.
+RUNNER_METRICS = ("tool_errors", "tool_timeouts", "env_errors")
+NOT_SHOWN = ("turns", "tool_calls", "score_error", "unscored")
+
+
+def tally(e: TrainingEpisode) -> tuple[int, int, float, int, str, dict[str, float]]:
     """What a step row keeps of an episode (not its tokens): tool calls, turns, reward, whether
-    it went unscored, why it ended."""
-    return e.tool_calls, e.turns, e.reward, int(e.metrics.get("unscored", 0)), e.end_reason
+    it went unscored, why it ended, and its metrics as the row names them (`RUNNER_METRICS`)."""
+    shown = {(f"{k}_mean" if k in RUNNER_METRICS else f"env/{k}"): float(v) for k, v in e.metrics.items()
+             if k not in NOT_SHOWN and math.isfinite(v)}  # a NaN would make metrics.jsonl invalid JSON
+    return e.tool_calls, e.turns, e.reward, int(e.metrics.get("unscored", 0)), e.end_reason, shown
 
 
 @dataclass
 class EpisodeStats:
-    """Episodes' tool calls, turns, rewards and ends, summed (a step row's episode fields: the episodes it trained)."""
+    """Episodes' tool calls, turns, rewards, ends and metrics, summed (a step row's episode
+    fields: the episodes it trained)."""
 
     episodes: int = 0
     tool_calls: int = 0
@@ -248,22 +260,33 @@ class EpisodeStats:
     reward: float = 0.0
     unscored: int = 0
     ends: dict[str, int] = field(default_factory=dict)
+    # each metric's sum and how many episodes reported it: an environment's metric is averaged
+    # over the episodes that have it (an `env_error` episode is not scored and has none of them)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
 
-    def add(self, t: tuple[int, int, float, int, str]) -> None:
+    def add(self, t: tuple[int, int, float, int, str, dict[str, float]]) -> None:
         """One episode's `tally`."""
-        tool_calls, turns, reward, unscored, end = t
+        tool_calls, turns, reward, unscored, end, metrics = t
         self.episodes += 1
         self.tool_calls += tool_calls
         self.turns += turns
         self.reward += reward
         self.unscored += unscored
         self.ends[end] = self.ends.get(end, 0) + 1
+        for k, v in metrics.items():
+            acc = self.metrics.setdefault(k, [0.0, 0])
+            acc[0] += v
+            acc[1] += 1
 
     def row(self) -> dict:
         n = max(1, self.episodes)
         return {"episodes": self.episodes, "tool_calls_mean": round(self.tool_calls / n, 3),
                 "turns_mean": round(self.turns / n, 3), "episode_success": round(self.reward / n, 4),
-                "episode_ends": dict(sorted(self.ends.items()))}
+                "episode_ends": dict(sorted(self.ends.items())),
+                # the runner's counts are over every episode, as `tool_calls_mean` is, and in every row
+                **{f"{k}_mean": round(self.metrics.get(f"{k}_mean", (0.0, 0))[0] / n, 4) for k in RUNNER_METRICS},
+                **{k: round(total / count, 4) for k, (total, count) in sorted(self.metrics.items())
+                   if k.startswith("env/")}}
 
 
 class EpisodeRewards(list):

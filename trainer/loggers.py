@@ -3,8 +3,10 @@
 `[run] loggers = ["tensorboard", "wandb"]`. TensorBoard event files go to `<run_dir>/tensorboard`;
 W&B runs offline by default (`[run] wandb_mode`), into `<run_dir>/wandb`, needing no network
 or account (`wandb sync <run_dir>/wandb/offline-run-*` uploads later). Both log every numeric
-field of a step's row under `train/`, `rollout/` or `fleet/`, at the step number; a resumed
-run continues the same W&B run (its id is the run id) and appends to the same event folder.
+field of a step's row under `train/`, `rollout/`, `fleet/` or `episode/`, at the step number
+(an environment's own metrics keep their `env/` names; why episodes ended, `episode_ends`, as
+`episode/ends/<reason>`); a resumed run continues the same W&B run (its id is the run id) and
+appends to the same event folder.
 """
 
 from __future__ import annotations
@@ -21,16 +23,26 @@ SECTIONS = {
                 "truncation_rate", "tokens_per_s", "step_s", "regenerated_tokens"),
     "fleet": ("live_workers", "fleet_desired", "t_seed", "handoffs", "trainer_wait_s", "spot_idle_s", "rollout_ahead_s",
               "dollars"),
+    # a run on episodes (trainer/episodes.py `EpisodeStats.row`)
+    "episode": ("episodes", "tool_calls_mean", "turns_mean", "episode_success", "tool_errors_mean",
+                "tool_timeouts_mean", "env_errors_mean", "eval_tool_calls"),
 }
 _WHERE = {k: s for s, keys in SECTIONS.items() for k in keys}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     out = {}
     for k, v in row.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or k == "step":
+        if k == "episode_ends" and isinstance(v, dict):  # a count per reason: one curve each
+            out.update({f"episode/ends/{reason}": float(n) for reason, n in v.items() if _number(n)})
+        if not _number(v) or k == "step":
             continue
-        out[f"{_WHERE.get(k, 'misc')}/{k}"] = float(v)
+        # a name with its own section (`env/<metric>`, an environment's) keeps it
+        out[k if "/" in k else f"{_WHERE.get(k, 'misc')}/{k}"] = float(v)
     return out
 
 
