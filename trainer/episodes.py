@@ -355,25 +355,54 @@ GenerateBatch = Callable[[list[list[int]], int, list[int]], list[list[int]]]
 async def greedy_episodes(runner: EpisodeRunner, rows: list[dict], generate: GenerateBatch,
                           prefix: str = "eval") -> list[Any]:
     """Every row's episode played to its end, the model turns of all open episodes generated in
-    one batch per turn (`generate(prompts, max_new_tokens, stop_ids)` -> new ids per prompt,
-    e.g. greedy decoding), tools run by the runner. Returns the runner's `EpisodeResult`s."""
+    batches (`generate(prompts, max_new_tokens, stop_ids)` -> new ids per prompt, e.g. greedy
+    decoding), tools run by the runner. Returns the runner's `EpisodeResult`s."""
     snaps = [await runner.begin(f"{prefix}-{i}", row) for i, row in enumerate(rows)]
     stops = list(runner.fmt.stop_ids)
     while True:
         open_ = [i for i, s in enumerate(snaps) if s.phase == "generate"]
         if not open_:
             break
-        budgets = [runner.budget(snaps[i]) for i in open_]
-        out = await asyncio.to_thread(generate, [snaps[i].token_ids for i in open_], max(budgets), stops)
-        for i, budget, ids in zip(open_, budgets, out, strict=True):
-            cut = next((k + 1 for k, t in enumerate(ids) if t in stops), None)
-            ids = list(ids[:cut]) if cut is not None and cut <= budget else list(ids[:budget])
+        turns = await _turns(runner, [snaps[i] for i in open_], generate, stops)
+        for i, ids in zip(open_, turns, strict=True):
             reason = "stop" if ids and ids[-1] in stops else "length"
             snaps[i] = runner.model_turn(snaps[i], Generation(token_ids=ids, logprobs=[0.0] * len(ids),
                                                               finish_reason=reason))
         for i in [i for i, s in enumerate(snaps) if s.phase == "tools"]:
             snaps[i] = await runner.run_tools(snaps[i])
     return [await runner.finish(s) for s in snaps]
+
+
+async def _turns(runner: EpisodeRunner, snaps: list[Snapshot], generate: GenerateBatch,
+                 stops: list[int]) -> list[list[int]]:
+    """One model turn of each episode, each at most its budget, the open ones in one batch.
+
+    A batch is left-padded to its longest context and every row of it generates the batch's
+    `max_new_tokens`, also past its own budget, so a batch generated for its largest budget
+    can run past the model's context (`max_episode_tokens` is no more than it, `make_runner`):
+    a model with learned absolute positions (GPT-2) then fails, any other extrapolates. So a
+    batch generates no further than the context, and a turn cut short of its budget by that
+    goes on in the next batch (its context now longer by what it generated) until it stops or
+    reaches its budget: the same turn, greedy, as one uncut generation."""
+    limit = runner.settings.max_episode_tokens
+    budgets = [runner.budget(s) for s in snaps]
+    turns: list[list[int]] = [[] for _ in snaps]
+    going = [k for k, b in enumerate(budgets) if b > 0]
+    while going:
+        contexts = [snaps[k].token_ids + turns[k] for k in going]
+        # >= 1: a going turn has room left, and its context plus its budget fits the limit
+        max_new = min(max(budgets[k] - len(turns[k]) for k in going), limit - max(map(len, contexts)))
+        out = await asyncio.to_thread(generate, contexts, max_new, stops)
+        over = set()
+        for k, ids in zip(going, out, strict=True):
+            asked = min(max_new, budgets[k] - len(turns[k]))
+            ids = list(ids[:asked])
+            cut = next((j + 1 for j, t in enumerate(ids) if t in stops), None)
+            turns[k] += ids[:cut]
+            if cut is not None or len(ids) < asked or len(turns[k]) >= budgets[k]:
+                over.add(k)  # stopped, at its budget, or a `generate` that gave less than asked: no more
+        going = [k for k in going if k not in over]
+    return turns
 
 
 class EpisodeEvaluation:
