@@ -59,11 +59,11 @@ class RequestsDeadLettered(RlboostError, RuntimeError):
     times without an answer): the step cannot complete, so it fails now instead of waiting
     for results that will never come."""
 
-    def __init__(self, step: int, ids: list[str]) -> None:
+    def __init__(self, step: int, ids: list[str], why: str = "after worker.max_deliver deliveries without an "
+                 "answer") -> None:
         shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
-        super().__init__(f"step {step}: {len(ids)} requests dead-lettered after worker.max_deliver deliveries "
-                         f"without an answer ({shown}): the step cannot complete; the RB_DLQ stream holds them and "
-                         "`rlboost replay REQUEST_ID` shows each one's life")
+        super().__init__(f"step {step}: {len(ids)} requests dead-lettered {why} ({shown}): the step cannot "
+                         "complete; the RB_DLQ stream holds them and `rlboost replay REQUEST_ID` shows each one's life")
         self.step, self.ids = step, ids
 
 

@@ -96,6 +96,9 @@ REGISTRY_IGNORED = Counter("rlboost_registry_entries_ignored_total",
                            "Worker registry entries the trainer did not count as workers (each revision once): "
                            "a heartbeat whose time disagrees with the server's, filed under another id, or undecodable",
                            ["reason"], registry=REGISTRY)
+REDONE = Counter("rlboost_requests_redone_total",
+                 "Requests the trainer published again from their spec after a worker dead-lettered them "
+                 "(e.g. a corrupt checkpoint, reset first)", registry=REGISTRY)
 
 # ---------------------------------------------------------------- training (the trainer, per step)
 TRAINER_STEP = Gauge("rlboost_trainer_step", "Last completed training step", registry=REGISTRY)

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Iterable
 
 import numpy as np
 
-from rlboost import bus, metrics, wire
-from rlboost.checkpoint import CheckpointError
+from rlboost import bus, episodes, metrics, wire
+from rlboost.checkpoint import CheckpointError, CorruptCheckpoint
 from rlboost.clients import Clients
 from rlboost.errors import RequestsDeadLettered
 from rlboost.logs import get_logger
@@ -36,6 +36,13 @@ REGISTRY_SKEW_S = 30.0
 # missed ping: the PONGs that came meanwhile are read as soon as it runs again.
 NATS_OPTIONS = {"ping_interval": 5.0, "max_outstanding_pings": 2}
 
+# A dead-lettered request of a step is published again (`PoolClient.redo`); its corrupt
+# checkpoint is reset at most REDO_LIMIT times (junk planted again and again: the step fails with
+# the reason), and dead letters of one request within REDO_MIN_INTERVAL_S count once.
+REDO_LIMIT = 3
+REDO_MIN_INTERVAL_S = 2.0
+REDO_TRIES = 5
+
 
 class PoolClient:
     def __init__(self, clients: Clients, pool: str) -> None:
@@ -43,6 +50,10 @@ class PoolClient:
         self.pool = wire.check_name("pool", pool)
         self.log = get_logger(component="manager", pool=pool)
         self._results_after: dict[int, int] = {}  # step -> results stream sequence before it was published
+        self._dlq_after: dict[int, int] = {}  # step -> dead-letter stream sequence before it was published
+        self._subjects: dict[str, str] = {}  # request id -> the lane it was published on (its redo goes there)
+        self.redone: dict[str, int] = {}  # request id -> times its corrupt checkpoint was reset and redone
+        self._why: dict[str, RequestsDeadLettered] = {}  # request id -> why it cannot be redone
         self.ignored: dict[str, int] = {}  # registry entries not counted as workers, by reason (`live_workers`)
         self._ignored_seen: set[tuple[str, int]] = set()
         # request ids that any of this manager's `results` calls moved to the DLQ: one call may
@@ -67,6 +78,9 @@ class PoolClient:
             # of these requests: `results` skips it instead of dead-lettering it on every run.
             last = (await asyncio.wait_for(self.c.js.stream_info(wire.STREAM_RESULTS), deadline_s)).state.last_seq
             self._results_after[requests[0].step] = last
+            dlq = (await asyncio.wait_for(self.c.js.stream_info(wire.STREAM_DLQ), deadline_s)).state.last_seq
+            self._dlq_after[requests[0].step] = dlq
+        self._subjects.update((r.request_id, subject) for r in requests)
         deadline = time.monotonic() + deadline_s
         missing: list[str] = []
         taken: list[str] = []
@@ -122,9 +136,13 @@ class PoolClient:
         stop = asyncio.Event()
         chores = [asyncio.create_task(self._keep_scripts(stop)),
                   asyncio.create_task(bus.dead_letter_max_deliveries(self.c.js, self.c.nc, stop, self._dead))]
+        if all(q is not None for q in known.values()):  # the published specs are here: a dead letter is redone
+            chores.append(asyncio.create_task(self._redo_dead_letters(step, known, pending, stop)))
         try:
             while pending:
                 if lost := pending & self.dead_lettered:  # never coming: fail now, not hang
+                    if why := next((self._why[rid] for rid in sorted(lost) if rid in self._why), None):
+                        raise why
                     raise RequestsDeadLettered(step, sorted(lost))
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"step {step}: {len(pending)} results missing after {timeout_s} s")
@@ -171,6 +189,108 @@ class PoolClient:
             stop.set()
             await asyncio.gather(*chores, return_exceptions=True)
             await sub.unsubscribe()
+            if not pending:
+                for rid in known:
+                    self._subjects.pop(rid, None)
+                    self.redone.pop(rid, None)
+
+    async def _redo_dead_letters(self, step: int, known: dict[str, wire.RolloutRequest | None], pending: set[str],
+                                 stop: asyncio.Event) -> None:
+        """Every dead letter of a request still pending in this step, whatever its reason (a
+        worker found its checkpoint corrupt, e.g. junk planted at its key before it was
+        published; its message did not decode; its version was gone), is acted on within a
+        second: the request is published again from the spec the trainer published (never the
+        dead letter's payload, which any worker credential can write), its checkpoint reset first
+        if it is corrupt. A dead letter is only a hint: a forged one costs a duplicate message
+        (the worker holding the request keeps it; the copy finds it finished and is acked). Only
+        `REDO_LIMIT` resets of a corrupt checkpoint per request: then the step fails with the
+        reason instead of redoing forever. (Dead letters after `max_deliver` deliveries come from
+        the server's advisory, `_dead`: the step fails at once, the request is poison.)"""
+        subject = wire.dlq_subject(wire.STREAM_REQUESTS)
+        start = self._dlq_after.get(step, 0) + 1
+        try:
+            sub = await bus.follow(self.c.js, subject, within_s=10.0, from_seq=start)
+        except ConnectionError as e:
+            self.log.warning("dead letters: cannot follow; a dead-lettered request is noticed only by its step's "
+                             "timeout", step=step, error=str(e))
+            return
+        wanted: dict[str, str] = {}  # request id -> the latest dead letter's reason, not yet acted on
+        redoing: dict[str, asyncio.Task] = {}
+
+        async def redo_loop(req: wire.RolloutRequest) -> None:
+            """One request's redos, one at a time and at most one per REDO_MIN_INTERVAL_S: a
+            burst of dead letters (forged, or one per lane) is one redo, and none is dropped."""
+            rid = req.request_id
+            while rid in wanted and rid in pending and not stop.is_set():
+                reason = wanted.pop(rid)
+                for attempt in range(REDO_TRIES):  # the store or NATS away for a moment: try again
+                    try:
+                        await self.redo(req, reason)
+                        break
+                    except RequestsDeadLettered as e:
+                        self.dead_lettered.add(rid)  # `results` fails the step with the reason
+                        self._why[rid] = e
+                        return
+                    except Exception as e:
+                        self.log.warning("redo failed", request_id=rid, step=step, attempt=attempt + 1,
+                                         error=str(e) or type(e).__name__)
+                        await asyncio.sleep(1.0)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), REDO_MIN_INTERVAL_S)
+            redoing.pop(rid, None)
+
+        try:
+            while not stop.is_set():
+                try:
+                    msg = await sub.next_msg(timeout=0.5)
+                except TimeoutError:
+                    continue
+                try:
+                    rid = wire.decode(wire.RolloutRequest, msg.data).request_id
+                except wire.WireError:
+                    continue  # not a request of ours: the DLQ keeps it with its reason
+                req = known.get(rid)
+                if req is None or rid not in pending:
+                    continue
+                wanted[rid] = (msg.headers or {}).get(wire.HDR_DLQ_REASON, "")
+                if rid not in redoing:
+                    redoing[rid] = asyncio.create_task(redo_loop(req))
+        finally:
+            for task in redoing.values():
+                task.cancel()
+            await asyncio.gather(*redoing.values(), return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def redo(self, req: wire.RolloutRequest, reason: str = "") -> None:
+        """Publish `req` again from its spec (a new message id: the first is in the de-duplication
+        window), after resetting its checkpoint if that holds junk. One log line."""
+        rid = req.request_id
+        corrupt = ""
+        try:
+            await self.c.store.check(rid)
+            if req.episode is not None and (state := await self.c.store.episode(rid)) is not None:
+                tokens, logprobs = await self.c.store.read(rid)
+                episodes.unpack(state, list(req.prompt_ids), tokens, logprobs)  # what a worker's claim does
+        except (CorruptCheckpoint, episodes.EpisodeStateError) as e:
+            corrupt = str(e)
+        if corrupt:
+            n = self.redone.get(rid, 0) + 1
+            self.redone[rid] = n
+            if n > REDO_LIMIT:
+                raise RequestsDeadLettered(req.step, [rid], f"its checkpoint was found corrupt {n} times ({corrupt})")
+            await self.c.store.reset(rid)
+        elif await self.c.store.is_finished(rid):
+            return  # its result is on the way (a worker republishes a finished one when it meets it)
+        subject = self._subjects.get(rid, wire.request_subject(self.pool))
+        out = await bus.publish_batch(self.c.js, [(subject, wire.encode(req),
+                                                   {wire.HDR_MSG_ID: f"{rid}.redo{time.time_ns()}"})],
+                                      ack_timeout_s=5.0, deadline_s=15.0)
+        if not out[0].ok:
+            raise bus.PublishFailed("requests", [rid], str(out[0].error))
+        metrics.REDONE.inc()
+        self.log.warning("request published again after a dead letter", request_id=rid, step=req.step,
+                         dead_letter=reason[:200], checkpoint_reset=bool(corrupt))
 
     def _dead(self, payload: bytes) -> None:
         try:
