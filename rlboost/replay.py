@@ -16,7 +16,10 @@ they happened, and the reward. The reward is the trainer's to compute and is not
 streams: replay computes it the trainer's way (`EpisodeRunner.finish`) when it can load the
 environment (`--env`, else the settings' `[env] ref` with `[env.options]`). An episode without
 a result yet is shown from the checkpoint store (`running_episode`): its turns so far, a model
-turn under way, the tool calls pending.
+turn under way, the tool calls pending. Each model turn's text is decoded with the run's
+tokenizer (`--model-dir`, else the model of `--run-dir`'s settings.toml, else the settings'
+`run.model_dir`; without one, token counts only), and what the environment got wrong (the
+snapshot's `errors`: why an episode ended `env_error`) is listed under the result.
 """
 
 from __future__ import annotations
@@ -28,12 +31,16 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from rlboost import bus, episodes, wire
-from rlboost.config import EnvSettings, ServicesSettings, Settings
+from rlboost.config import ConfigError, EnvSettings, ServicesSettings, Settings, load_settings
 from rlboost.errors import RlboostError
 from rlboost.services import resolve_urls
 
@@ -177,6 +184,36 @@ def _short(text: str, n: int = 60) -> str:
     return text if len(text) <= n else text[:n - 1] + "…"
 
 
+def load_tokenizer(model_dir: str) -> tuple[Any, str]:
+    """(the tokenizer of `model_dir`, "") or (None, why not: one line)."""
+    if not model_dir:
+        return None, ("no tokenizer to show the model's text (give --model-dir, or --run-dir: the run's "
+                      "settings.toml names its model): token counts only")
+    from rlboost.modeldir import load_tokenizer as load
+
+    try:
+        return load(model_dir), ""
+    except RlboostError as e:
+        return None, f"no tokenizer to show the model's text ({e}): token counts only"
+
+
+def add_text(turns: list[dict], token_ids: list[int], tokenizer: Any) -> None:
+    """Each model turn's `text`: its tokens (`token_ids`: the stream after the prompt) decoded,
+    special tokens kept (a turn's end token says how it ended)."""
+    for t in turns:
+        if t["kind"] == "model":
+            t["text"] = tokenizer.decode(token_ids[t["start"]:t["end"]], skip_special_tokens=False)
+
+
+def episode_errors(state: wire.EpisodeState) -> list[str]:
+    """What the environment got wrong in this episode, in words (the snapshot's `errors`: an
+    `env_error` end says why here)."""
+    try:
+        return list(episodes.snapshot(state).errors)
+    except episodes.EpisodeStateError as e:
+        return [f"the episode state is unreadable: {e}"]
+
+
 def episode_turns(life: Life) -> list[dict] | None:
     """The turns of an episode's result in stream order (None: not an episode's result, or its
     state unreadable). A model turn: its response offsets, tokens, and `parts`: who generated
@@ -284,9 +321,11 @@ async def episode_reward(result: wire.RolloutResult, env: EnvSettings | None) ->
     return {"env": env.ref, "reward": done.reward, "turn_rewards": done.turn_rewards}
 
 
-def print_episode(life: Life, turns: list[dict], reward: dict | None, running: tuple[int, str] | None = None) -> None:
+def print_episode(life: Life, turns: list[dict], reward: dict | None, running: tuple | None = None,
+                  errors: list[str] | None = None, no_text: str = "") -> None:
     """The turns of a finished episode (`life.result`), or of a running one (`running`: its
-    checkpoint's length and the state's summary)."""
+    checkpoint's length and the state's summary), each model turn's `text` where the turns have
+    it (else `no_text` says why, once), and the environment's `errors`."""
     r = life.result
     events = [e for e in life.events if e.kind not in _SHOWN]
     t0 = min([e.ts for e in life.events] + ([r.ts] if r else []) + [c.ts for c in life.chunks], default=time.time())
@@ -298,6 +337,8 @@ def print_episode(life: Life, turns: list[dict], reward: dict | None, running: t
     for e in events:
         if e.kind == "publish":
             print(f"  +{e.ts - t0:8.3f}s  published by {e.worker_id}")
+    if no_text:
+        print(f"  {no_text}")
     for t in turns:
         span = f"tokens {t['start']}..{t['end'] - 1} ({t['tokens']})" if t["tokens"] else "no tokens"
         if t["kind"] == "model" and t.get("under_way"):
@@ -310,6 +351,9 @@ def print_episode(life: Life, turns: list[dict], reward: dict | None, running: t
                 for p in t["parts"]:
                     print(f"           {p['tokens']} tokens by {p['worker']} (epoch {p['epoch']}, "
                           f"v{p['policy_version']}, weights {p['weights'] or '-'})")
+            if "text" in t:  # the model's own words, line by line under a bar: where a turn begins and ends
+                for line in t["text"].split("\n"):
+                    print(f"           | {line}")
         else:
             by = ",".join(sorted({p["worker"] for p in t["appended_by"]})) or "-"
             print(f"  turn {t['turn']} env    {span} appended by {by}")
@@ -329,10 +373,13 @@ def print_episode(life: Life, turns: list[dict], reward: dict | None, running: t
             print(f"  +{e.ts - t0:8.3f}s  finished by {e.worker_id} with {e.offset} tokens")
         elif e.kind == "deadletter":
             print(f"  +{e.ts - t0:8.3f}s  dead-lettered: {e.detail}")
+    for err in errors or []:
+        print(f"  environment error: {err}")
     if r is None or r.episode is None:
         print(f"  no result yet: {running[1] if running else '-'}, hand-offs: {life.handoffs()}")
         return
-    print(f"  result: {r.finish_reason}, episode ended: {r.episode.reason or '-'}, hand-offs: {life.handoffs()}")
+    print(f"  result: {r.finish_reason}{f' ({r.error})' if r.error else ''}, episode ended: "
+          f"{r.episode.reason or '-'}, hand-offs: {life.handoffs()}")
     if reward is None:
         print("  reward: not on the streams (the trainer computes it); give --env to compute it here")
     elif "error" in reward:
@@ -356,9 +403,10 @@ async def check_streams(js: JetStreamContext, nats_url: str) -> None:
 
 
 async def running_episode(redis_url: str, life: Life, services: ServicesSettings | None
-                          ) -> tuple[list[dict] | None, tuple[int, str] | None]:
+                          ) -> tuple[list[dict] | None, tuple[int, str, list[int], wire.EpisodeState] | None]:
     """The turns of an episode with no result yet, from the checkpoint store (its fenced state,
-    tokens and segments); (None, None) when it is no episode, or the store cannot be read."""
+    tokens and segments), and (its length, the state in words, its tokens, the state); (None,
+    None) when it is no episode, or the store cannot be read."""
     from rlboost.checkpoint import CheckpointStore
 
     store = CheckpointStore(redis_url)
@@ -375,11 +423,13 @@ async def running_episode(redis_url: str, life: Life, services: ServicesSettings
     turns = turns_of(state, segments, len(tokens), life.events)
     what = (f"turn {state.turn}, {len(state.pending)} tool call(s) pending" if state.pending
             else "ended, not finished" if state.done else f"turn {state.turn}")
-    return turns, (len(tokens), what)
+    return turns, (len(tokens), what, list(tokens), state)
 
 
 async def run(nats_url: str, a: argparse.Namespace, services: ServicesSettings | None = None,
-              env: EnvSettings | None = None, redis_url: str = "") -> int:
+              env: EnvSettings | None = None, redis_url: str = "", model_dir: str = "") -> int:
+    """`a`: the request (or the step) and `--json`; `model_dir`: the run's model, whose tokenizer
+    shows each model turn's text."""
     nc = await bus.connect(nats_url, name="rlboost-replay", services=services)
     try:
         js = nc.jetstream()
@@ -401,11 +451,17 @@ async def run(nats_url: str, a: argparse.Namespace, services: ServicesSettings |
                 print(json.dumps(life.summary())) if a.json else print_timeline(life)
                 return 0
             reward = await episode_reward(life.result, env) if life.result else None
+            state = life.result.episode if life.result else running[3] if running else None
+            errors = episode_errors(state) if state is not None else []
+            tokenizer, no_text = load_tokenizer(model_dir)
+            if tokenizer is not None:
+                add_text(turns, list(life.result.token_ids) if life.result else running[2] if running else [],
+                         tokenizer)
             if a.json:
-                print(json.dumps({**life.summary(), "turns": turns, "reward": reward,
-                                  "running": running[1] if running else None}))
+                print(json.dumps({**life.summary(), "turns": turns, "reward": reward, "errors": errors,
+                                  "text": no_text or "decoded", "running": running[1] if running else None}))
             else:
-                print_episode(life, turns, reward, running)
+                print_episode(life, turns, reward, running, errors, no_text)
             return 0
         lives = await step_lives(js, a.step)
         rows = [life.summary() for _, life in sorted(lives.items())]
@@ -430,9 +486,20 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--env", help="an episode's environment (module:fn, file.py:fn or a built-in), to compute its "
                                  "reward; default: the settings' [env] ref, with [env.options]")
+    p.add_argument("--model-dir", help="the run's model folder, whose tokenizer decodes each model turn's text; "
+                                       "default: --run-dir's, else the settings' run.model_dir")
+    p.add_argument("--run-dir", help="the run's folder: its settings.toml names the model and the environment "
+                                     "(over the settings'; --model-dir and --env over it)")
     a = p.parse_args(argv)
     if not a.request and a.step is None:
         p.error("give a request id or --step")
     nats_url, redis_url = resolve_urls(s.services)
+    if a.run_dir:  # the run's own settings: the model it ran (resolved: the demo's too), its environment
+        try:
+            ran = load_settings(Path(a.run_dir) / "settings.toml", environ={})
+        except ConfigError as e:
+            p.error(f"--run-dir {a.run_dir}: {e}")
+        s = msgspec.structs.replace(s, env=ran.env if ran.env.ref else s.env,
+                                    run=msgspec.structs.replace(s.run, model_dir=ran.run.model_dir or s.run.model_dir))
     env = s.env if not a.env else EnvSettings(ref=a.env, options=s.env.options if a.env == s.env.ref else {})
-    return asyncio.run(run(nats_url, a, s.services, env, redis_url))
+    return asyncio.run(run(nats_url, a, s.services, env, redis_url, a.model_dir or s.run.model_dir))
