@@ -12,7 +12,9 @@ Two formats, chosen by `chat_format(tokenizer)`:
   `[TOOL_CALLS][{json}, ...]` (Mistral), or a bare JSON object `{"name": ..., "parameters": ...}`
   (Llama 3.x, optionally after `<|python_tag|>`). A template without tool support still gives
   the roles; the tools are then described in a system message and tool results come back as
-  user turns in `<tool_response>` tags.
+  user turns in `<tool_response>` tags (folded into the next user turn, and consecutive turns
+  of one role joined, for a template that refuses a system role or two user turns in a row,
+  like Gemma's).
 - `FallbackFormat`: for tokenizers without a chat template (the demo's character model). Plain
   text, documented here and in docs/concepts/environments.md:
 
@@ -25,6 +27,13 @@ Two formats, chosen by `chat_format(tokenizer)`:
   A tool with exactly one parameter may also be called compactly, `<tool_call>N ARG</tool_call>`
   (ARG is the parameter's value, as written): short turns for a small model.
 
+How much of each tool the opening shows is `describe_tools`, in both formats: true (`"full"`,
+the default) the whole spec, JSON schema and all; `"brief"` the name, the first line of the
+description and each argument's name and type (a template renders that instead of the full
+spec: a small context stays free for the episode); false (`"none"`) no tool lines in the
+fallback format, and for a model's own template the brief form still (its template needs
+tools to teach its call syntax at all).
+
 Parsing never raises on what the model wrote: bad JSON, an unknown tool, a missing required
 argument or an unclosed tag becomes an entry of `ModelTurn.errors`, which the runner sends back
 to the model as a tool message (`error: ...`) so it can try again.
@@ -32,7 +41,9 @@ to the model as a tool message (`error: ...`) so it can try again.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import string
 from typing import Any
 
 from rlboost.envs.protocol import Message, ModelTurn, ToolCall, ToolSpec, idempotency_key
@@ -98,7 +109,8 @@ def _json_call(body: str, tools: dict[str, ToolSpec], compact: bool) -> tuple[st
 
 
 class Syntax:
-    """How a model writes tool calls; `parse(text)` -> (text outside calls, calls, errors)."""
+    """How a model writes tool calls; `parse(text)` -> (text outside calls, calls, errors), each
+    call `(name, arguments)` or, where the model wrote one, `(name, arguments, call id)`."""
 
     name = "hermes"
 
@@ -163,6 +175,8 @@ class MistralSyntax(Syntax):
                 continue
             for item in obj if isinstance(obj, list) else [obj]:
                 got = _json_call(json.dumps(item), tools, False)
+                if not isinstance(got, str) and isinstance(item, dict) and isinstance(item.get("id"), str):
+                    got = (*got, item["id"])  # the model's own call id: the template quotes it in the result
                 (errors if isinstance(got, str) else calls).append(got)
         return head.strip(), calls, errors
 
@@ -215,8 +229,40 @@ def parse_turn(text: str, syntax: Syntax, tools: list[ToolSpec], episode_id: str
     except Exception as e:  # a parser bug must not end a worker: the model reads it as an error
         outside, calls, errors = text, [], [f"the tool call could not be read ({type(e).__name__})"]
     return ModelTurn(text=outside, raw=text, finish_reason=finish_reason, errors=errors,
-                     tool_calls=[ToolCall(key=idempotency_key(episode_id, turn, i), name=n, arguments=a, index=i)
-                                 for i, (n, a) in enumerate(calls)])
+                     tool_calls=[ToolCall(key=idempotency_key(episode_id, turn, i), name=c[0], arguments=c[1], index=i,
+                                          id=c[2] if len(c) > 2 else "")
+                                 for i, c in enumerate(calls)])
+
+
+# ---------------------------------------------------------------- how much of a tool the opening shows
+
+
+DESCRIBE = {True: "full", "full": "full", "brief": "brief", False: "none", "none": "none"}
+
+
+def describe_mode(value: Any) -> str:
+    """`describe_tools` as one of full | brief | none (ValueError for anything else)."""
+    try:
+        return DESCRIBE[value]
+    except (KeyError, TypeError):
+        raise ValueError(f"describe_tools: {value!r} must be true, false, \"full\", \"brief\" or \"none\"") from None
+
+
+def brief_tool(spec: ToolSpec) -> ToolSpec:
+    """`spec` shortened for a small context: the first line of its description and each
+    argument's name and type (and which are required); no descriptions, enums or bounds."""
+    params = spec.parameters or {}
+    props = {name: ({"type": p["type"]} if isinstance(p, dict) and "type" in p else {})
+             for name, p in (params.get("properties") or {}).items()}
+    brief: dict[str, Any] = {"type": "object", "properties": props}
+    if params.get("required"):
+        brief["required"] = list(params["required"])
+    first = spec.description.strip().splitlines()[0].strip() if spec.description.strip() else ""
+    return ToolSpec(name=spec.name, description=first, parameters=brief)
+
+
+def described(tools: list[ToolSpec], mode: str) -> list[ToolSpec]:
+    return list(tools) if mode == "full" else [brief_tool(t) for t in tools] if mode == "brief" else []
 
 
 # ---------------------------------------------------------------- formats
@@ -299,7 +345,7 @@ class FallbackFormat(ChatFormat):
 
     name = "fallback"
 
-    def __init__(self, tokenizer, describe_tools: bool = True, compact_calls: bool = False,
+    def __init__(self, tokenizer, describe_tools: bool | str = True, compact_calls: bool = False,
                  result_open: str = "<tool_response>", result_close: str = "</tool_response>") -> None:
         super().__init__(tokenizer)
         eos = tokenizer.eos_token_id
@@ -307,7 +353,7 @@ class FallbackFormat(ChatFormat):
             raise ValueError("the fallback chat format needs a tokenizer with an EOS token (the end of a model turn)")
         self.stop_ids = [eos]
         self.syntax = Syntax(compact=True)
-        self.describe_tools, self.compact_calls = describe_tools, compact_calls
+        self.describe_tools, self.compact_calls = describe_mode(describe_tools), compact_calls
         self.result_open, self.result_close = result_open, result_close
 
     def render(self, m: Message, tools: list[ToolSpec]) -> str:
@@ -321,8 +367,8 @@ class FallbackFormat(ChatFormat):
         systems = [m for m in messages if m.role == "system"]
         rest = [m for m in messages if m.role != "system"]
         text = "".join(self.render(m, tools) for m in systems)
-        if tools and self.describe_tools:
-            text += "".join(f"Tools: {json.dumps(t.openai()['function'], ensure_ascii=False)}\n" for t in tools)
+        text += "".join(f"Tools: {json.dumps(t.openai()['function'], ensure_ascii=False)}\n"
+                        for t in described(tools, self.describe_tools))
         text += "".join(self.render(m, tools) for m in rest)
         return self.encode(text, special=True)
 
@@ -337,8 +383,11 @@ class TemplateFormat(ChatFormat):
     name = "template"
     END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, describe_tools: bool | str = True) -> None:
         super().__init__(tokenizer)
+        # false keeps the brief form: a template shown no tools teaches no call syntax either
+        mode = describe_mode(describe_tools)
+        self.describe_tools = "brief" if mode == "none" else mode
         template = tokenizer.chat_template
         if isinstance(template, dict):  # several named templates: the one for tools, else the default
             template = template.get("tool_use") or template.get("default") or next(iter(template.values()))
@@ -351,6 +400,17 @@ class TemplateFormat(ChatFormat):
         if not stops:
             raise ValueError("the chat template's tokenizer has no end-of-turn token")
         self.stop_ids = stops
+        # call ids as the template wants them: Mistral's templates refuse any but 9 characters
+        self.short_ids = self.syntax.name == "mistral"
+        # a template that refuses a system role or two user turns in a row (Gemma's): ours (the
+        # tools' description, tool results as user turns) are folded into the user turns
+        self.fold = False
+        if not self.tools_native:
+            try:
+                self._render([Message(role="system", content="s"), Message(role="user", content="u"),
+                              Message(role="user", content="v")], [], generation=True)
+            except Exception:
+                self.fold = True
 
     @property
     def turn_end_id(self) -> int:
@@ -367,8 +427,17 @@ class TemplateFormat(ChatFormat):
         return min(found)[1] if found else self.stop_ids[0]
 
     def _chat(self, messages: list[Message], tools: list[ToolSpec]) -> tuple[list[dict], list[dict] | None]:
+        tools = described(tools, self.describe_tools)
         if self.tools_native:
-            return [m.chat() for m in messages], [t.openai() for t in tools] or None
+            chat = [m.chat() for m in messages]
+            if self.short_ids:  # the id the model wrote, else one of 9 characters from the key
+                ids: dict[str, str] = {}
+                for m, d in zip(messages, chat, strict=True):
+                    for c, cd in zip(m.tool_calls, d.get("tool_calls", ()), strict=True):
+                        cd["id"] = ids[c.key] = c.id if len(c.id) == 9 and c.id.isalnum() else call_id(c.key)
+                    if d.get("tool_call_id"):
+                        d["tool_call_id"] = ids.get(d["tool_call_id"]) or call_id(d["tool_call_id"])
+            return chat, [t.openai() for t in tools] or None
         out: list[dict] = []
         if tools:  # the template cannot show tools: describe them in a system message of our own
             lines = "\n".join(json.dumps(t.openai()["function"], ensure_ascii=False) for t in tools)
@@ -383,12 +452,15 @@ class TemplateFormat(ChatFormat):
                 out[0]["content"] = m.content + "\n\n" + out[0]["content"]
             else:
                 out.append({"role": m.role, "content": m.content})
-        return out, None
+        return (_folded(out) if self.fold else out), None
 
     def _render(self, messages: list[Message], tools: list[ToolSpec], generation: bool) -> str:
         chat, tool_dicts = self._chat(messages, tools)
         kwargs: dict[str, Any] = {"tools": tool_dicts} if tool_dicts else {}
-        return self.tokenizer.apply_chat_template(chat, add_generation_prompt=generation, tokenize=False, **kwargs)
+        # the template this format read, always: a tokenizer with named templates would pick
+        # its `default` (no tools) for a call without tools, another template than the prompt's
+        return self.tokenizer.apply_chat_template(chat, add_generation_prompt=generation, tokenize=False,
+                                                  chat_template=self.template, **kwargs)
 
     def prompt_ids(self, messages: list[Message], tools: list[ToolSpec]) -> list[int]:
         return self.encode(self._render(messages, tools, generation=True))
@@ -399,13 +471,18 @@ class TemplateFormat(ChatFormat):
         # the real history first; a template that rewrites history when messages are added
         # (dropping earlier reasoning) gets a short one: the last assistant turn alone
         last = next((i for i in range(len(transcript) - 1, -1, -1) if transcript[i].role == "assistant"), None)
-        histories = [transcript]
+        histories = [(transcript, tools)]
         if last is not None:
-            histories.append([Message(role="user", content="."), transcript[last]])
-        for history in histories:
+            short = [Message(role="user", content="."), transcript[last]]
+            # then without tools: a template that moves them with the last user turn (Mistral's
+            # [AVAILABLE_TOOLS]) rewrites history when the environment adds a user turn; then
+            # the turn as text: a template that refuses the turn's calls (Llama 3.1: one a turn)
+            histories += [(short, tools), (short, []),
+                          ([short[0], Message(role="assistant", content=transcript[last].content or ".")], [])]
+        for history, shown in histories:
             try:
-                before = self._render(history, tools, generation=False)
-                after = self._render(history + new, tools, generation=True)
+                before = self._render(history, shown, generation=False)
+                after = self._render(history + new, shown, generation=True)
             except Exception:
                 continue
             cut = before.rfind(end)
@@ -432,8 +509,45 @@ class TemplateFormat(ChatFormat):
         return body[:min(body.find(s) for s in stops)]
 
 
-def chat_format(tokenizer, **fallback_options: Any) -> ChatFormat:
-    """The model's own chat template where it has one, else the documented fallback."""
+def call_id(key: str) -> str:
+    """A call's idempotency key as 9 letters and digits (a digest: the same key, the same id),
+    for templates that take no other call id."""
+    digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+    alphabet = string.ascii_letters + string.digits
+    out = ""
+    for _ in range(9):
+        digest, r = divmod(digest, len(alphabet))
+        out += alphabet[r]
+    return out
+
+
+def _folded(chat: list[dict]) -> list[dict]:
+    """`chat` for a template that refuses a system role and two turns of one role in a row:
+    each system message opens the next user turn, and consecutive turns of one role are one."""
+    out: list[dict] = []
+    carry: list[str] = []
+    for m in chat:
+        if m["role"] == "system":
+            carry.append(m["content"])
+            continue
+        content = "\n\n".join(carry + [m["content"]]) if m["role"] == "user" else m["content"]
+        if m["role"] == "user":
+            carry = []
+        if out and out[-1]["role"] == m["role"]:
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + content}
+        else:
+            out.append({**m, "content": content})
+    if carry:  # system text with no user turn after it: a user turn of its own
+        if out and out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + "\n\n".join(carry)}
+        else:
+            out.append({"role": "user", "content": "\n\n".join(carry)})
+    return out
+
+
+def chat_format(tokenizer, describe_tools: bool | str = True, **fallback_options: Any) -> ChatFormat:
+    """The model's own chat template where it has one, else the documented fallback.
+    `describe_tools` (both formats): how much of each tool the opening shows (module doc)."""
     if getattr(tokenizer, "chat_template", None):
-        return TemplateFormat(tokenizer)
-    return FallbackFormat(tokenizer, **fallback_options)
+        return TemplateFormat(tokenizer, describe_tools=describe_tools)
+    return FallbackFormat(tokenizer, describe_tools=describe_tools, **fallback_options)

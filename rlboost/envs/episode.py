@@ -357,7 +357,9 @@ class EpisodeRunner:
         record = ToolRecord(key=call.key, name=call.name, content="")
         new_state: Any = _KEEP
         try:
-            out = await asyncio.wait_for(_call(self.env.call_tool, call, state, ctx), timeout=s.tool_timeout_s)
+            # the call's key in its context too: a `tool_<name>` method sees no call, only ctx
+            call_ctx = msgspec.structs.replace(ctx, call_key=call.key)
+            out = await asyncio.wait_for(_call(self.env.call_tool, call, state, call_ctx), timeout=s.tool_timeout_s)
             if isinstance(out, str):
                 out = ToolResult(content=out)
             if not isinstance(out, ToolResult):

@@ -69,6 +69,7 @@ class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str
     arguments: dict[str, Any] = msgspec.field(default_factory=dict)
     index: int = 0
+    id: str = ""  # the call id the model wrote, where its syntax has one (Mistral's): its results quote it
 
 
 def idempotency_key(episode_id: str, turn: int, index: int) -> str:
@@ -170,12 +171,16 @@ class Score(msgspec.Struct, kw_only=True, omit_defaults=True):
 class Context(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Where an episode stands when the environment is called. `seed` is fixed per episode
     (from its id) for environments that draw random numbers: draw them from state, not a global
-    generator, so a resumed episode draws the same. `end_reason` is set for `score` only."""
+    generator, so a resumed episode draws the same. `end_reason` is set for `score` only.
+    `call_key` is the idempotency key of the tool call being served (`call_tool` and the
+    `tool_<name>` methods `Env` dispatches to, which do not see the call itself): a tool with
+    side effects de-duplicates on it. Empty outside a tool call."""
 
     episode_id: str
     turn: int = 0
     seed: int = 0
     end_reason: str = ""
+    call_key: str = ""
 
 
 # ---------------------------------------------------------------- the protocol
