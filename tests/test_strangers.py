@@ -204,3 +204,18 @@ def test_describe_tools_takes_only_its_values():
     opening = stranger_env.BankEnv().start(ROW, None).messages
     assert chat_format(tok, describe_tools="full").prompt_ids(opening, stranger_env.TOOLS) == \
         chat_format(tok).prompt_ids(opening, stranger_env.TOOLS)
+
+
+def test_a_cut_turn_an_engine_calls_stop_still_ends_length(family):
+    """An engine that reports `stop` for a turn it cut (no stop id at its end): the runner goes
+    by the tokens, `length`, never a finished turn (the environment would answer a half-written
+    call) nor `env_error` (a template has no turn end after the cut piece)."""
+    fmt = chat_format(stranger_models.tokenizer(family))
+    env = stranger_env.BankEnv()
+
+    async def liar(prompt_ids, max_new_tokens, stop_ids):
+        ids = fmt.encode(fmt.assistant_text(SOLVES[0], stranger_env.TOOLS))[:-2]
+        return Generation(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")
+
+    res = run(EpisodeRunner(env, fmt, EnvSettings()).run(liar, "ep", ROW))
+    assert res.end_reason == "length" and res.turns == 1 and res.tool_calls == 0 and not env.ledger.executions

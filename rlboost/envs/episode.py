@@ -66,8 +66,9 @@ class Segment(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Generation(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What a `generate` call answers: the new tokens (ending with a stop id unless
-    `finish_reason` is `length`), their logprobs, and who generated them."""
+    """What a `generate` call answers: the new tokens (ending with a stop id unless the turn
+    was cut), their logprobs, and who generated them. The runner goes by the tokens: a turn
+    without a stop id at its end is `length` whatever `finish_reason` says."""
 
     token_ids: list[int]
     logprobs: list[float] = msgspec.field(default_factory=list)
@@ -262,7 +263,11 @@ class EpisodeRunner:
             gen = Generation(token_ids=list(gen[0]), logprobs=list(gen[1]),
                              finish_reason=gen[2] if len(gen) > 2 else "")
         ids = list(gen.token_ids)
-        reason = gen.finish_reason or ("stop" if ids and ids[-1] in self.fmt.stop_ids else "length")
+        # a turn that does not end in a stop id was cut, whatever the engine called it: the
+        # environment would answer a half-written message (a cut call as "unclosed <tool_call>"),
+        # and a chat template has no turn end to write its reply after (an env_error blamed on
+        # the environment)
+        reason = "stop" if ids and ids[-1] in self.fmt.stop_ids else "length"
         logprobs = [float(x) for x in gen.logprobs]
         if len(logprobs) != len(ids):  # the behaviour logprobs are what off-policy correction needs: never guessed
             raise EnvError(f"episode {snap.episode_id}: {len(ids)} tokens with {len(logprobs)} logprobs")
