@@ -292,6 +292,12 @@ def conversation_digest(messages: list[Message], tools: list[ToolSpec]) -> str:
 MAX_SESSIONS_CACHED = 4096  # sessions whose last answer is kept in memory (the rest re-read their file)
 
 
+def _stream(rec: dict) -> list[int]:
+    """The token stream a recorded call leaves for the next call to extend: its prompt, its
+    completion and, for a turn cut by max_tokens, the end-of-turn token that closes it."""
+    return rec["prompt_ids"] + rec["completion_ids"] + rec.get("closing_ids", [])
+
+
 @dataclass
 class _SessionState:
     next_turn: int = 0
@@ -605,8 +611,7 @@ class OpenAIEndpoint:
             st = _SessionState(next_turn=1 + max((c.get("turn", -1) for c in calls), default=-1),
                                recorded={c["request_id"]: c["turn"] for c in calls})
             last = [c for c in calls if c.get("turn") == st.next_turn - 1]
-            st.tails = {c["answer_digest"]: (c["prompt_ids"] + c["completion_ids"], c["request_id"])
-                        for c in last if c.get("answer_digest")}
+            st.tails = {c["answer_digest"]: (_stream(c), c["request_id"]) for c in last if c.get("answer_digest")}
             while len(self._sessions) >= MAX_SESSIONS_CACHED:
                 old = next(iter(self._sessions))
                 self._sessions.pop(old)
@@ -742,8 +747,8 @@ class OpenAIEndpoint:
                 await asyncio.to_thread(_append_lines, self.run_dir / "sessions" / f"{session}.jsonl", records)
                 state.next_turn = turn + 1
                 state.recorded.update((rec["request_id"], turn) for rec in records)
-            state.tails = {rec["answer_digest"]: (rec["prompt_ids"] + rec["completion_ids"], rec["request_id"])
-                           for rec in records if rec["answer_digest"]}
+            state.tails = {rec["answer_digest"]: (_stream(rec), rec["request_id"]) for rec in records
+                           if rec["answer_digest"]}
         log.info("answered", turn=turn, choices=len(choices), seconds=round(time.monotonic() - t0, 3),
                  tokens=sum(len(r.token_ids) for r in results))
         errors = [r.error for r in results if r.finish_reason == "error"]
@@ -783,12 +788,17 @@ class OpenAIEndpoint:
         if call.logprobs:
             choice["logprobs"] = {"content": [self._logprob(t, lp) for t, lp in zip(ids, res.logprobs, strict=True)]}
         # what the harness sends back as this turn, if it continues the conversation with it: the
-        # next call extends this stream (only a turn that ended on its stop token can be extended)
+        # next call extends this stream. A turn cut by max_tokens has no end-of-turn token; the
+        # history the harness sends back closes it (the template writes one after every assistant
+        # message), so the stream continues after the template's own (`closing_ids`): a token
+        # the model did not generate, in the next call's prompt, never trained
         answer = Message(role="assistant", content=content, tool_calls=[
             ToolCall(key=c.key, name=c.name, arguments=c.arguments) for c in calls])
-        extendable = res.finish_reason == "stop" and bool(ids) and ids[-1] in req.stops()
+        closing = [self.fmt.turn_end_id] if res.finish_reason == "length" and ids else []
+        extendable = bool(closing) or (res.finish_reason == "stop" and bool(ids) and ids[-1] in req.stops())
         rec = {"v": RECORD_VERSION, "kind": "call",
-               "answer_digest": conversation_digest([*call.messages, answer], call.tools) if extendable else "", "choice": i, "request_id": res.request_id, "step": res.step,
+               "answer_digest": conversation_digest([*call.messages, answer], call.tools) if extendable else "",
+               "closing_ids": closing, "choice": i, "request_id": res.request_id, "step": res.step,
                "group": res.group, "policy_version": req.policy_version, "prompt_ids": list(res.prompt_ids),
                "completion_ids": ids, "logprobs": list(res.logprobs), "token_versions": versions,
                "segments": segments, "finish_reason": res.finish_reason, "worker_id": res.worker_id,
