@@ -4,6 +4,8 @@ on an environment that is not the calculator (two tools, one that counts, one th
 
 from __future__ import annotations
 
+import pytest
+
 from rlboost import episodes, wire
 from rlboost.config import EnvSettings
 from rlboost.envs.calculator import ALPHABET
@@ -102,3 +104,30 @@ def test_the_loggers_show_the_episode_fields_and_the_environments_metrics():
     assert got["episode/ends/done"] == 3.0 and got["episode/ends/length"] == 1.0
     assert got["episode/episodes"] == 4.0 and got["rollout/reward"] == 0.5
     assert not any(k.startswith("misc/data") for k in got)
+
+
+@pytest.mark.slow
+def test_rlboost_run_env_writes_the_environments_metrics_in_every_step_row(services, tmp_path, calc_model_dir):
+    """`rlboost run --env calculator`: each metrics.jsonl row carries the calculator's own
+    metrics (`correct`, `calc_calls`) and the runner's error counts."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    nats_url, redis_url = services
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--env", "calculator", "--model-dir",
+                        str(calc_model_dir), "--run-dir", str(run_dir), "--steps", "2", "--prompts", "1",
+                        "--samples", "2", "--workers", "1", "--eval-every", "100", "--eval-size", "2",
+                        "--max-response-tokens", "16", "--env.max_turns", "2", "--env.describe_tools", "false",
+                        "--env.options.instructions", "false", "--t-seed", "0.5", "--t-seed-floor", "0.5"],
+                       capture_output=True, text=True, env=env, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["episodes"] == 2 and {"tool_errors_mean", "tool_timeouts_mean", "env_errors_mean"} <= set(r)
+        # an untrained model's turns are cut (`length`) and scored: the calculator's metrics are there
+        assert "env/calc_calls" in r and "env/correct" in r, r
