@@ -177,6 +177,10 @@ class StepOutcome:
     report: object = None  # what TrainerPort.finish_step returned
 
 
+# How long a step may go without a result before it says what it waits on (`Orchestrator._watch`).
+STALL_REPORT_S = 10.0
+
+
 def dispatch_share(n: int, live: int, policy: str, reserved_weight: float) -> int:
     """Requests the seeding engines take at the start of a step: their share of the capacity
     (all of it with no live preemptible worker, or colocated)."""
@@ -230,6 +234,8 @@ class Orchestrator:
         self._carry: list[tuple[int, list[wire.RolloutRequest]]] = []  # a resumed partial run's (see carry)
         self._on_reserved: set[str] = set()  # request ids on the reserved queue, not finished yet
         self._last_result = 0.0
+        self._last_report = 0.0  # the last "waiting" report (`_watch`)
+        self._arrivals: dict[int, int] = {}  # step -> results in
         self._floor = 0
         self._floor_cleared = False
         # the share of the last step the seeding window was open (1 before any): async weighs the
@@ -268,6 +274,7 @@ class Orchestrator:
         arrived = 0
         async for r in self.manager.results(step, requests):
             arrived += 1
+            self._arrivals[step] = arrived
             self._on_reserved.discard(r.request_id)
             if self.on_result is not None:
                 self.on_result(r, arrived, len(requests))  # may raise: the step fails loudly
@@ -278,6 +285,24 @@ class Orchestrator:
                 self._scoring.add(task)
                 task.add_done_callback(self._scoring.discard)
             self._last_result = time.monotonic()
+
+    async def _watch(self, step: int) -> None:
+        """A step that waits never waits silently: after STALL_REPORT_S without a result (and
+        every STALL_REPORT_S after), one line says what is missing and where the work is (each
+        lane's waiting / in-flight requests and open fetches, the live workers), and names a lane
+        that holds work nobody pulls (its workers dead: `rlboost run` restarts its own, a
+        deployment's autoscaler or operator must)."""
+        now = time.monotonic()
+        if now - max(self._last_result, self._last_report) < STALL_REPORT_S:
+            return
+        self._last_report = now
+        lanes = await self.manager.lanes()
+        unserved = [lane for lane, n in lanes.items() if n["waiting"] + n["in_flight"] and not n["pulling"]]
+        missing = {s: n - self._arrivals.get(s, 0) for s, n in self._published.items()
+                   if s in self._collectors and not self._collectors[s].done()}
+        self.log.warning("waiting for results", step=step, quiet_s=round(now - self._last_result, 1),
+                         missing=missing, live_workers=await self.live(), lanes=lanes,
+                         nobody_pulls=unserved or None)
 
     def _check_collectors(self) -> None:
         for task in [*self._collectors.values(), *self._scoring]:
@@ -364,6 +389,7 @@ class Orchestrator:
                 break  # the seeding engines ran out of their share before T_seed: train now
             await asyncio.sleep(self.poll_s)
             self._check_collectors()
+            await self._watch(step)
         out.window_s = time.monotonic() - t_start
         # 3. hand off, unless nobody is there to take it
         handed_off = False
@@ -383,13 +409,14 @@ class Orchestrator:
                 if item is not None:
                     break
                 self._check_collectors()
+                await self._watch(step)
                 if pool_has_work and not out.fallback and not await self.live():
                     self.log.warning("no live preemptible worker: the reserved side takes the step back", step=step)
                     out.fallback = True
                     self.fallbacks += 1
                     await self.engines.take_back(step)
                     free_at = await self._colocated_rest(
-                        lambda: len(out.trained) + sum(1 for it in self._ready if eligible(it[0])) >= prompts
+                        step, lambda: len(out.trained) + sum(1 for it in self._ready if eligible(it[0])) >= prompts
                         or self._collectors_done(), free_at)
                 if self._collectors_done() and not self._scoring:
                     break  # partial: every request is in, nothing more will complete
@@ -425,7 +452,7 @@ class Orchestrator:
         out.on_reserved, self._shares = self._shares, {}
         return out
 
-    async def _colocated_rest(self, batch_in: Callable[[], bool], free_at: float) -> float:
+    async def _colocated_rest(self, step: int, batch_in: Callable[[], bool], free_at: float) -> float:
         """A take-back: the reserved GPUs generate the pool's work, so they do not train
         meanwhile (colocated, for the rest of the step): wait for the batch, stop serving the pool
         (`end_step`: what the engines still generate of later steps goes back to it), then train.
@@ -437,6 +464,7 @@ class Orchestrator:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), timeout=0.1)
             self._check_collectors()
+            await self._watch(step)
         await self.engines.end_step()
         return max(free_at, time.monotonic())
 

@@ -431,6 +431,22 @@ class PoolClient:
                 waiting += period_s * sum(hb.inflight == 0 for hb in live) / len(live)
         return waiting
 
+    async def lanes(self) -> dict[str, dict[str, int]]:
+        """The pool's lanes of work, each as `waiting` (not delivered yet), `in_flight` (delivered,
+        not acknowledged) and `pulling` (fetches open now: 0 while work waits means nobody serves
+        the lane). The environment lane is every pool's. A lane whose consumer does not answer
+        within 2 s is left out (this is for a report, never a wait)."""
+        out: dict[str, dict[str, int]] = {}
+        for lane, name in (("fresh", wire.consumer_name(self.pool)), ("resume", wire.resume_consumer_name(self.pool)),
+                           ("env", wire.ENV_CONSUMER)):
+            try:
+                info = await asyncio.wait_for(self.c.js.consumer_info(wire.STREAM_REQUESTS, name), 2.0)
+            except Exception:
+                continue
+            out[lane] = {"waiting": info.num_pending or 0, "in_flight": info.num_ack_pending or 0,
+                         "pulling": info.num_waiting or 0}
+        return out
+
     async def queue_depth(self) -> int:
         """Requests of the pool not yet delivered (fresh + resume lanes)."""
         total = 0

@@ -5,7 +5,6 @@ training sample with the environment's reward."""
 from __future__ import annotations
 
 import json
-import math
 import random
 
 import pytest
@@ -440,48 +439,6 @@ def test_rlboost_run_env_reasoning_gym_trains_two_steps_with_environment_turns(s
         assert "unfinished" not in r["episode_ends"] and "env_error" not in r["episode_ends"], r["episode_ends"]
     # a second model turn follows an environment turn ("try again"): most episodes had one
     assert sum(r["turns_mean"] for r in rows) / len(rows) > 1.2, [r["turns_mean"] for r in rows]
-
-
-@pytest.fixture(scope="module")
-def tool_calling_model_dir(tmp_path_factory):
-    """The calculator's character model, tuned for a few seconds to answer the calculator's
-    opening with a compact call of its tool (`<tool_call>calc 2+3</tool_call>` then <eos>): its
-    episodes make tool calls, what an untrained model never does. Tuned on the whole openings at
-    their own positions (right-padded; the model is causal, so the padding after a call changes
-    nothing before it): tuned on their last tokens only, the model met the call at other
-    positions and on one machine never made it in a run (0 tool calls in 8 episodes)."""
-    from rlboost.envs import calculator
-    from rlboost.envs.chat import chat_format
-    from trainer.model import build_model, build_tokenizer, save
-
-    tok = build_tokenizer(calculator.ALPHABET)
-    model = build_model(len(tok), hidden=64, layers=2, heads=2, mlp=128, max_positions=512, seed=0,
-                        pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
-    call = tok("<tool_call>calc 2+3</tool_call>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    fmt, env = chat_format(tok, describe_tools=False), calculator.CalculatorEnv(instructions=False)
-    prompts = [fmt.prompt_ids(env.opening_messages(r), [calculator.CALC]) for r in calculator.rows("train", 64, seed=99)]
-
-    def batch(qs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.full((len(qs), max(len(q) for q in qs) + len(call)), tok.pad_token_id)
-        y = torch.full_like(x, -100)
-        for i, q in enumerate(qs):
-            x[i, :len(q) + len(call)] = torch.tensor(q + call)
-            y[i, len(q) - 1:len(q) + len(call) - 1] = torch.tensor(call)  # each call token from what precedes it
-        return x, y
-
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for i in range(300):  # ~5 s; the loss ~0.003 a token
-        x, y = batch([prompts[(8 * i + j) % len(prompts)] for j in range(8)])
-        loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, len(tok)), y.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    with torch.no_grad():  # the whole call's probability after an opening it was not tuned on
-        q = fmt.prompt_ids(env.opening_messages(calculator.rows("test", 1, seed=7)[0]), [calculator.CALC])
-        x, y = batch([q])
-        p_call = math.exp(-float(torch.nn.functional.cross_entropy(model(x).logits[0], y[0], reduction="sum")))
-    assert p_call > 0.5, f"the tuned model makes its call with probability {p_call:.3f} (not tuned enough here)"
-    return save(model, tok, tmp_path_factory.mktemp("m") / "caller", meta={"trained": True, "env": "calculator"})
 
 
 @pytest.mark.slow

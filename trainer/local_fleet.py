@@ -11,6 +11,9 @@ and the chaos it injects into them.
 - The environment pool (`[env] inline = false`): `env.env_workers` `rlboost env-worker` processes.
 - `regenerated_tokens`: what every worker and engine of every life generated and never made
   durable (their crash-proof counters), so generated again by someone.
+- `supervise`: every process above that exits on its own (a crash, an OOM kill, a SIGKILL from
+  outside) is reaped, reported in one log line and restarted with backoff (`workers.fleet.Supervisor`):
+  a run whose only environment worker died does not wait on a lane nobody serves.
 
 `Chaos` is the `--chaos STEP:term|kill` switch: mid-step (the first result past half the step's
 requests) a running worker is terminated or killed and a fresh one started in its place.
@@ -29,7 +32,7 @@ from rlboost.logs import get_logger
 from rlboost.pool_client import PoolClient
 from workers.counters import Counters, read_counters
 from workers.engines import EngineError
-from workers.fleet import WorkerFleet
+from workers.fleet import Supervisor, WorkerFleet
 from workers.seeding import InProcessSeeding, ProcessSeeding, make_seeding_engine
 
 
@@ -55,6 +58,13 @@ class LocalFleet:
                                        worker_args=["--model-dir", model_dir],  # its chat format: the model's
                                        env={"RLBOOST_LOG_LEVEL": "warning", **self.env}, die_with_parent=True)
         self.reserved_counters = Counters(self.workdir / "reserved.counters")
+        self.supervisor = Supervisor([self.workers, self.env_workers], get_logger(component="supervisor"))
+
+    async def supervise(self, period_s: float = 0.5) -> None:
+        """Reap and restart exited processes until cancelled (`Supervisor`)."""
+        while True:
+            self.supervisor.poll()
+            await asyncio.sleep(period_s)
 
     def _processes(self, pool: str, engine: str, *extra: str) -> WorkerFleet:
         return WorkerFleet(self.nats_url, self.redis_url, self.workdir, pool, worker_args=[
@@ -80,6 +90,7 @@ class LocalFleet:
         engine = make_seeding_engine(ro.seeding_engine, self.model_dir, worker, sleep=ro.vllm_sleep)
         if ro.seeding == "process":
             fleet = self._processes(self.reserved_pool, ro.seeding_engine, "--handoff-pool", self.pool)
+            self.supervisor.fleets.append(fleet)
             return ProcessSeeding(c, self.pool, fleet, [()], engine, settings, self.reserved_counters,
                                   weights=None, capacity=capacity)
         return InProcessSeeding(c, self.pool, self.reserved_pool, engine, settings, self.reserved_counters,

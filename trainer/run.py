@@ -112,6 +112,12 @@ class Run:
     log: object
 
 
+async def _cancelled(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: bool, c: Clients, nats_url: str,
                 redis_url: str, run_dir: Path, run_id: str, trainer: GRPOTrainer, ops: distributed.Lockstep,
                 report: RunReport, stack: contextlib.AsyncExitStack) -> Run:
@@ -145,6 +151,8 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
                        env={**s.weights.store_env(),  # they pull from the store the trainer publishes to
                             **worker_env(s.env)})  # and run the run's environment ([env])
     stack.callback(fleet.stop)
+    supervising = asyncio.create_task(fleet.supervise())  # stopped before the fleet is (the stack unwinds)
+    stack.push_async_callback(_cancelled, supervising)
     # a step's requests from the data (ids tagged with this life's tag where a resume needs it)
     if runner is not None:  # a row's episodes
         source = EpisodeSource(data, runner, run_id=run_id, seed=rs.seed, samples=ro.samples,
