@@ -201,8 +201,9 @@ class PoolClient:
         published; its message did not decode; its version was gone), is acted on within a
         second: the request is published again from the spec the trainer published (never the
         dead letter's payload, which any worker credential can write), its checkpoint reset first
-        if it is corrupt. A dead letter is only a hint: a forged one costs a duplicate message
-        (the worker holding the request keeps it; the copy finds it finished and is acked). Only
+        if it is corrupt. A dead letter is only a hint: a forged one costs nothing while a worker
+        holds the request's lease, else a duplicate message (the copy finds it taken or finished
+        and is acked). Only
         `REDO_LIMIT` resets of a corrupt checkpoint per request: then the step fails with the
         reason instead of redoing forever. (Dead letters after `max_deliver` deliveries come from
         the server's advisory, `_dead`: the step fails at once, the request is poison.)"""
@@ -225,7 +226,8 @@ class PoolClient:
                 reason = wanted.pop(rid)
                 for attempt in range(REDO_TRIES):  # the store or NATS away for a moment: try again
                     try:
-                        await self.redo(req, reason)
+                        if not await self.redo(req, reason):  # a worker holds it: look again later
+                            wanted.setdefault(rid, reason)
                         break
                     except RequestsDeadLettered as e:
                         self.dead_lettered.add(rid)  # `results` fails the step with the reason
@@ -262,9 +264,10 @@ class PoolClient:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    async def redo(self, req: wire.RolloutRequest, reason: str = "") -> None:
+    async def redo(self, req: wire.RolloutRequest, reason: str = "") -> bool:
         """Publish `req` again from its spec (a new message id: the first is in the de-duplication
-        window), after resetting its checkpoint if that holds junk. One log line."""
+        window), after resetting its checkpoint if that holds junk. One log line. False: a worker
+        holds its lease now, nothing was done (the caller looks again later: its holder may go)."""
         rid = req.request_id
         corrupt = ""
         try:
@@ -281,7 +284,9 @@ class PoolClient:
                 raise RequestsDeadLettered(req.step, [rid], f"its checkpoint was found corrupt {n} times ({corrupt})")
             await self.c.store.reset(rid)
         elif await self.c.store.is_finished(rid):
-            return  # its result is on the way (a worker republishes a finished one when it meets it)
+            return True  # its result is on the way (a worker republishes a finished one when it meets it)
+        elif await self.c.store.is_held(rid):
+            return False  # a worker has it (a readable checkpoint is not dead-lettered after a claim)
         subject = self._subjects.get(rid, wire.request_subject(self.pool))
         out = await bus.publish_batch(self.c.js, [(subject, wire.encode(req),
                                                    {wire.HDR_MSG_ID: f"{rid}.redo{time.time_ns()}"})],
@@ -291,6 +296,7 @@ class PoolClient:
         metrics.REDONE.inc()
         self.log.warning("request published again after a dead letter", request_id=rid, step=req.step,
                          dead_letter=reason[:200], checkpoint_reset=bool(corrupt))
+        return True
 
     def _dead(self, payload: bytes) -> None:
         try:

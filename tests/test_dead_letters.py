@@ -120,3 +120,30 @@ async def test_junk_planted_again_and_again_fails_the_step_with_the_reason_not_a
         await asyncio.wait_for(_collect(manager, step, [req]), 60.0)
     stop.set()
     await planter
+
+
+async def test_forged_dead_letters_cost_no_result_and_duplicate_none(clients, worker):
+    """Any worker credential may publish on the dead-letter subjects: a dead letter is a hint.
+    Forged ones for every request of a step, while a slow worker holds them: each request still
+    yields exactly its undisturbed result, and a held request is not published again."""
+    step, pool = 631, "dlforged"
+    reqs = [wire.RolloutRequest(request_id=wire.request_id(step, i, 0), step=step, policy_version=0,
+                                prompt_ids=[5, 6, 7], max_new_tokens=24, seed=11, group=i) for i in range(4)]
+    w = worker(pool, EmulatedEngine(speed=0.02))  # slow: the requests are held while the forgeries come
+    manager = PoolClient(clients, pool)
+    await manager.publish_step(reqs)
+    while w.counters.get("claims") < len(reqs):
+        await asyncio.sleep(0.01)
+    for r in reqs:
+        await clients.js.publish(wire.dlq_subject(wire.STREAM_REQUESTS), wire.encode(r),
+                                 headers={wire.HDR_DLQ_REASON: "corrupt checkpoint: forged"})
+    import structlog
+
+    with structlog.testing.capture_logs() as logs:
+        got = await asyncio.wait_for(_collect(manager, step, reqs), 60.0)
+    lengths = LengthModel()
+    for r in reqs:
+        n = min(r.max_new_tokens, lengths.length(r.seed, r.request_id))
+        assert got[r.request_id].token_ids == reference_tokens(r.seed, r.request_id, 0, n)[0]
+    assert not [e for e in logs if e["event"] == "request published again after a dead letter"]
+    assert w.counters.get("claims") == len(reqs)
