@@ -219,3 +219,12 @@ def test_a_cut_turn_an_engine_calls_stop_still_ends_length(family):
 
     res = run(EpisodeRunner(env, fmt, EnvSettings()).run(liar, "ep", ROW))
     assert res.end_reason == "length" and res.turns == 1 and res.tool_calls == 0 and not env.ledger.executions
+
+
+def test_a_call_the_parser_refuses_is_an_error_to_the_model_never_env_error(family):
+    """An unknown tool: the model reads `error: unknown tool` as a tool message with no call
+    key (Mistral's template wants a 9-character id on it too) and goes on."""
+    fmt = chat_format(stranger_models.tokenizer(family))
+    res = episode(fmt, [call("overdraft", account="checking"), *SOLVES])
+    assert res.end_reason == "done" and res.turns == 5 and res.reward == 1.0, res.end_reason
+    assert res.messages[3].role == "tool" and res.messages[3].content.startswith("error: unknown tool 'overdraft'")

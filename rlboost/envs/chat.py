@@ -435,8 +435,8 @@ class TemplateFormat(ChatFormat):
                 for m, d in zip(messages, chat, strict=True):
                     for c, cd in zip(m.tool_calls, d.get("tool_calls", ()), strict=True):
                         cd["id"] = ids[c.key] = c.id if len(c.id) == 9 and c.id.isalnum() else call_id(c.key)
-                    if d.get("tool_call_id"):
-                        d["tool_call_id"] = ids.get(d["tool_call_id"]) or call_id(d["tool_call_id"])
+                    if m.role == "tool":  # an error answering a call the parser refused has no key
+                        d["tool_call_id"] = ids.get(m.tool_call_id) or call_id(m.tool_call_id or m.content)
             return chat, [t.openai() for t in tools] or None
         out: list[dict] = []
         if tools:  # the template cannot show tools: describe them in a system message of our own
