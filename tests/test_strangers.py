@@ -228,3 +228,22 @@ def test_a_call_the_parser_refuses_is_an_error_to_the_model_never_env_error(fami
     res = episode(fmt, [call("overdraft", account="checking"), *SOLVES])
     assert res.end_reason == "done" and res.turns == 5 and res.reward == 1.0, res.end_reason
     assert res.messages[3].role == "tool" and res.messages[3].content.startswith("error: unknown tool 'overdraft'")
+
+
+def test_llama_two_calls_after_python_tag_run_though_its_template_takes_one():
+    """Llama 3.1's template raises on an assistant turn of two calls; the model can still write
+    them (`<|python_tag|>{...}; {...}`): both run and the results follow, never env_error."""
+    fmt = chat_format(stranger_models.tokenizer("llama3"))
+    two = ('<|python_tag|>{"name": "balance", "parameters": {"account": "checking"}}; '
+           '{"name": "transfer", "parameters": {"source": "checking", "target": "savings", "amount": 30}}')
+    turns = iter([fmt.encode(two) + [fmt.turn_end_id],
+                  fmt.encode("The savings balance is 80.") + [fmt.turn_end_id]])
+
+    async def generate(prompt_ids, max_new_tokens, stop_ids):
+        ids = next(turns)
+        return Generation(token_ids=ids, logprobs=[0.0] * len(ids))
+
+    res = run(EpisodeRunner(stranger_env.BankEnv(), fmt, EnvSettings()).run(generate, "ep", ROW))
+    assert res.end_reason == "done" and res.tool_calls == 2 and res.reward == 1.0, res.end_reason
+    env = fmt.tokenizer.decode(res.segments[2].token_ids, skip_special_tokens=False)
+    assert env.count("<|start_header_id|>ipython<|end_header_id|>") == 2 and "savings now 80" in env
