@@ -256,20 +256,25 @@ def render_nats_conf(services: ServicesSettings, *, env_refs: bool = False, list
 # caller's permissions, so the write commands those scripts call are granted too; everything
 # else is not: no EVAL or SCRIPT (the trainer loads the project's scripts, `load_scripts`), no
 # DEL/UNLINK/FLUSH*/RENAME, no KEYS/SCAN/RANDOMKEY (key names are not listed), no CONFIG/DEBUG.
-# Value sizes are bounded by the server (`REDIS_MAX_VALUE`).
+# Value sizes are bounded by the server (`REDIS_MAX_VALUE`). Redis cannot tell a script's command
+# from the same command sent directly, so these commands are the role's on any `rb:` key: what
+# that still allows, and why the trainer does not trust it, is in docs/guides/security.md.
+_REDIS_READS = ("ping", "hello", "auth", "echo", "select",  # connection
+                "get", "hget", "hmget", "lrange",  # reads of rlboost/checkpoint.py
+                "evalsha")  # the checkpoint scripts, loaded by the trainer
 WORKER_REDIS_COMMANDS = (
-    "ping", "hello", "auth", "echo", "select",  # connection
-    "get", "hget", "hmget", "lrange", "exists",  # reads of rlboost/checkpoint.py
-    "evalsha",  # the checkpoint scripts, loaded by the trainer
+    *_REDIS_READS,
     # called by those scripts (with the worker's permissions):
-    "hincrby", "hset", "set", "rpush", "expire", "pexpire", "pttl", "strlen", "append",
-    "time", "ttl",  # the claim's epoch clock (fencing that survives a store restart), the :tok TTL check
+    "hset", "set", "rpush", "expire", "pexpire", "pttl", "strlen", "append",
+    "time",  # the claim's epoch clock (fencing that survives a store restart)
 )
 WORKER_REDIS_RULES = "resetkeys ~rb:* resetchannels -@all " + " ".join(f"+{c}" for c in WORKER_REDIS_COMMANDS)
-# An environment worker runs the same scripts (claim, put_episode, append_env, renew, release,
-# finish) with its own permissions, so it needs the same commands: Redis cannot tell a script's
-# writes apart, and it may not run any other Lua.
-ENV_REDIS_RULES = WORKER_REDIS_RULES
+# An environment worker runs the scripts of an episode's tool phase (claim with `inherit`,
+# put_episode, append_env, renew, release, finish) with its own permissions. None of them calls
+# EXPIRE or PEXPIRE (rlboost/checkpoint.py says how), so the env role has neither: it cannot
+# shorten the life of a finished checkpoint (or of any key) to erase it.
+ENV_REDIS_COMMANDS = (*_REDIS_READS, "hset", "set", "rpush", "pttl", "strlen", "append", "time")
+ENV_REDIS_RULES = "resetkeys ~rb:* resetchannels -@all " + " ".join(f"+{c}" for c in ENV_REDIS_COMMANDS)
 TRAINER_REDIS_RULES = "~* &* +@all"
 REDIS_MAX_VALUE = "8mb"  # proto-max-bulk-len: no client writes a bigger value (a checkpoint: 1M tokens)
 

@@ -7,6 +7,13 @@ checks epoch and offset and writes in one atomic step, so a worker that was paus
 and resumed after another worker took the request over learns it lost the lease and cannot
 corrupt what the new owner writes.
 
+The epoch is no proof of holding the lease, since any credential can read it: every write under
+a lease also carries the claimant's secret (`CheckpointStore.secret`), of which the claim keeps
+only a digest. A stolen worker credential can still claim a request itself (and spoil what it
+claims, under a lease of its own that the history records); it cannot write into a lease that
+another client holds. What the credentials can still do beside the scripts:
+docs/guides/security.md.
+
 Epochs never go backwards, even when Redis does. A restart without persistence, the AOF's
 last unsynced second (`appendfsync everysec`) or a failover to a replica that missed the last
 writes all roll `meta` back, and a plain counter would then hand a new claimant the epoch a
@@ -38,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,12 +87,30 @@ MAX_APPENDS_PER_CALL = 1024  # requests per fenced-append script call (bounds ho
 
 # Every script answers with the codes of rlboost.errors.LUA_CODES (-1 stale epoch, -2 offset
 # mismatch, -3 finished, -4 Redis refused a command, -5 lease held): one meaning per code.
+#
+# A write under a lease needs the claimant's secret (`CheckpointStore.secret`, the last ARGV of
+# every script): the claim keeps only its digest, in the meta hash (`key`), and each write
+# compares the digest of the secret it is given with it. The epoch alone is no proof: any
+# credential can read it (HGET). A writer without the secret is answered -1 like a stale epoch:
+# either way it does not hold the lease. SHA-1 is enough here: what an attacker would need is a
+# preimage of a digest of 128 random bits, and SHA-1 has no practical preimage attack (only
+# collisions, which do not help: the secret is not the attacker's choice); it is what Redis Lua
+# offers (`redis.sha1hex`).
+#
+# The scripts an environment worker runs (claim with `inherit`, append_env, episode, renew,
+# release, finish) call neither EXPIRE nor PEXPIRE, so the env role holds neither command
+# (rlboost/auth.py) and cannot shorten the life of a finished checkpoint with them: a lease is
+# renewed by SET ... PX, a released or finished lease is ended by SET ... PX 1 (gone a millisecond
+# later, as if deleted: the role has no DEL either), and a token key is created with its TTL by
+# SET ... EX.
 _CLAIM = """
 redis.replicate_commands()  -- TIME is not deterministic: replicate the effects (Redis < 7)
 local meta, lease, hist, tok = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner, ttl, version, steal, keep = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5])
 local weights = ARGV[6]
-if ARGV[7] == '1' then  -- an environment worker's claim: it generates nothing, the labels stay the last segment's
+local inherit = ARGV[7] == '1'
+local digest = redis.sha1hex(ARGV[8])
+if inherit then  -- an environment worker's claim: it generates nothing, the labels stay the last segment's
   local last = redis.call('LRANGE', hist, -1, -1)[1]
   if last then
     local lv, lw = string.match(last, '^%S+ %S+ %d+ (%S+) ?(%S*)')
@@ -92,26 +118,51 @@ if ARGV[7] == '1' then  -- an environment worker's claim: it generates nothing, 
   end
 end
 local ep = KEYS[5]  -- an episode's state key: only an episode's claim names it (and gets its state)
-if redis.call('HGET', meta, 'finished') == '1' then
-  return {-3, tonumber(redis.call('HGET', meta, 'epoch') or '0'), ''}
+local m = redis.call('HMGET', meta, 'finished', 'epoch', 'released', 'spec')
+-- The request's spec (`wire.spec_digest`): a claim from the fresh lane (only the trainer publishes
+-- there) records it; a hand-off (resume or environment lane: any worker credential publishes
+-- there) is taken only for a request recorded so, with that spec. Checked before `finished`: a
+-- finished checkpoint of another spec is never answered as this request's.
+local spec, handoff = ARGV[9], ARGV[10] == '1'
+if spec ~= '' and m[4] ~= spec then
+  if handoff and not m[4] then
+    return redis.error_reply('ERR a hand-off of a request that never came from the trainer')
+  elseif handoff then
+    return redis.error_reply('ERR a hand-off whose request (seed, prompt, sampling, ...) is not the one published')
+  elseif m[4] then
+    return redis.error_reply('ERR the checkpoint was made for another request under this id')
+  end
+end
+if m[1] == '1' then
+  return {-3, tonumber(m[2] or '0'), ''}
 end
 local cur = redis.call('GET', lease)
-if cur and steal ~= '1' and string.match(cur, '^(%S+)') ~= owner then
-  return {-5, redis.call('PTTL', lease), cur}
+if cur and steal ~= '1' then
+  local co, ce = string.match(cur, '^(%S+) ?(%S*)')
+  -- a released lease is free, also in the millisecond its key lives on (see _RELEASE)
+  if co ~= owner and not (ce == m[2] and ce == m[3]) then
+    return {-5, redis.call('PTTL', lease), cur}
+  end
 end
 -- Hybrid logical clock: never below the server time (us), so a rolled-back meta cannot
 -- hand out an epoch issued before the rollback. Below 2^53: exact in Lua's doubles.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local epoch = math.max(tonumber(redis.call('HGET', meta, 'epoch') or '0') + 1, now)
+local epoch = math.max(tonumber(m[2] or '0') + 1, now)
 local es = string.format('%d', epoch)
-redis.call('HSET', meta, 'epoch', es, 'owner', owner)
+redis.call('HSET', meta, 'epoch', es, 'owner', owner, 'key', digest)
+if spec ~= '' and not m[4] then redis.call('HSET', meta, 'spec', spec) end
 redis.call('SET', lease, owner .. ' ' .. es, 'PX', ttl)
 local data = redis.call('GET', tok) or ''
 redis.call('RPUSH', hist, owner .. ' ' .. es .. ' ' .. (string.len(data) / 8) .. ' ' .. version .. ' ' .. weights)
-for _, k in ipairs({meta, hist, tok}) do redis.call('EXPIRE', k, keep) end
+-- The keys live `keep` s past the last generation worker's claim. Not an environment worker's:
+-- its role has no EXPIRE (it may not shorten a finished checkpoint's life), and the request's
+-- keys exist already (its generation worker claimed it first).
+if not inherit then
+  for _, k in ipairs({meta, hist, tok}) do redis.call('EXPIRE', k, keep) end
+  if ep then redis.call('EXPIRE', ep, keep) end
+end
 if ep then
-  redis.call('EXPIRE', ep, keep)
   return {es, 0, data, redis.call('GET', ep) or ''}
 end
 return {es, 0, data}
@@ -121,17 +172,19 @@ return {es, 0, data}
 # request; ARGV = ttl_ms, owner, keep_s, then "epoch offset nbytes" of every request as one
 # space-separated string and all their records concatenated as one string (two bulk strings
 # instead of three per request: packing and parsing per-request arguments cost the client more
-# than Redis spends in the script). Each request gets exactly the checks of a single append
-# (epoch, finished, offset) and its own outcome: the new length, -1 stale epoch, -2 offset
-# mismatch, -3 finished, or -4 when Redis refused one of its commands (a key of the wrong
-# type), whose message follows. The reply is {"n1,n2,...", message of each -4 in order}.
-# pcall keeps one request's error from aborting the others (earlier writes of a script are
-# never rolled back).
+# than Redis spends in the script), then the writer's secret (one digest per call: a flush is one
+# claimant's, `append_packed` groups by owner). Each request gets exactly the checks of a single
+# append (epoch and secret, finished, offset) and its own outcome: the new length, -1 stale epoch
+# (or not the lease holder's secret), -2 offset mismatch, -3 finished, or -4 when Redis refused
+# one of its commands (a key of the wrong type), whose message follows. The reply is
+# {"n1,n2,...", message of each -4 in order}. pcall keeps one request's error from aborting the
+# others (earlier writes of a script are never rolled back). Only generation workers run it.
 _APPEND_MANY = """
 local ttl, owner, keep, heads, blob = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local digest = redis.sha1hex(ARGV[6])
 local function one(meta, lease, tok, epoch, offset, data)
-  local m = redis.call('HMGET', meta, 'epoch', 'finished', 'released')
-  if m[1] ~= epoch then return -1 end
+  local m = redis.call('HMGET', meta, 'epoch', 'finished', 'released', 'key')
+  if m[1] ~= epoch or m[4] ~= digest then return -1 end
   if m[3] == epoch then return -1 end  -- released: a write after letting go must not take the lease back
   if m[2] == '1' then return -3 end
   if redis.call('STRLEN', tok) ~= tonumber(offset) * 8 then return -2 end
@@ -162,80 +215,99 @@ return reply
 """
 
 # An episode's environment tokens (a tool result, an env turn) and the episode state that follows
-# them, in one fenced step: the checks of an append (epoch, finished, offset), then the records
-# (logprobs 0), a history line `... env` for them and one that resumes the lease's model segment
-# after them (a copy of the lease's own line, the last of the history), and the state. So a
-# checkpoint never holds a tool result without the state that says it was answered, nor the
-# reverse. ARGV: epoch, offset, ttl_ms, owner, keep_s, records, state.
+# them, in one fenced step: the checks of an append (epoch and secret, finished, offset), then the
+# records (logprobs 0), a history line `... env` for them and one that resumes the lease's model
+# segment after them (a copy of the lease's own line, the last of the history), and the state. So
+# a checkpoint never holds a tool result without the state that says it was answered, nor the
+# reverse. ARGV: epoch, offset, ttl_ms, owner, keep_s, records, state, secret.
 _APPEND_ENV = """
 local meta, lease, tok, hist, ep = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local epoch, offset, ttl, owner, keep, data, state = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
-local m = redis.call('HMGET', meta, 'epoch', 'finished', 'released')
-if m[1] ~= epoch then return -1 end
+local m = redis.call('HMGET', meta, 'epoch', 'finished', 'released', 'key')
+if m[1] ~= epoch or m[4] ~= redis.sha1hex(ARGV[8]) then return -1 end
 if m[3] == epoch then return -1 end  -- released (see _RELEASE)
 if m[2] == '1' then return -3 end
 if redis.call('STRLEN', tok) ~= tonumber(offset) * 8 then return -2 end
 local last = redis.call('LRANGE', hist, -1, -1)[1] or ''
 local o, e, at, v, w = string.match(last, '^(%S+) (%S+) (%d+) (%S+) ?(%S*)$')
 if e ~= epoch then return redis.error_reply('ERR the history does not end with this lease') end
-local len = redis.call('APPEND', tok, data) / 8
-if offset == '0' then redis.call('EXPIRE', tok, keep) end
+local len
+if offset == '0' then  -- the key is created here, with its TTL (no EXPIRE: see above)
+  redis.call('SET', tok, data, 'EX', keep)
+  len = string.len(data) / 8
+else
+  len = redis.call('APPEND', tok, data) / 8
+end
 local head = o .. ' ' .. e .. ' '
 redis.call('RPUSH', hist, head .. offset .. ' ' .. v .. ' ' .. w .. ' env', head .. string.format('%d', len) .. ' ' .. v .. ' ' .. w)
 redis.call('SET', ep, state, 'EX', keep)
-if redis.call('PEXPIRE', lease, ttl) == 0 then
-  redis.call('SET', lease, owner .. ' ' .. epoch, 'PX', ttl)
-end
+redis.call('SET', lease, owner .. ' ' .. epoch, 'PX', ttl)
 return len
 """
 
 # An episode's state alone (a turn's pending tool calls, the end of the episode), fenced: the
-# writer's epoch, not finished, and the checkpoint exactly `at` tokens long (the state describes
-# these tokens). ARGV: epoch, at, ttl_ms, owner, keep_s, state.
+# writer's epoch and secret, not finished, and the checkpoint exactly `at` tokens long (the state
+# describes these tokens). ARGV: epoch, at, ttl_ms, owner, keep_s, state, secret.
 _EPISODE = """
 local meta, lease, tok, ep = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local epoch, at, ttl, owner, keep, state = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local m = redis.call('HMGET', meta, 'epoch', 'finished', 'released')
-if m[1] ~= epoch then return -1 end
+local m = redis.call('HMGET', meta, 'epoch', 'finished', 'released', 'key')
+if m[1] ~= epoch or m[4] ~= redis.sha1hex(ARGV[7]) then return -1 end
 if m[3] == epoch then return -1 end  -- released (see _RELEASE)
 if m[2] == '1' then return -3 end
 if redis.call('STRLEN', tok) ~= tonumber(at) * 8 then return -2 end
 redis.call('SET', ep, state, 'EX', keep)
-if redis.call('PEXPIRE', lease, ttl) == 0 then
-  redis.call('SET', lease, owner .. ' ' .. epoch, 'PX', ttl)
-end
+redis.call('SET', lease, owner .. ' ' .. epoch, 'PX', ttl)
 return 1
 """
 
+# ARGV: epoch, total, secret.
 _FINISH = """
 local meta, lease, tok = KEYS[1], KEYS[2], KEYS[3]
 local total = tonumber(ARGV[2])
-if redis.call('HGET', meta, 'epoch') ~= ARGV[1] then return -1 end
+local m = redis.call('HMGET', meta, 'epoch', 'key')
+if m[1] ~= ARGV[1] or m[2] ~= redis.sha1hex(ARGV[3]) then return -1 end
 if redis.call('STRLEN', tok) / 8 ~= total then return -2 end
 redis.call('HSET', meta, 'finished', '1')
-redis.call('PEXPIRE', lease, 0)  -- deletes it; the worker identity has no DEL
+redis.call('SET', lease, '- ' .. ARGV[1], 'PX', 1)  -- ends it (see above)
 return 1
 """
 
+# ARGV: epoch, ttl_ms, owner, secret.
 _RENEW = """
 local meta, lease = KEYS[1], KEYS[2]
 local ttl = tonumber(ARGV[2])
-local m = redis.call('HMGET', meta, 'epoch', 'finished', 'released')
-if m[1] ~= ARGV[1] then return -1 end
+local m = redis.call('HMGET', meta, 'epoch', 'finished', 'released', 'key')
+if m[1] ~= ARGV[1] or m[4] ~= redis.sha1hex(ARGV[4]) then return -1 end
 if m[2] == '1' then return -3 end
 if m[3] == ARGV[1] then return -1 end  -- released: a late renewal must not take the lease back
 redis.call('SET', lease, ARGV[3] .. ' ' .. ARGV[1], 'PX', ttl)
 return 1
 """
 
-# A release also marks its epoch released: a renewal of that epoch still in flight (a heartbeat
-# racing the hand-off) would otherwise set the lease again, and the next claimer would wait out
-# a whole TTL for a holder that has let go.
+# A release ends the lease (SET ... PX 1, see above) and marks its epoch released: a renewal of
+# that epoch still in flight (a heartbeat racing the hand-off) would otherwise set the lease
+# again, and the next claimer would wait out a whole TTL for a holder that has let go. The claim
+# takes a released epoch's lease as free (the millisecond its key lives on). ARGV: epoch, secret.
 _RELEASE = """
 local meta, lease = KEYS[1], KEYS[2]
-if redis.call('HGET', meta, 'epoch') ~= ARGV[1] then return -1 end
-redis.call('PEXPIRE', lease, 0)  -- deletes it; the worker identity has no DEL
+local m = redis.call('HMGET', meta, 'epoch', 'key')
+if m[1] ~= ARGV[1] or m[2] ~= redis.sha1hex(ARGV[2]) then return -1 end
+redis.call('SET', lease, '- ' .. ARGV[1], 'PX', 1)
 redis.call('HSET', meta, 'released', ARGV[1])
+return 1
+"""
+
+# A request forwarded unstarted from the fresh lane to a resume lane (a seeding engine hands off
+# its queue, workers/worker.py `_forward_own_queue`): its spec recorded as its fresh claim would
+# (see _CLAIM), so the hand-off is taken. 1 recorded (or already so), 0 another spec is recorded.
+# ARGV: spec, keep_s.
+_VOUCH = """
+local meta = KEYS[1]
+local m = redis.call('HMGET', meta, 'spec', 'epoch')
+if m[1] then return m[1] == ARGV[1] and 1 or 0 end
+redis.call('HSET', meta, 'spec', ARGV[1])
+if not m[2] then redis.call('EXPIRE', meta, tonumber(ARGV[2])) end  -- created here: give it the claim's TTL
 return 1
 """
 
@@ -298,6 +370,12 @@ class CheckpointStore:
         # raises TimeoutError after `timeout_s` instead of freezing the caller.
         self.redis = _connect(url, max_connections, timeout_s)
         self.keep_s = keep_s
+        # What proves that this client holds the leases it claimed (see the scripts): fresh
+        # random bits per client, never sent anywhere but to Redis (in the scripts' ARGV: Redis
+        # keeps only a digest), so a hand-off, a log line or a stolen credential never carries
+        # it. One per client rather than per claim: a flush checks it once per script call for
+        # all its requests (one digest), and a client serves one worker.
+        self.secret = secrets.token_bytes(16)
         self._claim = self.redis.register_script(_CLAIM)
         self._append_many = self.redis.register_script(_APPEND_MANY)
         self._resp_keys: dict[str, bytes] = {}  # rid -> its append keys in RESP (_keys_resp)
@@ -308,6 +386,7 @@ class CheckpointStore:
         self._release = self.redis.register_script(_RELEASE)
         self._append_env = self.redis.register_script(_APPEND_ENV)
         self._episode = self.redis.register_script(_EPISODE)
+        self._vouch = self.redis.register_script(_VOUCH)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -322,7 +401,7 @@ class CheckpointStore:
         On a Redis Cluster, redis-py sends SCRIPT LOAD to every master (each has its own cache)."""
         try:
             for script in (self._claim, self._append_many, self._finish, self._renew, self._release,
-                           self._append_env, self._episode):
+                           self._append_env, self._episode, self._vouch):
                 await self.redis.script_load(script.script)
         except redis.exceptions.NoPermissionError:
             return False
@@ -332,13 +411,16 @@ class CheckpointStore:
         await self.redis.ping()
 
     async def claim(self, rid: str, owner: str, policy_version: int, ttl_s: float, steal: bool = False,
-                    weights: str = "", episode: bool = False, inherit: bool = False) -> Claim:
+                    weights: str = "", episode: bool = False, inherit: bool = False, spec: str = "",
+                    handoff: bool = False) -> Claim:
         """Take the lease with a new epoch and get the tokens so far (see `_claim_once`)."""
         if self.history is None:
-            return await self._claim_once(rid, owner, policy_version, ttl_s, steal, weights, episode, inherit)
+            return await self._claim_once(rid, owner, policy_version, ttl_s, steal, weights, episode, inherit, spec,
+                                          handoff)
         t0 = time.monotonic()
         try:
-            c = await self._claim_once(rid, owner, policy_version, ttl_s, steal, weights, episode, inherit)
+            c = await self._claim_once(rid, owner, policy_version, ttl_s, steal, weights, episode, inherit, spec,
+                                       handoff)
         except BaseException as e:
             self.history.record("claim", rid, owner, 0, 0, 0, e, t0)
             raise
@@ -346,12 +428,17 @@ class CheckpointStore:
         return c
 
     async def _claim_once(self, rid: str, owner: str, policy_version: int, ttl_s: float, steal: bool,
-                          weights: str, episode: bool, inherit: bool) -> Claim:
+                          weights: str, episode: bool, inherit: bool, spec: str = "",
+                          handoff: bool = False) -> Claim:
         """Take the lease with a new epoch and get the tokens so far (to resume from).
         `weights` names the weights that will generate from here on (recorded in the segment).
         `episode`: the request is an episode; its stored state comes back too (`Claim.episode`).
         `inherit`: an environment worker's claim (it appends tool results, never model tokens):
-        its history line keeps the last segment's version and weights, whatever it passes."""
+        its history line keeps the last segment's version and weights, whatever it passes.
+        `spec`: the request's `wire.spec_digest` (empty: not checked). Taken from the fresh lane
+        (`handoff` False) it is recorded with the checkpoint; from a hand-off (`handoff`) it must
+        be the recorded one. Either refusal is a CorruptCheckpoint whose message says which: the
+        message (or the checkpoint) is not the request the run published."""
         k = wire
         keys = [k.ckpt_meta_key(rid), k.ckpt_lease_key(rid), k.ckpt_history_key(rid), k.ckpt_tokens_key(rid)]
         if episode:
@@ -359,7 +446,8 @@ class CheckpointStore:
         try:
             reply = await self._coalesced(
                 ("EVALSHA", self._claim.sha, len(keys), *keys, owner, int(ttl_s * 1000), policy_version,
-                 "1" if steal else "0", self.keep_s, wire.check_weights_id(weights), "1" if inherit else "0"))
+                 "1" if steal else "0", self.keep_s, wire.check_weights_id(weights), "1" if inherit else "0",
+                 self.secret, spec, "1" if handoff else "0"))
             if isinstance(reply, Exception):
                 raise reply
             status, extra, data, *state = reply  # type: ignore[misc]
@@ -450,7 +538,7 @@ class CheckpointStore:
                 blobs.append(data)
             if cluster:
                 keys = [k for three in keys for k in three]  # type: ignore[misc]
-            calls.append((keys, [ttl, owner.encode(), keep, b" ".join(heads), b"".join(blobs)]))
+            calls.append((keys, [ttl, owner.encode(), keep, b" ".join(heads), b"".join(blobs), self.secret]))
         try:
             replies = await (self._pipelined if cluster else self._raw_scripts)(self._append_many, calls)
         except BaseException as e:  # unanswered (a lost connection, cancelled): unknown outcomes
@@ -576,7 +664,7 @@ class CheckpointStore:
         try:
             r = await self._finish(
                 keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid), wire.ckpt_tokens_key(rid)],
-                args=[epoch, total_tokens],
+                args=[epoch, total_tokens, self.secret],
             )
         except BaseException as e:
             if self.history is not None:
@@ -596,7 +684,7 @@ class CheckpointStore:
         commands: list[tuple] = []
         for rid, epoch, total in finishes:
             commands.append(("EVALSHA", self._finish.sha, 3, wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid),
-                             wire.ckpt_tokens_key(rid), epoch, total))
+                             wire.ckpt_tokens_key(rid), epoch, total, self.secret))
             commands.append(("LRANGE", wire.ckpt_history_key(rid), 0, -1))
         try:
             replies = await self._pipeline(commands)
@@ -624,7 +712,7 @@ class CheckpointStore:
         t0 = time.monotonic() if self.history is not None else 0.0
         try:
             r = await self._renew(keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)],
-                                  args=[epoch, int(ttl_s * 1000), owner])
+                                  args=[epoch, int(ttl_s * 1000), owner, self.secret])
         except BaseException as e:
             if self.history is not None:
                 self.history.record("renew", rid, owner, epoch, 0, 0, e, t0)
@@ -639,7 +727,7 @@ class CheckpointStore:
         """Give the lease up (drain/hand-off) so the next claimant need not wait for expiry."""
         t0 = time.monotonic() if self.history is not None else 0.0
         try:
-            r = await self._release(keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)], args=[epoch])
+            r = await self._release(keys=[wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)], args=[epoch, self.secret])
         except BaseException as e:
             if self.history is not None:
                 self.history.record("release", rid, "", epoch, 0, 0, e, t0)
@@ -653,7 +741,7 @@ class CheckpointStore:
         t0 = time.monotonic() if self.history is not None else 0.0
         try:
             replies = await self._pipelined(self._release, [
-                ((wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)), (epoch,)) for rid, epoch in leases])
+                ((wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid)), (epoch, self.secret)) for rid, epoch in leases])
         except BaseException as e:
             if self.history is not None:
                 self.history.record_many("release", [(rid, "", epoch, 0, 0, e) for rid, epoch in leases], t0)
@@ -661,6 +749,14 @@ class CheckpointStore:
         if self.history is not None:
             self.history.record_many("release", [(rid, "", epoch, 0, 0, _released(rid, epoch, r))
                                                  for (rid, epoch), r in zip(leases, replies)], t0)
+        return [r == 1 for r in replies]
+
+    async def vouch_many(self, specs: Sequence[tuple[str, str]]) -> list[bool]:
+        """Record (rid, `wire.spec_digest`) of requests taken from the fresh lane and handed on
+        unstarted (`_VOUCH`), in one round trip: False where another spec is recorded (the
+        hand-off will be refused)."""
+        replies = await self._pipelined(self._vouch, [((wire.ckpt_meta_key(rid),), (spec, self.keep_s))
+                                                      for rid, spec in specs])
         return [r == 1 for r in replies]
 
     async def append_env(self, rid: str, owner: str, epoch: int, offset: int, token_ids: Sequence[int],
@@ -685,7 +781,7 @@ class CheckpointStore:
                 keys=[k.ckpt_meta_key(rid), k.ckpt_lease_key(rid), k.ckpt_tokens_key(rid), k.ckpt_history_key(rid),
                       k.ckpt_episode_key(rid)],
                 args=[epoch, offset, int(ttl_s * 1000), owner, self.keep_s, pack(token_ids, [0.0] * len(token_ids)),
-                      blob])
+                      blob, self.secret])
         except ResponseError as e:
             if isinstance(e, NoScriptError) or "NOPERM" in str(e) or "no permissions" in str(e).lower():
                 raise
@@ -708,7 +804,7 @@ class CheckpointStore:
         k = wire
         r = await self._episode(
             keys=[k.ckpt_meta_key(rid), k.ckpt_lease_key(rid), k.ckpt_tokens_key(rid), k.ckpt_episode_key(rid)],
-            args=[epoch, state.at, int(ttl_s * 1000), owner, self.keep_s, _state_bytes(rid, state)])
+            args=[epoch, state.at, int(ttl_s * 1000), owner, self.keep_s, _state_bytes(rid, state), self.secret])
         if (err := lua_error("episode", r, f"{rid} (epoch {epoch}, at {state.at})")) is not None:
             raise err
         return 1

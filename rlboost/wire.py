@@ -110,6 +110,13 @@ def resume_consumer_name(pool: str) -> str:
     return f"rb-resume-{pool}"
 
 
+def is_handoff_subject(subject: str) -> bool:
+    """A message of a resume or environment lane: a hand-off, which any worker credential may
+    publish (only the trainer publishes on the fresh lane), so its request is checked against
+    the spec its fresh claim recorded (`spec_digest`)."""
+    return subject.startswith("rb.req.") and subject.endswith((".resume", ".env"))
+
+
 def handoff_msg_id(request_id: str, epoch: int) -> str:
     """One hand-off message per lease epoch: a retried publish is dropped as a duplicate."""
     return f"{request_id}-h{epoch}"
@@ -296,12 +303,15 @@ def ckpt_tokens_key(rid: str) -> str:
 
 
 def ckpt_meta_key(rid: str) -> str:
-    """Hash: epoch (fencing token), owner, finished."""
+    """Hash: epoch (fencing token), owner, finished, released (the epoch let go last), key (the
+    SHA-1 hex digest of the lease holder's secret: a write under the lease must bring the secret,
+    rlboost/checkpoint.py)."""
     return f"rb:{{{rid}}}:meta"
 
 
 def ckpt_lease_key(rid: str) -> str:
-    """String `owner epoch`, with the lease TTL: its expiry is what lets another worker claim."""
+    """String `owner epoch`, with the lease TTL: its expiry is what lets another worker claim. A
+    release or a finish ends it with a 1 ms TTL (`- epoch`)."""
     return f"rb:{{{rid}}}:lease"
 
 
@@ -383,6 +393,17 @@ class RolloutRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     def stops(self) -> frozenset[int]:
         return frozenset(self.stop_ids) | ({self.eos_id} if self.eos_id >= 0 else frozenset())
+
+
+def spec_digest(req: RolloutRequest) -> str:
+    """SHA-1 hex of everything a request asks for (prompt, seed, sampling, bounds, stop ids,
+    episode...) but its policy version, which a worker may raise on the way (a version floor, an
+    in-flight update) and which is checked on its own (every segment names its version). The
+    first claim from the fresh lane records it in the checkpoint's meta hash; a hand-off of the
+    request must carry the same (rlboost/checkpoint.py, `_CLAIM`). SHA-1 suffices: the digest
+    tells an honest hand-off from a planted one, and a planted spec that collides with the
+    published one would have to be found for each request."""
+    return hashlib.sha1(encode(msgspec.structs.replace(req, policy_version=0))).hexdigest()
 
 
 class TokenChunk(msgspec.Struct, frozen=True, kw_only=True):

@@ -182,8 +182,11 @@ class EnvWorker:
         epoch = 0
         try:
             try:
+                # the environment lane is a hand-off (any worker credential publishes there): taken
+                # only for the request the trainer published, with its spec (else dead-lettered)
                 claim = await self.c.store.claim(rid, self.worker_id, req.policy_version, self.cfg.lease_ttl_s,
-                                                 episode=True, inherit=True)
+                                                 episode=True, inherit=True, spec=wire.spec_digest(req),
+                                                 handoff=True)
             except AlreadyFinished:  # finished by a generation worker: nothing left to run
                 await msg.ack()
                 return

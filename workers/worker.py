@@ -405,9 +405,12 @@ class RolloutWorker:
                 return
             reserved = req.policy_version  # released below unless the request becomes active
             try:
+                # a hand-off is taken only for the request the trainer published (its fresh claim
+                # recorded the spec): one planted on the resume lane is refused and dead-lettered
                 claim = await self.c.store.claim(req.request_id, self.worker_id, req.policy_version,
                                                  self.cfg.lease_ttl_s, weights=self.engine.weights_id,
-                                                 episode=req.episode is not None)
+                                                 episode=req.episode is not None, spec=wire.spec_digest(req),
+                                                 handoff=wire.is_handoff_subject(msg.subject))
             except AlreadyFinished:
                 await self._republish_finished(req)
                 await msg.ack()
@@ -1110,6 +1113,7 @@ class RolloutWorker:
                     await bus.hand_back_buffered(sub)  # what arrived since: back to our own queue
                     return
                 rids = [(m.headers or {}).get(wire.HDR_MSG_ID) or f"forwarded-{uuid.uuid4().hex}" for m in msgs]
+                await self._vouch(msgs)
                 outcomes = await bus.publish_batch(
                     js, [(wire.resume_subject(self.handoff_pool), m.data, {wire.HDR_MSG_ID: wire.handoff_msg_id(rid, 0)})
                          for m, rid in zip(msgs, rids, strict=True)], ack_timeout_s=self.cfg.publish_timeout_s,
@@ -1192,6 +1196,22 @@ class RolloutWorker:
             self._floor = floor
             if any(a.req.policy_version < floor for a in self.active.values()):
                 self.stop_engine.set()
+
+    async def _vouch(self, msgs: list[Msg]) -> None:
+        """Record the specs of fresh-lane requests forwarded unstarted, as their fresh claim
+        would (`CheckpointStore.vouch_many`), so the hand-off pool takes them. What does not
+        decode is forwarded as it is: the worker that takes it dead-letters it."""
+        specs = []
+        for m in msgs:
+            with contextlib.suppress(wire.WireError):
+                req = wire.decode(wire.RolloutRequest, m.data)
+                specs.append((req.request_id, wire.spec_digest(req)))
+        if specs:
+            try:
+                await self._retrying(lambda: self.c.store.vouch_many(specs))
+            except (redis.exceptions.RedisError, OSError) as e:  # forwarded anyway: a refused one is redone
+                self.log.warning("could not record the specs of forwarded requests", requests=len(specs),
+                                 error=str(e))
 
     async def _hand_back_below_floor(self) -> None:
         """After a flush: release the requests older than the floor and put them on the pool's

@@ -10,7 +10,7 @@ ACL="${REDIS_ACL_FILE:-/tmp/users.acl}"
 cat > "$ACL" <<EOF
 user default off
 user trainer on >${RLBOOST_SERVICES__AUTH__TRAINER_PASSWORD} ~* &* +@all
-user worker on >${RLBOOST_SERVICES__AUTH__WORKER_PASSWORD} resetkeys ~rb:* resetchannels -@all +ping +hello +auth +echo +select +get +hget +hmget +lrange +exists +evalsha +hincrby +hset +set +rpush +expire +pexpire +pttl +strlen +append +time +ttl
-user env on >${RLBOOST_SERVICES__AUTH__ENV_PASSWORD} resetkeys ~rb:* resetchannels -@all +ping +hello +auth +echo +select +get +hget +hmget +lrange +exists +evalsha +hincrby +hset +set +rpush +expire +pexpire +pttl +strlen +append +time +ttl
+user worker on >${RLBOOST_SERVICES__AUTH__WORKER_PASSWORD} resetkeys ~rb:* resetchannels -@all +ping +hello +auth +echo +select +get +hget +hmget +lrange +evalsha +hset +set +rpush +expire +pexpire +pttl +strlen +append +time
+user env on >${RLBOOST_SERVICES__AUTH__ENV_PASSWORD} resetkeys ~rb:* resetchannels -@all +ping +hello +auth +echo +select +get +hget +hmget +lrange +evalsha +hset +set +rpush +pttl +strlen +append +time
 EOF
 exec redis-server --aclfile "$ACL" --proto-max-bulk-len 8mb "$@"
