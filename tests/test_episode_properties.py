@@ -33,7 +33,7 @@ from rlboost.envs.episode import EpisodeResult, EpisodeRunner, Generation, Snaps
 from rlboost.envs.protocol import Message, ToolCall
 
 FAMILIES = ["qwen", "llama3", "mistral", "gemma", "fallback"]
-TIMEOUT_S = 0.3  # a `hang` costs this; a healthy call (a few ms) is far below it
+TIMEOUT_S = 0.5  # a `hang` costs this; a healthy call (a few ms) is far below it
 MAX_TURN_TOKENS = 120  # above every scripted turn but a `ramble`
 PROPS = settings(max_examples=25, deadline=None, derandomize=True, database=None,
                  suppress_health_check=[HealthCheck.too_slow])
