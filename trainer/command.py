@@ -35,7 +35,8 @@ from rlboost.modeldir import ModelDirError, check_model_dir
 from rlboost.services import running_services
 from trainer import distributed
 from trainer.data import DataError, FileData, PromptBudget, encode_prompt
-from trainer.episodes import demo_model_dir, ensure_demo_model
+from rlboost.envs import load_env
+from trainer.episodes import DEMO_ENV_CONTEXT, check_openings, demo_model_dir, ensure_demo_model, max_turn_tokens
 from trainer.episodes import make_data as make_episode_data
 from trainer.local_fleet import parse_chaos
 from trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, load_tokenizer, read_meta
@@ -51,7 +52,8 @@ def preflight(inv: Invocation, s: Settings | None = None) -> tuple:
     """Every flag, file and setting checked before anything slow starts (the demo model's build
     and warm start, the servers, the workers): a one-line RlboostError now, not minutes in. The
     data, the reward function, the model folder and its tokenizer (the demo's, before it is
-    built), the token budget against the model's context, and that some training prompts fit it.
+    built), the token budget against the model's context, and that some training prompts fit it
+    (with `--env`: that some row's opening, tools and all, leaves the model room to write).
     Returns the data it read (`make_data`'s answer), for the run to take (not read twice).
     `s`: where the demo's model lives (`services.data_dir`; default: the run's own settings)."""
     rs, ds = inv.settings.run, inv.settings.data
@@ -59,7 +61,11 @@ def preflight(inv: Invocation, s: Settings | None = None) -> tuple:
     if inv.resume and not (Path(rs.run_dir) / "run.json").exists():
         raise ConfigError(f"--resume {rs.run_dir}: no run.json there (not a run folder)")
     if inv.settings.env.ref:  # `--env`: the environment loads and has rows (its own or --data's); no reward function
-        return make_episode_data(inv.settings.env, ds, rs.seed), "", 0
+        data = make_episode_data(inv.settings.env, ds, rs.seed)
+        model = episode_model(rs, s, inv.settings.env)
+        if model is not None:  # and some row's opening leaves the model room to write, in its chat format
+            check_openings(inv.settings.env, data, *model, max_turn_tokens(ds))
+        return data, "", 0
     data, reward, task_tokens = make_data(ds, rs.seed)
     load_function(reward)  # RewardError: a spec that names no usable function
     if rs.model_dir and not rs.init_model:
@@ -76,6 +82,20 @@ def preflight(inv: Invocation, s: Settings | None = None) -> tuple:
         budget.check_samples(samples, lambda smp: encode_prompt(tokenizer, smp),
                              f"{'first ' if len(data.iterator.samples) > len(samples) else ''}training prompts")
     return data, reward, task_tokens
+
+
+def episode_model(rs: RunSettings, s: Settings, env: EnvSettings) -> tuple | None:
+    """(tokenizer, context) of the model a run on episodes will use, without building it: the
+    user's `--model-dir`; the demo's model for the environment if built, else what it will be
+    built as (the environment's alphabet); None where that cannot be known yet (an environment
+    without an alphabet: the warm start refuses it with its own line)."""
+    if rs.model_dir and not rs.init_model:
+        return load_tokenizer(rs.model_dir), check_model_dir(rs.model_dir).max_context
+    model_dir = Path(rs.model_dir).expanduser() if rs.model_dir else demo_model_dir(s.services.data_dir, env.ref)
+    if (model_dir / "config.json").exists() and (model_dir / META_FILE).exists():
+        return load_tokenizer(model_dir), check_model_dir(model_dir).max_context
+    alphabet = getattr(load_env(env.ref, **env.options), "alphabet", "")
+    return (build_tokenizer(alphabet), DEMO_ENV_CONTEXT) if alphabet else None
 
 
 def resolve_model(rs: RunSettings, s: Settings, env: EnvSettings | None = None) -> str:
