@@ -13,6 +13,26 @@ from rich.table import Table
 COLUMNS = [("step", "step"), ("reward", "reward"), ("eval_acc", "eval"), ("tokens_per_s", "tok/s"),
            ("live_workers", "workers"), ("fleet_desired", "want"), ("t_seed", "T_seed"), ("handoffs", "hand-offs"), ("step_s", "secs"),
            ("is_ratio_mean", "IS"), ("is_capped", "IS>cap"), ("staleness_mean", "stale")]  # off-policy, per token
+# a run on episodes (`--env`) also shows the environment's side, per episode: its tool calls and
+# the environment's errors (an `env_error` end is the environment's fault, not the model's);
+# after `eval`, beside the reward they explain. Single-turn runs keep the table as it was.
+EPISODE_COLUMNS = [("tool_calls_mean", "calls"), ("env_errors_mean", "env_err")]
+
+
+def columns(rows: list[dict]) -> list[tuple[str, str]]:
+    """The table's (key, label) pairs for `rows`: the episode columns where a row is an episode run's."""
+    if not any("tool_calls_mean" in r for r in rows):
+        return COLUMNS
+    at = [k for k, _ in COLUMNS].index("eval_acc") + 1
+    return COLUMNS[:at] + EPISODE_COLUMNS + COLUMNS[at:]
+
+
+def cell(row: dict, key: str) -> str:
+    v = row.get(key)
+    if v is None:
+        return ""
+    # two decimals keep the episode columns narrow (the means have 3-4 in metrics.jsonl)
+    return f"{v:.2f}" if key in dict(EPISODE_COLUMNS) and isinstance(v, float) else str(v)
 
 
 class RunReport:
@@ -44,7 +64,7 @@ class RunReport:
         if self.live:
             self.live.update(self._table())
         else:
-            self._say("  ".join(f"{label}={row.get(key)}" for key, label in COLUMNS))
+            self._say("  ".join(f"{label}={cell(row, key) or None}" for key, label in columns([row])))
 
     def _say(self, text: str) -> None:
         if self.live:
@@ -54,10 +74,12 @@ class RunReport:
 
     def _table(self) -> Table:
         t = Table(title=f"rlboost run  {self.run_dir}  {self._status}", expand=False)
-        for _, label in COLUMNS:
+        shown = self.rows[-15:]
+        cols = columns(shown)
+        for _, label in cols:
             t.add_column(label, justify="right")
-        for row in self.rows[-15:]:
-            t.add_row(*("" if row.get(k) is None else str(row.get(k)) for k, _ in COLUMNS))
+        for row in shown:
+            t.add_row(*(cell(row, k) for k, _ in cols))
         return t
 
     def close(self) -> None:
