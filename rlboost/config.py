@@ -497,7 +497,7 @@ class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     ref: str = ""  # module:fn | path/to/file.py:fn | a built-in (calculator, reasoning-gym, textarena, gymnasium); "" = single-turn
     options: dict[str, Any] = msgspec.field(default_factory=dict)  # keyword arguments of fn ([env.options] game = "...")
-    tool_timeout_s: float = 30.0  # a tool call running longer counts as a failed call (env.on_tool_error)
+    tool_timeout_s: float = 30.0  # a tool call running longer counts as a failed call (env.on_tool_error); start / respond: env_error, score: 0
     on_tool_error: str = "message"  # a tool that raises or times out: message (the model reads the error) | end (the episode)
     max_turns: int = 8  # model turns per episode; a turn past it ends the episode (its tool calls are not run)
     max_episode_tokens: int = 4096  # prompt + model + environment tokens; no room for one more model token ends it
@@ -508,7 +508,7 @@ class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     inline: bool = True
     pool_slots: int = 64  # an environment worker: episodes whose tools it runs at once
     env_workers: int = 1  # `rlboost run` with inline = false: environment worker processes it starts
-    describe_tools: bool = True  # fallback chat format (a model without a chat template): list the tools' JSON specs in the opening; false keeps prompts short for a small model that learned its tools from warm-start data
+    describe_tools: bool = True  # the tools' full JSON specs in the opening; false: a chat template gets brief ones (name, first line, argument names: a 512-token model's prompt fits), the fallback format none (a small model that learned its tools from warm-start data)
 
     def __post_init__(self) -> None:
         # msgspec turns a ValueError of __post_init__ into a ValidationError that names it

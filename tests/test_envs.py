@@ -697,3 +697,40 @@ def test_a_gymnasium_env_is_played_in_text(tok, fmt):
     assert "Moves: [0] left" in res.messages[0].content and "*" in res.messages[0].content
     lost = run(EpisodeRunner(env, fmt).run(scripted(tok, ["[1]", "[2]"]), "gym2", row))  # into the hole at (1,1)
     assert (lost.reward, lost.end_reason, lost.turns) == (0.0, "done", 2)
+
+
+class _Hangs(Env):
+    """An environment whose `where` method (start, respond or score) never returns."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def _maybe_hang(self, what: str) -> None:
+        if self.where == what:
+            threading.Event().wait(2.0)  # blocks its thread ten times past the bound below
+
+    def start(self, row, ctx):
+        self._maybe_hang("start")
+        return Opening(messages=[user("hi")])
+
+    def respond(self, transcript, turn, state, ctx):
+        self._maybe_hang("respond")
+        return Reply(done=True)
+
+    def score(self, transcript, state, ctx):
+        self._maybe_hang("score")
+        return Score(reward=1.0)
+
+
+@pytest.mark.parametrize("where", ["start", "respond", "score"])
+async def test_an_environment_method_that_hangs_ends_its_episode_within_the_bound(tok, fmt, where):
+    """Every environment call is bounded like a tool call (`env.tool_timeout_s`): a hung start or
+    respond ends the episode env_error, a hung score gives reward 0, never a wait for ever."""
+    runner = EpisodeRunner(_Hangs(where), fmt, EnvSettings(tool_timeout_s=0.2, max_episode_tokens=200),
+                           max_turn_tokens=8)
+    out = await asyncio.wait_for(runner.run(scripted(tok, ["ok"]), "e1", {}), timeout=10)
+    if where == "score":
+        assert out.end_reason == "done" and out.reward == 0.0 and out.metrics["score_error"] == 1.0
+    else:
+        assert out.end_reason == "env_error" and out.reward == 0.0
+        assert out.metrics["env_errors"] == 1.0

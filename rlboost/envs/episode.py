@@ -229,6 +229,15 @@ class EpisodeRunner:
                              error=error)
         return snap
 
+    async def _bounded(self, what: str, fn: Callable, *args: Any) -> Any:
+        """An environment method under `tool_timeout_s`, like a tool: one that hangs ends its
+        episode (`env_error`; score: reward 0) instead of holding it, and its worker, for ever."""
+        try:
+            return await asyncio.wait_for(_call(fn, *args), timeout=self.settings.tool_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise EnvError(f"{what} did not return within env.tool_timeout_s = {self.settings.tool_timeout_s} s") \
+                from None
+
     def budget(self, snap: Snapshot) -> int:
         """How many tokens the next model turn may have (0: none: the episode is over)."""
         if snap.phase != "generate":
@@ -240,7 +249,7 @@ class EpisodeRunner:
     async def begin(self, episode_id: str, row: dict[str, Any]) -> Snapshot:
         snap = Snapshot(episode_id=episode_id)
         try:
-            opening = await _call(self.env.start, row, self._ctx(snap))
+            opening = await self._bounded("start", self.env.start, row, self._ctx(snap))
             if not isinstance(opening, Opening):
                 raise EnvError(f"start returned {type(opening).__name__}, not an Opening")
             state = _json(opening.state)
@@ -319,7 +328,8 @@ class EpisodeRunner:
         tool_messages += [Message(role="tool", content=f"error: {e}") for e in pending.turn.errors]
         if pending.reply is None:
             try:
-                reply = await _call(self.env.respond, list(snap.messages) + tool_messages, pending.turn, snap.state,
+                reply = await self._bounded("respond", self.env.respond, list(snap.messages) + tool_messages, pending.turn,
+                                            snap.state,
                                     ctx)
                 if not isinstance(reply, Reply):
                     raise EnvError(f"respond returned {type(reply).__name__}, not a Reply")
@@ -393,7 +403,7 @@ class EpisodeRunner:
                 snap.score = Score(reward=0.0)
             else:
                 try:
-                    out = await _call(self.env.score, list(snap.messages), snap.state,
+                    out = await self._bounded("score", self.env.score, list(snap.messages), snap.state,
                                       self._ctx(snap, snap.end_reason))
                     if isinstance(out, (int, float)) and not isinstance(out, bool):
                         out = Score(reward=float(out))
