@@ -11,33 +11,36 @@ serving bug or a lying peer costs a retry elsewhere, never a wrong weight.
 Bounded: at most `max_serving` bodies go out at once, a request past that is answered 503 at
 once (the puller tries another holder, or this one a little later). Bound to the configured
 address (loopback by default); with a token (`Authorization: Bearer <token>`, compared in
-constant time) every request must carry it, and a non-loopback address needs one. HTTP/1.1 is
-parsed by h11 (as in rlboost/endpoint.py); one request per connection (a blob is megabytes to
-gigabytes: a handshake is noise next to it).
+constant time) every request must carry it, and a non-loopback address needs one. HTTP is
+aiohttp's, server and client (as under rlboost/endpoint/); one request per connection (a blob
+is megabytes to gigabytes: a handshake is noise next to it), its body streamed from the open
+file in 1 MiB chunks, never read whole.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
-import ipaddress
+import os
 import re
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import h11
+import aiohttp
+from aiohttp import web
 
 from rlboost.logs import get_logger
 from rlboost.weights.errors import StoreError
+from rlboost.webserver import loopback, start_app
 
 if TYPE_CHECKING:
     from rlboost.weights.cache import WeightCache
 
 log = get_logger(component="peers")
 
-__all__ = ["PeerServer", "PeerError", "PeerBusy", "read_blob", "read_version_file", "BLOB_ROUTE", "VERSION_ROUTE"]
+__all__ = ["PeerServer", "PeerError", "PeerBusy", "read_blob", "read_version_file", "BLOB_ROUTE", "VERSION_ROUTE",
+           "loopback"]
 
 BLOB_ROUTE = "/blob/"
 VERSION_ROUTE = "/version/"
@@ -45,8 +48,7 @@ _VERSION_FILE = re.compile(r"([0-9a-f]{64})/([0-9]{1,6})")
 _RANGE = re.compile(r"bytes=([0-9]{1,15})-([0-9]{1,15})")
 _SHA = re.compile(r"[0-9a-f]{64}")
 CHUNK = 1 << 20
-MAX_HEADER_BYTES = 16 << 10
-IDLE_TIMEOUT_S = 10.0  # a client that sends nothing (or reads nothing) for this long is dropped
+IDLE_TIMEOUT_S = 10.0  # a client that reads nothing for this long is dropped (and a peer that sends nothing)
 
 
 class PeerError(StoreError):
@@ -56,15 +58,6 @@ class PeerError(StoreError):
 
 class PeerBusy(PeerError):
     """The peer is at its concurrency bound (503): try another holder, or this one later."""
-
-
-def loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class PeerServer:
@@ -82,127 +75,91 @@ class PeerServer:
         self.url = ""
         self.serving = 0  # bodies going out now
         self.served_blobs = self.served_bytes = self.busy_refusals = 0
-        self._server: asyncio.Server | None = None
-        self._conns: set[asyncio.Task] = set()
+        self._runner: web.AppRunner | None = None
 
     async def start(self) -> str:
-        self._server = await asyncio.start_server(self._connection, self.host, self.port)
-        port = self._server.sockets[0].getsockname()[1]
+        app = web.Application()
+        # one route for every method and path: the token is checked before anything else, and the
+        # target is read as sent (`raw_path`), never normalised: `/blob/../x` is refused, not resolved
+        app.router.add_route("*", "/{target:.*}", self._answer)
+        self._runner, (_, port) = await start_app(app, self.host, self.port, shutdown_timeout=1.0)
         host = self.advertise_host
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         log.info("peer server up", url=self.url, bound=self.host, auth=bool(self.token), max_serving=self.max_serving)
         return self.url
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for t in list(self._conns):
-                t.cancel()
-            await asyncio.gather(*self._conns, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
-            self._server = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._conns.add(task)
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
-        try:
-            event = await _next(conn, reader)
-            if isinstance(event, h11.Request):
-                await self._answer(conn, writer, event)
-        except h11.RemoteProtocolError:
-            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                with contextlib.suppress(Exception):
-                    await _send(conn, writer, 400, b"malformed HTTP\n")
-        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass  # the client went away (or we are closing): nothing to answer
-        except Exception as e:  # never the server: one connection ends
-            log.error("peer connection failed", error=f"{type(e).__name__}: {e}")
-        finally:
-            if task is not None:
-                self._conns.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), 2.0)
-
-    async def _answer(self, conn: h11.Connection, writer: asyncio.StreamWriter, req: h11.Request) -> None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in req.headers}
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         # the credential first: an unauthenticated client learns nothing, not even what is held
-        if self.token and not hmac.compare_digest(headers.get("authorization", "").encode(),
+        if self.token and not hmac.compare_digest(request.headers.get("authorization", "").encode(),
                                                   f"Bearer {self.token}".encode()):
-            return await _send(conn, writer, 401, b"missing or wrong bearer token\n")
-        if req.method != b"GET":
-            return await _send(conn, writer, 405, b"GET only\n")
-        target = req.target.decode("latin-1")
+            return _text(401, "missing or wrong bearer token\n")
+        if request.method != "GET":
+            return _text(405, "GET only\n")
+        target = request.raw_path
         if target.startswith(BLOB_ROUTE):
             sha = target[len(BLOB_ROUTE):]
             if not _SHA.fullmatch(sha):
-                return await _send(conn, writer, 400, b"a blob is named by its SHA-256: 64 lower-case hex digits\n")
+                return _text(400, "a blob is named by its SHA-256: 64 lower-case hex digits\n")
             opener = lambda: self.cache.open_verified(sha)  # noqa: E731
         elif target.startswith(VERSION_ROUTE):
             m = _VERSION_FILE.fullmatch(target[len(VERSION_ROUTE):])
             if m is None:
-                return await _send(conn, writer, 400, b"a version file is <manifest digest>/<index>\n")
+                return _text(400, "a version file is <manifest digest>/<index>\n")
             opener = lambda: self.cache.open_version_file(m[1], int(m[2]))  # noqa: E731
         else:
-            return await _send(conn, writer, 404, b"no such route\n")
+            return _text(404, "no such route\n")
         if self.serving >= self.max_serving:
             self.busy_refusals += 1
-            return await _send(conn, writer, 503, b"busy\n")
+            return _text(503, "busy\n")
         f = opener()
         if f is None:
-            return await _send(conn, writer, 404, b"not held here\n")
+            return _text(404, "not held here\n")
         self.serving += 1
         try:
-            size, status = _size(f), 200
-            if "range" in headers:  # one range, first-last inclusive (a late joiner's piece of a version file)
-                m = _RANGE.fullmatch(headers["range"].strip())
-                if m is None or not int(m[1]) <= int(m[2]) < size:
-                    return await _send(conn, writer, 416, b"one range within the file: bytes=first-last\n")
-                await asyncio.to_thread(f.seek, int(m[1]))
-                size, status = int(m[2]) + 1 - int(m[1]), 206
-            writer.write(conn.send(h11.Response(status_code=status, headers=[
-                ("content-type", "application/octet-stream"), ("content-length", str(size)),
-                ("connection", "close")])))
-            sent = 0
-            while sent < size:
-                chunk = await asyncio.to_thread(f.read, min(CHUNK, size - sent))
-                if not chunk:  # cannot happen to an unlinked-but-open file; a truncated one is cut short
-                    return
-                writer.write(conn.send(h11.Data(data=chunk)))
-                sent += len(chunk)
-                await asyncio.wait_for(writer.drain(), IDLE_TIMEOUT_S)
-            writer.write(conn.send(h11.EndOfMessage()))
-            await asyncio.wait_for(writer.drain(), IDLE_TIMEOUT_S)
-            self.served_blobs += 1
-            self.served_bytes += sent
+            return await self._send_file(request, f)
         finally:
             self.serving -= 1
             f.close()
 
+    async def _send_file(self, request: web.Request, f) -> web.StreamResponse:
+        size, status = os.fstat(f.fileno()).st_size, 200
+        if "range" in request.headers:  # one range, first-last inclusive (a late joiner's piece of a version file)
+            m = _RANGE.fullmatch(request.headers["range"].strip())
+            if m is None or not int(m[1]) <= int(m[2]) < size:
+                return _text(416, "one range within the file: bytes=first-last\n")
+            await asyncio.to_thread(f.seek, int(m[1]))
+            size, status = int(m[2]) + 1 - int(m[1]), 206
+        resp = web.StreamResponse(status=status, headers={"content-type": "application/octet-stream"})
+        resp.content_length = size
+        resp.force_close()
+        await resp.prepare(request)
+        sent = 0
+        try:
+            while sent < size:
+                chunk = await asyncio.to_thread(f.read, min(CHUNK, size - sent))
+                if not chunk:  # cannot happen to an unlinked-but-open file; a truncated one is cut short
+                    return resp
+                await asyncio.wait_for(resp.write(chunk), IDLE_TIMEOUT_S)
+                sent += len(chunk)
+            await asyncio.wait_for(resp.write_eof(), IDLE_TIMEOUT_S)
+        except (TimeoutError, ConnectionError):  # a client that stopped reading, or went away: drop it
+            if request.transport is not None:
+                request.transport.abort()
+            return resp
+        self.served_blobs += 1
+        self.served_bytes += sent
+        return resp
 
-def _size(f) -> int:
-    import os
 
-    return os.fstat(f.fileno()).st_size
-
-
-async def _next(conn: h11.Connection, reader: asyncio.StreamReader):
-    while True:
-        event = conn.next_event()
-        if event is not h11.NEED_DATA:
-            return event
-        conn.receive_data(await asyncio.wait_for(reader.read(65536), IDLE_TIMEOUT_S))
-
-
-async def _send(conn: h11.Connection, writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
-    out = conn.send(h11.Response(status_code=status, headers=[
-        ("content-type", "text/plain"), ("content-length", str(len(body))), ("connection", "close")]))
-    out += conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
-    writer.write(out)
-    await writer.drain()
+def _text(status: int, body: str) -> web.Response:
+    resp = web.Response(status=status, text=body)
+    resp.force_close()
+    return resp
 
 
 def read_blob(url: str, sha: str, *, token: str = "", connect_timeout_s: float = 2.0,
@@ -231,44 +188,25 @@ async def _get(url: str, target: str, what: str, token: str, connect_timeout_s: 
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname or not parts.port:
         raise PeerError(f"peer URL {url!r} is not http://host:port")
+    headers = dict(extra)
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    # a session per read, its connection closed after it: one request per connection, as served;
+    # the body as sent (no decompression: bytes are checked against the manifest, not unpacked)
+    timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, parts.port), connect_timeout_s)
-    except (OSError, TimeoutError) as e:
-        raise PeerError(f"peer {url}: cannot connect: {e!r}") from None
-    conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
-    try:
-        headers = [("host", parts.netloc), ("connection", "close"), *extra]
-        if token:
-            headers.append(("authorization", f"Bearer {token}"))
-        writer.write(conn.send(h11.Request(method="GET", target=target, headers=headers)))
-        writer.write(conn.send(h11.EndOfMessage()))
-        await writer.drain()
-        event = await _client_next(conn, reader, read_timeout_s)
-        if not isinstance(event, h11.Response):
-            raise PeerError(f"peer {url}: no response")
-        if event.status_code == 503:
-            raise PeerBusy(f"peer {url} is busy")
-        if event.status_code != (206 if extra else 200):
-            raise PeerError(f"peer {url}: {what}: HTTP {event.status_code}")
-        while True:
-            event = await _client_next(conn, reader, read_timeout_s)
-            if isinstance(event, h11.Data):
-                yield event.data
-            elif isinstance(event, h11.EndOfMessage):
-                return
-            else:
-                raise PeerError(f"peer {url}: {what}: unexpected {type(event).__name__}")
-    except (OSError, TimeoutError, h11.ProtocolError) as e:  # refused mid-way, stalled, cut short
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), timeout=timeout,
+                                         auto_decompress=False) as session:
+            try:
+                resp = await session.get(url.rstrip("/") + target, headers=headers, allow_redirects=False)
+            except (OSError, TimeoutError, aiohttp.ClientError) as e:
+                raise PeerError(f"peer {url}: no answer: {e!r}") from None
+            async with resp:
+                if resp.status == 503:
+                    raise PeerBusy(f"peer {url} is busy")
+                if resp.status != (206 if extra else 200):
+                    raise PeerError(f"peer {url}: {what}: HTTP {resp.status}")
+                async for chunk in resp.content.iter_chunked(CHUNK):
+                    yield chunk
+    except (OSError, TimeoutError, aiohttp.ClientError) as e:  # refused mid-way, stalled, cut short
         raise PeerError(f"peer {url}: {what}: {e!r}") from None
-    finally:
-        writer.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(writer.wait_closed(), 1.0)
-
-
-async def _client_next(conn: h11.Connection, reader: asyncio.StreamReader, timeout_s: float):
-    while True:
-        event = conn.next_event()
-        if event is not h11.NEED_DATA:
-            return event
-        conn.receive_data(await asyncio.wait_for(reader.read(CHUNK), timeout_s))
