@@ -17,8 +17,8 @@ Three roles (`services.auth` in rlboost/config.py):
 - **env** (environment workers, `workers/env_worker.py`, CPU machines that run episodes' tool
   calls): the environment lane's one consumer (`rb-env`: info, pull, ack), its pools' resume
   lanes (where an episode goes back), token chunks, lease events, dead letters and error
-  results; in Redis the worker's checkpoint commands (claim, put_episode, append_env, release,
-  renew, finish are the same scripts). Nothing else: no fresh lane and no environment lane (it
+  results; in Redis the commands of the checkpoint scripts it runs (claim, put_episode,
+  append_env, release, renew, finish): the worker's, less EXPIRE and PEXPIRE. Nothing else: no fresh lane and no environment lane (it
   takes episodes, it does not inject them), no registry heartbeat, no `rb-policy`/`rb-control`,
   no weights (it runs no model), no stream or consumer configuration, no KV or object writes.
 
