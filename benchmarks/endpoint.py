@@ -1,7 +1,7 @@
 """`rlboost bench endpoint`: calls/s and latency of `rlboost serve-openai` over HTTP, each call a checkpointed request.
 
 An emulated worker at unlimited speed generates, so what is measured is the endpoint and the
-dataflow around it: HTTP (h11), the chat template, the publish on the work queue, the worker's
+dataflow around it: HTTP (aiohttp), the chat template, the publish on the work queue, the worker's
 claim, checkpoint appends and result, the result's verification against Redis, the session
 record (fsynced) and the answer. Everything runs in this process on one event loop (client,
 endpoint and worker), against embedded NATS and Redis (or the configured ones).
