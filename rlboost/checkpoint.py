@@ -854,6 +854,49 @@ class CheckpointStore:
         written next to it."""
         return _segments(rid, await self.redis.lrange(wire.ckpt_history_key(rid), 0, -1))
 
+    async def is_held(self, rid: str) -> bool:
+        """Someone holds the request's lease now (it expires with its holder)."""
+        return bool(await self.redis.exists(wire.ckpt_lease_key(rid)))
+
+    async def check(self, rid: str) -> None:
+        """Raise CorruptCheckpoint if any of the request's keys holds what no rlboost script
+        writes (the meta hash, the tokens, the history, an episode's state)."""
+        try:
+            await self.owner(rid)
+            await self.read(rid)
+            await self.episode(rid)
+            history = await self.redis.lrange(wire.ckpt_history_key(rid), 0, -1)
+        except ResponseError as e:  # WRONGTYPE: a key of another type than rlboost writes there
+            raise CorruptCheckpoint(f"{rid}: {e}") from None
+        if any(len(line.split()) < 3 for line in history):
+            raise CorruptCheckpoint(f"{rid}: a history line does not parse")
+
+    async def reset(self, rid: str) -> None:
+        """Start the request over (the trainer's redo of a request whose checkpoint holds junk):
+        its tokens, episode state, history and lease are deleted, so whoever holds the lease is
+        fenced out (its next write is refused) and the next claim starts from the prompt. The
+        epoch is kept past every epoch issued (an epoch is never issued twice): the next claim
+        takes max(epoch + 1, server time), and a meta hash too corrupt to read is replaced by one
+        whose epoch is the server time plus a minute. Needs the trainer role (DEL)."""
+        await self.redis.eval(_RESET, 5, *(wire.ckpt_meta_key(rid), wire.ckpt_lease_key(rid),
+                                           wire.ckpt_tokens_key(rid), wire.ckpt_history_key(rid),
+                                           wire.ckpt_episode_key(rid)))
+
+
+# The trainer's redo (`CheckpointStore.reset`): one script, so no claim lands between the read of
+# the epoch and the deletes.
+_RESET = """
+local meta = KEYS[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local ok, raw = pcall(redis.call, 'HGET', meta, 'epoch')
+local epoch = ok and tonumber(raw or '0') or nil
+if epoch == nil then epoch = now + 60000000 end  -- unreadable: a minute past now, past any it issued
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('HSET', meta, 'epoch', string.format('%d', math.max(epoch, now)), 'owner', '')
+return 1
+"""
+
 
 class _Cluster(RedisCluster):
     """redis-py's async cluster client closes all of a node's connections when one of them
