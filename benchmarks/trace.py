@@ -97,13 +97,13 @@ from pathlib import Path
 from rlboost import wire
 from rlboost.logs import print_result
 from rlboost.clients import Clients, open_clients
-from rlboost.config import FleetSettings, Settings, WorkerSettings
+from rlboost.config import FleetSettings, RolloutSettings, Settings, WorkerSettings
 from rlboost.fleet_policy import Signals, decide, remember
 from benchmarks.costs import Prices, cost_efficiency, cost_per_hour, run_cost
 from rlboost.logs import configure_logging
 from rlboost.pool_client import PoolClient
 from rlboost.offload import SeedWindow
-from rlboost.orchestrator import Orchestrator
+from rlboost.orchestrator import GroupScores, Orchestrator, OrchestratorPorts
 from rlboost.replay import migrations, read_subject
 from rlboost.services import running_services
 from benchmarks.spot import (Interval, TraceError, available, instance_seconds, intervals, parse_trace,
@@ -158,9 +158,6 @@ class EmulatedTrainer:
 
     def __init__(self, s_per_token: float, token_scale: int) -> None:
         self.s_per_token, self.R = s_per_token, token_scale
-
-    async def score(self, key, results) -> None:
-        return None
 
     async def train_group(self, key, results, scored, start: float) -> float:
         done = start + self.R * sum(len(r.token_ids) for r in results) * self.s_per_token
@@ -251,12 +248,14 @@ class Emulation:
             self.c, self.pool, self.reserved_fleet,
             [("--gpus", str(g), "--slots", str(g * SLOTS_PER_GPU)) for g in [INSTANCE_GPUS] * whole + [odd] * (odd > 0)],
             self.engine, self._fallback_settings, self.counters, capacity=RESERVED_GPUS / INSTANCE_GPUS)
-        self.orchestrator = Orchestrator(self.c, self.pool, self.seeding, EmulatedTrainer(self.train_s_per_token / self.S, self.a.token_scale),
-                                         policy=self.policy, window=self.window, mode=self.mode,
-                                         max_staleness=getattr(self.a, "max_staleness", 1), samples=self.a.samples,
-                                         overprovision=getattr(self.a, "overprovision", 0.25),
-                                         in_flight_updates=getattr(self.a, "in_flight_updates", True),
-                                         waiting_period_s=self.hb_s, on_result=self._on_result)
+        rollout = RolloutSettings(mode=self.mode, prompts=self.a.prompts, samples=self.a.samples,
+                                  max_staleness=getattr(self.a, "max_staleness", 1),
+                                  overprovision=getattr(self.a, "overprovision", 0.25),
+                                  in_flight_updates=getattr(self.a, "in_flight_updates", True))
+        trainer = EmulatedTrainer(self.train_s_per_token / self.S, self.a.token_scale)
+        self.orchestrator = Orchestrator(rollout, OrchestratorPorts(self.c, self.pool, self.seeding, self, trainer,
+                                                                    window=self.window, on_result=self._on_result),
+                                         policy=self.policy, waiting_period_s=self.hb_s)
         if self.policy == "hybrid" and self.ivs and isinstance(self.fleet, HostedFleet):
             self.fleet.open()  # the host processes start before the clock, like the nodes up at 0
         procs = {}
@@ -467,7 +466,9 @@ class Emulation:
                 if a.worker_id in self.preempted and b.worker_id != a.worker_id:
                     self.taken_over[r.request_id] = (a.worker_id, b.worker_id)
 
-    def requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
+    # ------------------------------------------------------------------ the task (`RolloutTask`): modelled prompts
+
+    async def requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
         R = self.a.token_scale
         if getattr(self.a, "preempt_busy", False):  # (tests) what `_holding_work` looks at
             self.issued.update({wire.request_id(step, p, g, run=self.run_id): (seed_of(step, p, g), MAX_NEW_TOKENS // R)
@@ -477,10 +478,16 @@ class Emulation:
                                     max_new_tokens=MAX_NEW_TOKENS // R, seed=seed_of(step, p, g), group=p)
                 for p in range(groups) for g in range(self.a.samples)]
 
+    async def score(self, key, results: list[wire.RolloutResult]) -> GroupScores:
+        return GroupScores([0.0] * len(results))  # the emulated trainer trains on tokens, not rewards
+
+    async def evaluate(self) -> None:
+        return None  # no held-out set
+
     async def step(self, step: int) -> dict:
         """One step of the product's orchestration (rlboost/orchestrator.py), on emulated engines."""
         # the emulated trainer's version: the step (workers' emulated weights are virtual)
-        o = await self.orchestrator.step(step, step if self.mode != "sync" else 0, self, self.a.prompts)
+        o = await self.orchestrator.step(step, step if self.mode != "sync" else 0)
         R, S = self.a.token_scale, self.S
         tokens = R * sum(len(r.token_ids) for _, results in o.trained for r in results)  # modelled tokens
         self.staleness += o.staleness

@@ -1,17 +1,19 @@
 """One orchestration of a training step, driven by `rlboost run` and by `rlboost bench trace` alike.
 
 The step's policy is written once, here; what differs between a real run and the trace bench
-are the parts plugged in (prime-rl's style: components wired in the constructor, driven by
-`step()`):
+are the parts plugged in (`OrchestratorPorts`; prime-rl's style: components wired in the
+constructor, driven by `step()`, none of them referencing the orchestrator):
 
 - `SeedingEngines`: the reserved cluster's rollout engines, serving their own queue
   (`reserved_pool`) and handing off to the preemptible pool's resume lane. A run plugs a torch
   or vLLM engine in (in this process or as worker processes, `workers/seeding.py`); the bench
   plugs emulated H100 engines in.
-- `RequestSource`: a step's requests (a run: its data's prompts, `trainer/request_source.py`;
-  the bench: modelled prompts).
-- `TrainerPort`: consumes complete groups (real GRPO, or the bench's emulated trainer that
-  takes the time a calibrated model says) and ends the step (optimizer step, weights).
+- `RolloutTask`: what a step consumes, one async interface: a step's requests, a complete
+  group's scores (`GroupScores`, off the trainer's path), the held-out evaluation. A run's
+  single-turn prompts and its episodes are implementations (`trainer/data_task.py`), so are the
+  bench's modelled prompts; the orchestrator never asks which.
+- `TrainerPort`: consumes complete, scored groups (real GRPO, or the bench's emulated trainer
+  that takes the time a calibrated model says) and ends the step (optimizer step, weights).
 
 A step (policy `hybrid`, mode `sync`):
 
@@ -90,6 +92,7 @@ import numpy as np
 
 from rlboost import wire
 from rlboost.clients import Clients
+from rlboost.config import RolloutSettings
 from rlboost.errors import RlboostError
 from rlboost.logs import get_logger
 from rlboost.pool_client import PoolClient
@@ -130,29 +133,71 @@ class SeedingEngines(Protocol):
         not counted as preemptible workers."""
 
 
-class RequestSource(Protocol):
-    """Where a step's work comes from (a run: its data's prompts, `trainer/request_source.py`;
-    the trace bench: modelled prompts). The orchestrator asks once per step it publishes (async:
-    the steps ahead too; partial: the groups that keep `prompts + overprovision` in flight)."""
+@dataclass(frozen=True)
+class GroupScores:
+    """A complete group's scores, in its results' order: what training needs of them."""
 
-    def requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
+    rewards: list[float]
+    # each result's per-model-turn rewards (episodes whose environment gives them; None where it
+    # gives none): the trainer's turn credit (`algorithm.turn_reward_coef`)
+    turn_rewards: list[list[float | None] | None] | None = None
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A held-out evaluation: its mean reward (`eval_acc`) and what else a step's row shows of it
+    (episodes: `eval_tool_calls`)."""
+
+    accuracy: float
+    fields: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutTask(Protocol):
+    """What a step consumes: its requests, their scores and the held-out evaluation. A run's
+    single-turn prompts and its episodes are implementations (`trainer/data_task.py`), so are
+    the trace bench's modelled prompts; an outside environment's sessions can be another. The
+    orchestrator asks for requests once per step it publishes (async: the steps ahead too;
+    partial: the groups that keep `prompts + overprovision` in flight) and scores each group as
+    soon as it is complete; the run evaluates."""
+
+    async def requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
         """The requests of `groups` groups of step `step`, to be generated under `version`."""
+
+    async def score(self, key: GroupKey, results: list[wire.RolloutResult]) -> GroupScores:
+        """A complete group's scores (`results` in request id order), off the trainer's path."""
+
+    async def evaluate(self) -> Evaluated | None:
+        """The held-out evaluation of the current policy (None: there is no held-out set)."""
 
 
 class TrainerPort(Protocol):
     """The trainer as the orchestrator sees it."""
 
-    async def score(self, key: GroupKey, results: list[wire.RolloutResult]) -> object:
-        """Off the trainer's path (e.g. rewards): runs as soon as the group is complete."""
-
-    async def train_group(self, key: GroupKey, results: list[wire.RolloutResult], scored: object,
+    async def train_group(self, key: GroupKey, results: list[wire.RolloutResult], scores: GroupScores,
                           start: float) -> float:
-        """Train on one complete group (back-propagate; the optimizer step comes at the end).
-        `start`: when the trainer could start on it (monotonic: it was free and the group was
-        in). Returns when it was done: an emulated trainer's modelled instant, or now."""
+        """Train on one complete, scored group (back-propagate; the optimizer step comes at the
+        end). `start`: when the trainer could start on it (monotonic: it was free and the group
+        was in). Returns when it was done: an emulated trainer's modelled instant, or now."""
 
     async def finish_step(self, step: int) -> object:
         """The optimizer step of the batch, and whatever makes the next policy version."""
+
+
+@dataclass
+class OrchestratorPorts:
+    """The parts a step drives: the servers, the preemptible pool's name, the reserved side's
+    seeding engines, the task, the trainer. `window`: the seeding window (default: from the
+    rollout settings' `t_seed`, `t_seed_floor`); `on_result`: called with every result as it
+    arrives, with how many of its step's are in and out of how many (it may raise: the step
+    fails loudly)."""
+
+    clients: Clients
+    pool: str
+    engines: SeedingEngines
+    task: RolloutTask
+    trainer: TrainerPort
+    window: SeedWindow | None = None
+    on_result: Callable[[wire.RolloutResult, int, int], None] | None = None
 
 
 @dataclass
@@ -197,25 +242,24 @@ def staleness(result: wire.RolloutResult, trained_version: int) -> int:
 
 
 class Orchestrator:
-    def __init__(self, clients: Clients, pool: str, engines: SeedingEngines, trainer: TrainerPort, *,
-                 policy: str = "hybrid", window: SeedWindow | None = None, mode: str = "sync",
-                 max_staleness: int = 1, overprovision: float = 0.25, samples: int = 8,
-                 in_flight_updates: bool = True,
-                 on_result: Callable[[wire.RolloutResult, int, int], None] | None = None,
+    def __init__(self, ro: RolloutSettings, ports: OrchestratorPorts, *, policy: str = "hybrid",
                  waiting_period_s: float = 0.25, poll_s: float = 0.01) -> None:
+        """`ro`: the run's `[rollout]` (mode, prompts, max_staleness, overprovision,
+        in_flight_updates; the seeding window's start); `policy`: `[run] policy`."""
+        mode = ro.mode
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}: use one of {', '.join(POLICIES)}")
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
-        self.c, self.engines, self.trainer = clients, engines, trainer
-        self.pool = wire.check_name("pool", pool)
-        self.manager = PoolClient(clients, pool)
-        self.policy, self.mode, self.samples = policy, mode, samples
-        self.window = window or SeedWindow()
-        self.max_staleness = 0 if mode == "sync" else max_staleness
-        self.overprovision = overprovision if mode == "partial" else 0.0
-        self.in_flight_updates = in_flight_updates and mode == "async"
-        self.on_result = on_result
+        self.c, self.engines, self.task, self.trainer = ports.clients, ports.engines, ports.task, ports.trainer
+        self.pool = wire.check_name("pool", ports.pool)
+        self.manager = PoolClient(ports.clients, ports.pool)
+        self.policy, self.mode, self.prompts = policy, mode, ro.prompts
+        self.window = ports.window or SeedWindow(initial_s=ro.t_seed, floor_s=ro.t_seed_floor)
+        self.max_staleness = 0 if mode == "sync" else ro.max_staleness
+        self.overprovision = ro.overprovision if mode == "partial" else 0.0
+        self.in_flight_updates = ro.in_flight_updates and mode == "async"
+        self.on_result = ports.on_result
         self.waiting_period_s, self.poll_s = waiting_period_s, poll_s
         self.log = get_logger(component="orchestrator", policy=policy, mode=mode)
         self.handoffs = self.fallbacks = 0
@@ -223,7 +267,7 @@ class Orchestrator:
         # in completion order, collectors of published steps, the request count per group.
         self._groups: dict[GroupKey, list[wire.RolloutResult]] = defaultdict(list)
         self._expected: dict[GroupKey, int] = {}
-        self._ready: list[tuple[GroupKey, list[wire.RolloutResult], object, float]] = []  # complete, scored, when
+        self._ready: list[tuple[GroupKey, list[wire.RolloutResult], GroupScores, float]] = []  # complete, scored, when
         self._arrived = asyncio.Event()
         self._scoring: set[asyncio.Task] = set()
         self._collectors: dict[int, asyncio.Task] = {}
@@ -328,12 +372,12 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ one step
 
-    async def step(self, step: int, version: int, source: RequestSource, prompts: int,
-                   republish: bool = False, publish_ahead: bool = True) -> StepOutcome:
-        """Run step `step` of the policy at `version` (the version being trained), with
-        `source.requests(step, version, groups)` making a step's requests (`groups` prompts).
+    async def step(self, step: int, version: int, republish: bool = False, publish_ahead: bool = True) -> StepOutcome:
+        """Run step `step` of the policy at `version` (the version being trained): the task's
+        requests of `[rollout] prompts` groups, trained once that many are in and scored.
         `publish_ahead=False` (async): this step only, none ahead (a resumed run whose next
         version follows a gap in the numbering: what it published now would be too old then)."""
+        prompts, task = self.prompts, self.task
         t_start = time.monotonic()
         self._last_result = t_start
         seeding = self.policy != "disaggregated" or self.engines.capacity > 0
@@ -361,7 +405,7 @@ class Orchestrator:
             ahead = self.max_staleness if publish_ahead and live > 0 and self.policy != "colocated" else 0
             for s in range(step, step + ahead + 1):
                 if s not in self._published:
-                    await self._publish(s, source.requests(s, version, prompts), live, republish,  # resumed: all of them
+                    await self._publish(s, await task.requests(s, version, prompts), live, republish,  # resumed: all
                                         ahead=s > step)
         elif self.mode == "partial":
             for s, carried in self._carry:  # a resumed run: what its previous life had in flight
@@ -370,9 +414,9 @@ class Orchestrator:
             # every step trains `prompts` groups, so this is `prompts` after the first step whatever
             # the timing: a resumed life draws what its previous life drew, under the same ids
             groups = prompts + math.ceil(prompts * self.overprovision) - len(self._untrained)
-            await self._publish(step, source.requests(step, version, max(groups, 0)), live, republish)
+            await self._publish(step, await task.requests(step, version, max(groups, 0)), live, republish)
         else:
-            await self._publish(step, source.requests(step, version, prompts), live, republish)
+            await self._publish(step, await task.requests(step, version, prompts), live, republish)
         stop_waiting = asyncio.Event()
         waiting = asyncio.create_task(self.manager.sample_waiting(stop_waiting, self.waiting_period_s,
                                                                   exclude=self.engines.worker_ids())) if live else None
@@ -422,7 +466,7 @@ class Orchestrator:
                     break  # partial: every request is in, nothing more will complete
             if item is None:
                 break
-            key, results, scored, ready_at = item
+            key, results, scores, ready_at = item
             out.trainer_wait_s += max(0.0, ready_at - free_at)
             batch_in_at = max(batch_in_at, ready_at)
             worst = max((staleness(r, version) for r in results), default=0)
@@ -430,7 +474,7 @@ class Orchestrator:
                 raise StalenessExceeded(f"step {step}: group {key} has tokens {worst} versions behind "
                                         f"{version} (mode {self.mode}, bound {self.max_staleness})")
             out.staleness += [staleness(r, version) for r in results]
-            free_at = await self.trainer.train_group(key, results, scored, max(free_at, ready_at))
+            free_at = await self.trainer.train_group(key, results, scores, max(free_at, ready_at))
             out.trained.append((key, results))
             self._untrained.pop(key, None)
         out.rollout_s = self._last_result - t_start
@@ -493,8 +537,8 @@ class Orchestrator:
         """A complete group is scored off the trainer's path (it trains the previous one meanwhile)."""
         results = sorted(self._groups.pop(key), key=lambda r: r.request_id)
         del self._expected[key]
-        scored = await self.trainer.score(key, results)
-        self._ready.append((key, results, scored, time.monotonic()))
+        scores = await self.task.score(key, results)
+        self._ready.append((key, results, scores, time.monotonic()))
         self._arrived.set()
 
     def _collectors_done(self) -> bool:

@@ -10,6 +10,7 @@ naming the row, its opening's length, the context, the tool descriptions' share 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -162,7 +163,9 @@ def test_rows_dropped_in_a_row_during_the_run_name_the_real_reason_not_none():
     from rlboost.config import EnvSettings
     from rlboost.envs.calculator import ALPHABET
     from trainer.data import DataError
-    from trainer.episodes import EpisodeData, EpisodeSource, make_runner
+    from trainer.episode_data import EpisodeData
+    from trainer.episode_runner import make_runner
+    from trainer.episode_source import EpisodeSource
     from trainer.model import build_tokenizer
 
     # a character model's fallback format: fast to render a thousand times
@@ -171,7 +174,7 @@ def test_rows_dropped_in_a_row_during_the_run_name_the_real_reason_not_none():
     data = EpisodeData(Archive(), ENV_REF, seed=0)
     source = EpisodeSource(data, runner, run_id="r", seed=0, samples=2, temperature=1.0)
     with pytest.raises(DataError) as e:
-        source.requests(1, 0, 1)
+        asyncio.run(source.requests(1, 0, 1))
     line = str(e.value)
     assert "None" not in line and line.startswith("1024 rows in a row could not open an episode; the last: the opening "
                                                   "of the last row is "), line

@@ -70,7 +70,7 @@ async def _result(runner: EpisodeRunner, rid: str, turns: list[str]) -> wire.Rol
 
 
 async def test_step_rows_carry_the_environments_metrics_of_the_episodes_they_trained():
-    from trainer.episodes import EpisodeScorer
+    from trainer.episode_scoring import EpisodeScorer
 
     runner = _runner()
     call = '<tool_call>{{"name": "{}", "arguments": {{"{}": "Oslo"}}}}</tool_call>'
@@ -79,7 +79,7 @@ async def test_step_rows_carry_the_environments_metrics_of_the_episodes_they_tra
     failed = wire.RolloutResult(request_id="s1-c", step=0, group=0, prompt_ids=[1], token_ids=[2], logprobs=[0.0],
                                 segments=[], finish_reason="error", error="engine broke", worker_id="w", ts=0.0)
     scorer = EpisodeScorer(runner)
-    assert await scorer.group({}, [two, broke, failed]) == [1.0, 0.0, 0.0]
+    assert (await scorer.group({}, [two, broke, failed])).rewards == [1.0, 0.0, 0.0]
     # async mode: these groups are scored during step 0 and trained by step 1; step 0's row has
     # none of their metrics, step 1's has them all
     before = scorer.trained([]).row()

@@ -224,7 +224,7 @@ def test_sample_of_carries_the_trainable_mask_only_for_episodes():
 def _calc_runner(max_episode_tokens: int = 512):
     from rlboost.config import EnvSettings
     from rlboost.envs import calculator
-    from trainer.episodes import make_runner
+    from trainer.episode_runner import make_runner
     from trainer.model import build_tokenizer
 
     settings = EnvSettings(ref="calculator", options={"instructions": False}, describe_tools=False,
@@ -286,7 +286,7 @@ async def _result(runner, row, rid: str, wrong: bool = False, forged_score: bool
 
 async def test_an_episode_result_becomes_a_sample_scored_by_the_trainers_environment():
     from rlboost.envs import calculator
-    from trainer.episodes import EpisodeScorer, training_episode
+    from trainer.episode_scoring import EpisodeScorer, training_episode
 
     runner = _calc_runner()
     row = calculator.rows("train", 1, seed=4)[0]
@@ -307,7 +307,9 @@ async def test_an_episode_result_becomes_a_sample_scored_by_the_trainers_environ
     import msgspec
     failed = msgspec.structs.replace(good, request_id="r-2", finish_reason="error", error="engine broke", episode=None)
     scorer = EpisodeScorer(runner)
-    assert await scorer.group(row, [good, bad, failed]) == [1.0, 0.0, 0.0]
+    scores = await scorer.group(row, [good, bad, failed])
+    assert scores.rewards == [1.0, 0.0, 0.0]
+    assert len(scores.turn_rewards) == 3 and scores.turn_rewards[2] is None  # the failed one has no turns scored
     # a step row counts the episodes that step trains, not those scored while it ran (async
     # scores the next step's groups during this one): none until trained, each once
     assert scorer.trained([]).row()["episodes"] == 0
@@ -320,13 +322,14 @@ async def test_an_episode_result_becomes_a_sample_scored_by_the_trainers_environ
 
 async def test_the_episode_source_makes_each_rows_episode_requests_inside_a_running_loop():
     from rlboost.envs import calculator
-    from trainer.episodes import EpisodeData, EpisodeSource
+    from trainer.episode_data import EpisodeData
+    from trainer.episode_source import EpisodeSource
 
     runner = _calc_runner()
     data = EpisodeData(runner.env, "calculator", seed=3, eval_size=8)
     assert all(r["split"] == "test" for r in data.eval_samples()) and len(data.eval_samples()) == 8
     src = EpisodeSource(data, runner, run_id="rtest", seed=3, samples=2, temperature=1.0)
-    reqs = src.requests(5, 7, 3)  # called from inside this test's event loop
+    reqs = await src.requests(5, 7, 3)  # in this test's event loop: no thread, no loop of its own
     assert len(reqs) == 6 and len({r.request_id for r in reqs}) == 6
     for q in reqs:
         row = src.sample((5, q.group))
@@ -335,15 +338,15 @@ async def test_the_episode_source_makes_each_rows_episode_requests_inside_a_runn
         opening = (await runner.begin(q.request_id, row)).segments[0].token_ids
         assert q.prompt_ids == opening and len(q.prompt_ids) + q.max_new_tokens == 512
         assert row["question"] in runner.fmt.tokenizer.decode(q.prompt_ids)
-    again = EpisodeSource(EpisodeData(runner.env, "calculator", seed=3), runner, run_id="rtest", seed=3, samples=2,
-                          temperature=1.0).requests(5, 7, 3)
+    again = await EpisodeSource(EpisodeData(runner.env, "calculator", seed=3), runner, run_id="rtest", seed=3,
+                                samples=2, temperature=1.0).requests(5, 7, 3)
     assert [(q.request_id, q.seed, q.prompt_ids) for q in again] == [(q.request_id, q.seed, q.prompt_ids) for q in reqs]
     assert calculator.rows("train", 1, seed=0)[0] != calculator.rows("test", 1, seed=0)[0]
 
 
 async def test_greedy_episodes_play_every_row_to_its_end_in_batches():
     from rlboost.envs import calculator
-    from trainer.episodes import greedy_episodes
+    from trainer.episode_evaluation import greedy_episodes
 
     runner = _calc_runner()
     rows = calculator.rows("test", 5, seed=0)
@@ -491,12 +494,14 @@ def test_a_saved_character_tokenizer_loads_with_its_spaces_and_newlines(calc_mod
 
 def test_worker_processes_get_the_runs_env_settings():
     from rlboost.config import EnvSettings, load_settings
-    from trainer.episodes import worker_env
+    from trainer.episode_runner import worker_env
 
     env = EnvSettings(ref="calculator", options={"instructions": False}, describe_tools=False, max_turns=3,
                       tool_timeout_s=2.5)
     got = load_settings(None, environ=worker_env(env)).env
-    assert got == EnvSettings(ref="calculator", describe_tools=False, max_turns=3, tool_timeout_s=2.5)
+    assert got == EnvSettings(ref="calculator", describe_tools=False, tool_timeout_s=2.5)
+    # an episode's turn bound travels in its request (`EpisodeSpec.max_turns`), not the environment
+    assert "RLBOOST_ENV__MAX_TURNS" not in worker_env(env)
     assert worker_env(EnvSettings()) == {}
 
 
@@ -504,7 +509,7 @@ def test_an_untooled_demonstration_is_the_opening_then_the_answer_at_once():
     """The guessing phase's demonstrations: a worked solution without its tool turns."""
     from rlboost.envs import calculator
     from trainer.data import DataError
-    from trainer.episodes import untooled
+    from trainer.env_warm_start import untooled
 
     row = calculator.rows("train", 1, level="small")[0]
     worked = calculator.solution(row, instructions=False)
@@ -520,14 +525,14 @@ def test_the_guessing_phase_runs_after_the_warm_start_and_names_the_model_it_bui
     """`run.bootstrap_guess_steps`: more steps after the warm start (its own model, recorded in
     the meta), and a demo model built with another guessing phase is not taken for this one."""
     from rlboost.config import EnvSettings, RunSettings
-    from trainer.episodes import check_demo_model, warm_start
+    from trainer.env_warm_start import check_demo_model, env_warm_start
     from trainer.model import read_meta
 
     env = EnvSettings(ref="calculator", describe_tools=False, options={"instructions": False, "level": "small"})
     tiny = dict(hidden=32, layers=1, heads=2, mlp=64, batch=2, eval_rows=2, eval_every=100)
-    plain = warm_start(env, tmp_path / "plain", target=1.0, max_seconds=600, max_steps=3, **tiny)
-    out = warm_start(env, tmp_path / "guess", target=1.0, max_seconds=600, max_steps=3, guess_steps=2,
-                     guess_share=0.5, **tiny)
+    plain = env_warm_start(env, tmp_path / "plain", target=1.0, max_seconds=600, max_steps=3, **tiny)
+    out = env_warm_start(env, tmp_path / "guess", target=1.0, max_seconds=600, max_steps=3, guess_steps=2,
+                         guess_share=0.5, **tiny)
     assert plain["steps"] == 3 and out["steps"] == 5 and out["guess_steps"] == 2
     assert out["tool_eval_acc"] == plain["eval_acc"]  # the same warm start before the guesses
     a, b = (open(tmp_path / d / "model.safetensors", "rb").read() for d in ("plain", "guess"))
@@ -546,12 +551,12 @@ def test_the_env_warm_start_stops_at_its_step_cap_with_the_same_model_every_time
     """`run.bootstrap_steps`: a warm start that stops at a step, not a time, builds the same
     model on a loaded box as on an idle one (the documented calculator runs start from one)."""
     from rlboost.config import EnvSettings, RunSettings
-    from trainer.episodes import check_demo_model, warm_start
+    from trainer.env_warm_start import check_demo_model, env_warm_start
     from trainer.model import read_meta
 
     env = EnvSettings(ref="calculator", describe_tools=False, options={"instructions": False, "level": "small"})
     tiny = dict(hidden=32, layers=1, heads=2, mlp=64, batch=2, eval_rows=2, eval_every=100)
-    outs = [warm_start(env, tmp_path / f"m{i}", target=1.0, max_seconds=600, max_steps=3, **tiny) for i in range(2)]
+    outs = [env_warm_start(env, tmp_path / f"m{i}", target=1.0, max_seconds=600, max_steps=3, **tiny) for i in range(2)]
     assert [o["steps"] for o in outs] == [3, 3] and not outs[0]["reached"]
     assert check_demo_model(tmp_path / "m0", env) and read_meta(tmp_path / "m0")["steps"] == 3
     a, b = (open(tmp_path / f"m{i}" / "model.safetensors", "rb").read() for i in range(2))

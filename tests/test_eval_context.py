@@ -51,7 +51,7 @@ async def test_greedy_episodes_of_a_gpt2_model_stay_inside_its_context(gpt2_mode
     from rlboost.envs.chat import chat_format
     from rlboost.envs.episode import EpisodeRunner
     from trainer import distributed
-    from trainer.episodes import EpisodeEvaluation, greedy_episodes
+    from trainer.episode_evaluation import EpisodeEvaluation, greedy_episodes
     from trainer.grpo_trainer import GRPOTrainer
     from trainer.model import pad_id
 
@@ -64,7 +64,8 @@ async def test_greedy_episodes_of_a_gpt2_model_stay_inside_its_context(gpt2_mode
     assert lengths[0] + 40 > CONTEXT > lengths[1] + 40  # the long row's turn is cut by the context, not the turn
     ops = distributed.Lockstep(trainer, trainer.ranks)
     evaluation = EpisodeEvaluation(rows, runner, ops, pad_id(trainer.tokenizer, list(fmt.stop_ids)))
-    assert await evaluation.accuracy() == 1.0
+    evaluated = await evaluation.evaluate()
+    assert evaluated.accuracy == 1.0 and evaluated.fields["eval_tool_calls"] == 0.0
 
     def generate(prompts, max_new, stops):
         assert max(map(len, prompts)) + max_new <= CONTEXT  # the left-padded batch, generated to max_new

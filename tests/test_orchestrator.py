@@ -22,7 +22,7 @@ import pytest
 from rlboost import orchestrator as orch
 from rlboost import wire
 from rlboost.clients import open_clients
-from rlboost.config import WorkerSettings
+from rlboost.config import RolloutSettings, WorkerSettings
 from benchmarks.costs import Prices
 from rlboost.offload import SeedWindow
 from rlboost.replay import read_subject
@@ -56,10 +56,7 @@ class Clock:
         self.version, self.train_s = 0, train_s
         self.trained_at: list[float] = []  # when each group's training started (monotonic)
 
-    async def score(self, key, results):
-        return None
-
-    async def train_group(self, key, results, scored, start: float) -> float:
+    async def train_group(self, key, results, scores, start: float) -> float:
         self.trained_at.append(time.monotonic())
         await asyncio.sleep(self.train_s)
         return time.monotonic()
@@ -70,15 +67,21 @@ class Clock:
 
 
 class Requests:
-    """A request source (`orch.RequestSource`): 4 samples of a 4-token prompt per group."""
+    """A task (`orch.RolloutTask`): 4 samples of a 4-token prompt per group, scored 0."""
 
     def __init__(self, run: str) -> None:
         self.run = run
 
-    def requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
+    async def requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
         return [wire.RolloutRequest(request_id=wire.request_id(step, p, g, run=self.run), step=step,
                                     policy_version=version, prompt_ids=[7] * 4, max_new_tokens=MAX_NEW_TOKENS // R,
                                     seed=1000 * step + 10 * p + g, group=p) for p in range(groups) for g in range(4)]
+
+    async def score(self, key, results) -> orch.GroupScores:
+        return orch.GroupScores([0.0] * len(results))
+
+    async def evaluate(self) -> None:
+        return None
 
 
 async def drive(services, mode: str, steps: int, preemptible: int = 0, policy: str = "hybrid", t_seed: float = 0.2,
@@ -104,15 +107,18 @@ async def drive(services, mode: str, steps: int, preemptible: int = 0, policy: s
         clock = Clock(train_s)
         if spy is not None:
             spy(seeding)
-        o = orch.Orchestrator(c, pool, seeding, clock, policy=policy, window=SeedWindow(initial_s=t_seed, floor_s=0.1),
-                              mode=mode, max_staleness=max_staleness, overprovision=overprovision, samples=4)
+        ro = RolloutSettings(mode=mode, prompts=prompts, samples=4, max_staleness=max_staleness,
+                             overprovision=overprovision)
+        o = orch.Orchestrator(ro, orch.OrchestratorPorts(c, pool, seeding, Requests(run), clock,
+                                                         window=SeedWindow(initial_s=t_seed, floor_s=0.1)),
+                              policy=policy)
         deadline = time.monotonic() + 10
         while await o.live() < preemptible and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         outs = []
         try:
             for step in range(steps):
-                outs.append(await asyncio.wait_for(o.step(step, clock.version, Requests(run), prompts), 60))
+                outs.append(await asyncio.wait_for(o.step(step, clock.version), 60))
         finally:
             await o.close()
             await seeding.close()
@@ -218,8 +224,9 @@ async def drive_with_a_kill(services, tmp_path, mode: str, steps: int, how: str 
         victim = fleet.start(prefix=f"{run}-spot")
         seeding = InProcessSeeding(c, pool, reserved, engine(), settings, Counters())
         clock = Clock()
-        o = orch.Orchestrator(c, pool, seeding, clock, window=SeedWindow(initial_s=0.2, floor_s=0.1), mode=mode,
-                              max_staleness=1, overprovision=0.0, samples=4)
+        ro = RolloutSettings(mode=mode, prompts=6, samples=4, max_staleness=1, overprovision=0.0)
+        o = orch.Orchestrator(ro, orch.OrchestratorPorts(c, pool, seeding, Requests(run), clock,
+                                                         window=SeedWindow(initial_s=0.2, floor_s=0.1)))
         deadline = time.monotonic() + 30
         while await o.live() < 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -237,7 +244,7 @@ async def drive_with_a_kill(services, tmp_path, mode: str, steps: int, how: str 
         outs = []
         try:
             for step in range(steps):
-                outs.append(await asyncio.wait_for(o.step(step, clock.version, Requests(run), 6), 60))
+                outs.append(await asyncio.wait_for(o.step(step, clock.version), 60))
         finally:
             killer.stop.set()
             replacing.cancel()

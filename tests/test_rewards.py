@@ -98,7 +98,7 @@ def test_the_math_task_scores_the_shipped_gsm8k_style_problems():
     from pathlib import Path
 
     from rlboost.config import DataSettings
-    from trainer.run import make_data
+    from trainer.data_task import make_data
 
     path = Path(__file__).parent / "data" / "math_small.jsonl"
     data, reward, max_new = make_data(DataSettings(task="math", train=str(path), eval_fraction=0.25), seed=0)

@@ -12,49 +12,49 @@ import pytest
 from rlboost.offload import SeedWindow
 from trainer.data import GeneratedData, PromptBudget
 from trainer.model import DEMO_CONTEXT, build_tokenizer
-from trainer.request_source import RequestSource
+from trainer.request_source import PromptSource
 from trainer.resume import Resumed, fresh_from
 from trainer.tasks import get_task
 
 
-def source(life: str = "l1") -> RequestSource:
+def source(life: str = "l1") -> PromptSource:
     task = get_task("addition")
     budget = PromptBudget.for_model(1024, 0, DEMO_CONTEXT, task.max_response_chars + 1)
-    return RequestSource(GeneratedData(task, seed=0), build_tokenizer(task.alphabet), budget, [0], run_id="r1",
-                         seed=7, samples=2, temperature=1.0, life=life)
+    return PromptSource(GeneratedData(task, seed=0), build_tokenizer(task.alphabet), budget, [0], run_id="r1",
+                        seed=7, samples=2, temperature=1.0, life=life)
 
 
-def test_a_step_is_named_seeded_and_drawn_the_same_way_each_time():
+async def test_a_step_is_named_seeded_and_drawn_the_same_way_each_time():
     a, b = source(), source()
-    qa, qb = a.requests(0, 0, 3), b.requests(0, 0, 3)
+    qa, qb = await a.requests(0, 0, 3), await b.requests(0, 0, 3)
     assert len(qa) == 6 and qa[0].request_id == "r1-s00000-p00000-g000" and qa[-1].group == 2
     assert [(q.request_id, q.seed, q.prompt_ids) for q in qa] == [(q.request_id, q.seed, q.prompt_ids) for q in qb]
     assert len({q.seed for q in qa}) == 6  # every sample its own seed
-    assert a.requests(1, 0, 1)[0].prompt_ids != qa[0].prompt_ids  # the data moved on
+    assert (await a.requests(1, 0, 1))[0].prompt_ids != qa[0].prompt_ids  # the data moved on
 
 
-def test_fresh_ids_tag_the_steps_from_there_and_the_tag_travels_with_the_checkpoint():
+async def test_fresh_ids_tag_the_steps_from_there_and_the_tag_travels_with_the_checkpoint():
     src = source()
     src.fresh_ids(2)
-    assert src.requests(1, 0, 1)[0].request_id.startswith("r1-s00001-")
-    assert src.requests(2, 0, 1)[0].request_id.startswith("r1-l1-s00002-")
+    assert (await src.requests(1, 0, 1))[0].request_id.startswith("r1-s00001-")
+    assert (await src.requests(2, 0, 1))[0].request_id.startswith("r1-l1-s00002-")
     assert not src.publish_ahead(1) and src.publish_ahead(2)
     position = src.position({}, 2, 0)
     assert position["request_tag"] == "l1"
     later = source(life="l2")
     later.restore(position)
-    assert later.requests(3, 0, 1)[0].request_id.startswith("r1-l1-s00003-")  # the checkpoint's life's ids
+    assert (await later.requests(3, 0, 1))[0].request_id.startswith("r1-l1-s00003-")  # the checkpoint's life's ids
 
 
-def test_a_partial_checkpoint_draws_its_groups_in_flight_again_under_their_ids():
+async def test_a_partial_checkpoint_draws_its_groups_in_flight_again_under_their_ids():
     src = source()
-    first = src.requests(0, 0, 3)
-    src.trained((0, 0))
+    first = await src.requests(0, 0, 3)
+    src.scored((0, 0))
     position = src.position({0: [1, 2]}, 0, 1)
     assert position["draws"] == {"0": [3, 0]}  # 3 groups, published under version 0
     later = source(life="l2")
     later.restore({**position, "carried": {"0": [1, 2]}})
-    [(step, carried)] = later.redraw(1)
+    [(step, carried)] = await later.redraw(1)
     assert step == 0 and later.drawn_under(0) == 0
     assert [(q.request_id, q.prompt_ids) for q in carried] == [(q.request_id, q.prompt_ids) for q in first
                                                                if q.group in (1, 2)]

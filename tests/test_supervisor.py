@@ -166,10 +166,12 @@ async def test_a_step_waiting_on_a_lane_nobody_pulls_says_so_within_seconds(nats
     step reports it (what is missing, each lane, who pulls) once STALL_REPORT_S passed quietly."""
     from rlboost import bus, orchestrator, wire
     from rlboost.clients import open_clients
+    from rlboost.config import RolloutSettings
 
     await bus.provision(js, pools=("watched",))  # what the trainer provisions: the pool's lanes
     async with open_clients(nats_url, redis_url, "test-watch") as c:
-        o = orchestrator.Orchestrator(c, "watched", _NoEngines(), trainer=None)
+        o = orchestrator.Orchestrator(RolloutSettings(), orchestrator.OrchestratorPorts(
+            c, "watched", _NoEngines(), task=None, trainer=None))
         await js.publish(wire.env_subject("watched"), b"an episode waiting for its tools")
         with structlog.testing.capture_logs() as logs:
             o._last_result = time.monotonic()  # the step has just begun: quiet

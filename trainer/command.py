@@ -36,12 +36,15 @@ from rlboost.services import running_services
 from trainer import distributed
 from trainer.data import DataError, FileData, PromptBudget, encode_prompt
 from rlboost.envs import load_env
-from trainer.episodes import DEMO_ENV_CONTEXT, check_openings, demo_model_dir, ensure_demo_model, max_turn_tokens
-from trainer.episodes import make_data as make_episode_data
+from trainer.data_task import make_data
+from trainer.env_warm_start import DEMO_ENV_CONTEXT, demo_model_dir, ensure_demo_model
+from trainer.episode_data import make_episode_data
+from trainer.episode_runner import max_turn_tokens
+from trainer.episode_source import check_openings
 from trainer.local_fleet import parse_chaos
 from trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, load_tokenizer, read_meta
 from trainer.rewards import RewardError, load_function
-from trainer.run import Invocation, follow, make_data, train
+from trainer.run import Invocation, follow, train
 from trainer.tasks import get_task
 from workers.engines import EngineError
 
@@ -103,7 +106,7 @@ def resolve_model(rs: RunSettings, s: Settings, env: EnvSettings | None = None) 
     (or with `--init-model`, for a folder of rlboost's own such as a container volume), the
     demo's model, built and warm-started on first use. `rs`: the run's section; `s`: where the
     demo's model lives (`services.data_dir`) and how to log its build. `env`: a run on episodes
-    (`--env`) gets the demo's model for that environment (trainer/episodes.py)."""
+    (`--env`) gets the demo's model for that environment (trainer/env_warm_start.py)."""
     if rs.model_dir and not rs.init_model:
         return str(check_model_dir(rs.model_dir).path)
     if env is not None and env.ref:

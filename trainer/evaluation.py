@@ -1,4 +1,5 @@
-"""Held-out evaluation: the mean reward of the trainer's greedy responses on the eval set.
+"""Held-out evaluation of single-turn prompts: the mean reward of the trainer's greedy responses
+on the eval set (the episodes' is `trainer.episode_evaluation.EpisodeEvaluation`, the same shape).
 
 The eval set is the data's held-out samples whose prompts fit the token budget (a prompt over
 it could not be answered within the context). Generation runs on the trainer itself, every rank
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
+from rlboost.orchestrator import Evaluated
 from trainer.data import PromptBudget, Sample, encode_prompt
 from trainer.scoring import Scorer
 
@@ -20,11 +22,11 @@ class Evaluation:
         self.max_response_tokens, self.stops, self.pad = budget.max_response_tokens, stops, pad
         self.ops, self.scorer = ops, scorer
 
-    async def accuracy(self) -> float | None:
+    async def evaluate(self) -> Evaluated | None:
         """Mean reward of greedy responses on the held-out set (None: there is none)."""
         if not self.eval_set:
             return None
         rows = await asyncio.to_thread(self.ops.call, "greedy", [ids for _, ids in self.eval_set],
                                        self.max_response_tokens, self.stops, self.pad)
         values = await self.scorer.greedy([smp for smp, _ in self.eval_set], rows)
-        return sum(values) / len(values)
+        return Evaluated(sum(values) / len(values))

@@ -8,8 +8,9 @@ fallback, rollout modes sync / partial / async) is `rlboost.orchestrator.Orchest
 code `rlboost bench trace` measures. This module only wires parts, each owning one job
 (`setup`), and drives them (`step`, `main_loop`):
 
-- `trainer.request_source`: data rows -> prompts -> a step's requests (the orchestrator's port);
-- `trainer.scoring` / `trainer.evaluation`: the user's reward; held-out accuracy;
+- `trainer.data_task`: the run's task, the orchestrator's `RolloutTask` (a step's requests, a
+  group's scores, the held-out evaluation): single-turn prompts or episodes (`[env] ref`), the
+  same parts of other kinds, so that nothing here asks which;
 - `trainer.trainer_port`: the GRPO trainer as the orchestrator's `TrainerPort`;
 - `rlboost.weights.ledger`: policy versions (numbers, publish + gc, digests, result checks);
 - `trainer.local_fleet`: this box's worker processes and seeding engine, and `--chaos`;
@@ -40,32 +41,26 @@ import torch
 
 from rlboost import metrics, pool_client, runlease, wire
 from rlboost.clients import Clients, open_clients
-from rlboost.config import DataSettings, Settings
+from rlboost.config import Settings
 from rlboost.logs import get_logger
 from rlboost.modeldir import check_model_dir, stop_ids
-from rlboost.offload import SeedWindow
-from rlboost.orchestrator import Orchestrator
+from rlboost.orchestrator import Orchestrator, OrchestratorPorts
 from rlboost.weights import WeightCache
 from rlboost.weights.ledger import VersionLedger
 from rlboost.weights.source import StoreWeights
 from trainer import training_checkpoint as ckpt
 from trainer import distributed
-from trainer.data import DataError, DataExhausted, FieldMap, FileData, GeneratedData, PromptBudget
-from trainer.episodes import EpisodeEvaluation, EpisodeScorer, EpisodeSource, episode_runner, worker_env
-from trainer.episodes import make_data as make_episode_data
-from trainer.evaluation import Evaluation
+from trainer.data import DataError, DataExhausted
+from trainer.data_task import DataTask, make_task, read_data
+from trainer.episode_runner import worker_env
 from trainer.grpo_trainer import GRPOTrainer
 from trainer.local_fleet import Chaos, LocalFleet, parse_chaos
 from trainer.loggers import Loggers
-from trainer.model import pad_id, weights_sha256
+from trainer.model import weights_sha256
 from trainer.report import RunReport
-from trainer.request_source import RequestSource
 from trainer.resume import Resumed, checkpoint_meta, fresh_from, remember_start, restore, restore_start, \
     run_identity
-from trainer.rewards import RewardError
-from trainer.scoring import Scorer
 from trainer.step_metrics import StepMetrics, save_rollouts
-from trainer.tasks import TASKS, get_task
 from trainer.trainer_port import GRPOPort
 from workers.seeding import ProcessSeeding
 
@@ -88,6 +83,26 @@ def make_trainer(s: Settings, model_dir: str, ranks: distributed.Ranks = distrib
 
 
 @dataclass
+class Launch:
+    """What `train` brings to `setup`: the command, the model and the run's folder and id, the
+    servers (connected, the run's lease held), the trainer and its ranks' lockstep, the live
+    report. `prepared`: the task's data if a preflight read it already (`read_data`'s answer: it
+    is not read twice)."""
+
+    inv: Invocation
+    model_dir: str
+    run_dir: Path
+    run_id: str
+    clients: Clients
+    nats_url: str
+    redis_url: str
+    trainer: GRPOTrainer
+    ops: distributed.Lockstep  # what every rank must run, rank 0 announces
+    report: RunReport
+    prepared: tuple | None = None
+
+
+@dataclass
 class Run:
     """The parts `setup` wired, each owning one job; `step` and `main_loop` drive them."""
 
@@ -98,16 +113,13 @@ class Run:
     ops: distributed.Lockstep  # what every rank must run, rank 0 announces
     report: RunReport
     loggers: Loggers
-    source: RequestSource  # data -> a step's requests
-    scorer: Scorer  # the user's reward
-    evaluation: Evaluation  # held-out accuracy
+    task: DataTask  # a step's requests, a group's scores, the held-out evaluation
     fleet: LocalFleet  # this life's worker processes
     ledger: VersionLedger  # policy versions: numbers, digests, result checks
     port: GRPOPort  # the trainer as the orchestrator sees it
     orchestrator: Orchestrator  # the step
     metrics: StepMetrics  # the step's row, the run's totals
     chaos: Chaos  # --chaos
-    window: SeedWindow
     resumed: Resumed
     log: object
 
@@ -118,48 +130,31 @@ async def _cancelled(task: asyncio.Task) -> None:
         await task
 
 
-async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: bool, c: Clients, nats_url: str,
-                redis_url: str, run_dir: Path, run_id: str, trainer: GRPOTrainer, ops: distributed.Lockstep,
-                report: RunReport, stack: contextlib.AsyncExitStack) -> Run:
-    """Every part of the run, wired; what must be closed goes on `stack` (closed in reverse).
-    `prepared`: `make_data`'s answer if a preflight read it already (it is not read twice)."""
-    rs, ro, ds = s.run, s.rollout, s.data
+async def setup(launch: Launch, stack: contextlib.AsyncExitStack) -> Run:
+    """Every part of the run, wired; what must be closed goes on `stack` (closed in reverse)."""
+    s, c, trainer, ops, report = launch.inv.settings, launch.clients, launch.trainer, launch.ops, launch.report
+    run_dir, run_id, model_dir = launch.run_dir, launch.run_id, launch.model_dir
+    rs, ro = s.run, s.rollout
     log = get_logger(component="run", policy=rs.policy, run_id=run_id)
 
-    # the user's data and reward, within the model's token budget
-    tokenizer = trainer.tokenizer
-    stops = stop_ids(model_dir, tokenizer)
-    context = check_model_dir(model_dir).max_context
-    runner = None  # `--env`: episodes of the run's environment (trainer/episodes.py) instead of prompts
-    if s.env.ref:
-        data, reward_spec, task_tokens = prepared or (make_episode_data(s.env, ds, rs.seed), "", 0)
-        runner = episode_runner(s, tokenizer, context, run_id)
-    else:
-        data, reward_spec, task_tokens = prepared or make_data(ds, rs.seed)
-    budget = PromptBudget.for_model(ds.max_prompt_tokens, ds.max_response_tokens, context, task_tokens)
-    if runner is not None:  # the environment scores (on the trainer); held-out success of greedy episodes
-        scorer = EpisodeScorer(runner)
-        evaluation = EpisodeEvaluation(data.eval_samples(), runner, ops, pad_id(tokenizer, stops))
-    else:
-        scorer = Scorer(reward_spec, tokenizer, stops, workers=ds.reward_workers, timeout_s=ds.reward_timeout_s)
-        evaluation = Evaluation(data.eval_samples(), tokenizer, budget, stops, pad_id(tokenizer, stops), ops, scorer)
-    stack.callback(scorer.close)
+    # the task's data, read before anything starts (a preflight read it already)
+    prepared = launch.prepared or read_data(s)
 
     # the rollout side: this life's local workers and the reserved side's seeding engine
-    fleet = LocalFleet(nats_url, redis_url, run_dir, pool=POOL, reserved_pool=RESERVED_POOL,
+    fleet = LocalFleet(launch.nats_url, launch.redis_url, run_dir, pool=POOL, reserved_pool=RESERVED_POOL,
                        model_dir=model_dir, slots=ro.slots, checkpoint_tokens=ro.checkpoint_tokens,
                        env={**s.weights.store_env(),  # they pull from the store the trainer publishes to
                             **worker_env(s.env)})  # and run the run's environment ([env])
     stack.callback(fleet.stop)
     supervising = asyncio.create_task(fleet.supervise())  # stopped before the fleet is (the stack unwinds)
     stack.push_async_callback(_cancelled, supervising)
-    # a step's requests from the data (ids tagged with this life's tag where a resume needs it)
-    if runner is not None:  # a row's episodes
-        source = EpisodeSource(data, runner, run_id=run_id, seed=rs.seed, samples=ro.samples,
-                               temperature=ro.temperature, life=fleet.life)
-    else:
-        source = RequestSource(data, tokenizer, budget, stops, run_id=run_id, seed=rs.seed, samples=ro.samples,
-                               temperature=ro.temperature, life=fleet.life)
+    # the task: the user's data and reward (or the environment's rows and scores) within the
+    # model's context; request ids tagged with this life's tag where a resume needs it
+    tokenizer = trainer.tokenizer
+    stops = stop_ids(model_dir, tokenizer)
+    task = make_task(s, prepared, tokenizer, stops, check_model_dir(model_dir).max_context, ops, run_id=run_id,
+                     life=fleet.life)
+    stack.callback(task.close)
     seeding = fleet.seeding_engines(c, ro, s.worker, serves=rs.policy != "disaggregated")
     seeding.env = s.env  # the reserved engine's workers run the run's environment too
 
@@ -177,8 +172,7 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
                                       keep_versions=s.weights.keep_versions,
                                       staleness=0 if ro.mode == "sync" else ro.max_staleness,
                                       adopt_newer=ro.mode == "partial", run_id=run_id)
-    port = GRPOPort(trainer, ops, source, scorer, ledger, partial=ro.mode == "partial")
-    window = SeedWindow(initial_s=ro.t_seed, floor_s=ro.t_seed_floor)
+    port = GRPOPort(trainer, ops, ledger, partial=ro.mode == "partial")
     tally = StepMetrics(run_id, rs.policy, ro.mode, rs, trainer.ranks.world, pool=POOL,
                         reserved_pool=RESERVED_POOL)
     if rs.policy == "hybrid":  # the fleet policy's decision in each row and as a gauge ([fleet])
@@ -190,9 +184,8 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
         report.progress(r.step, arrived, total)
         chaos.on_result(r, arrived, total)
 
-    orchestrator = Orchestrator(c, POOL, seeding, port, policy=rs.policy, window=window, mode=ro.mode,
-                                max_staleness=ro.max_staleness, overprovision=ro.overprovision, samples=ro.samples,
-                                in_flight_updates=ro.in_flight_updates, on_result=on_result)
+    orchestrator = Orchestrator(ro, OrchestratorPorts(c, POOL, seeding, task, port, on_result=on_result),
+                                policy=rs.policy)
     stack.push_async_callback(orchestrator.close)  # closed first: groups still being scored need the reward pool
     if ro.mode != "sync" and s.algorithm.off_policy == "none":
         # not switched on behind the user's back (none is a valid choice); said once, loudly
@@ -204,13 +197,13 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
 
     # a resumed run: the parts' state from its last checkpoint, or its start again
     resumed = Resumed()
-    last = ckpt.latest(run_dir) if resume else None
+    last = ckpt.latest(run_dir) if launch.inv.resume else None
     if last is not None:
         state = await asyncio.to_thread(ops.call, "load_checkpoint", str(last))
-        resumed = restore(state, run_dir, max_staleness=orchestrator.max_staleness, source=source, window=window,
-                          tally=tally)
+        resumed = restore(state, run_dir, max_staleness=orchestrator.max_staleness, source=task.source,
+                          window=orchestrator.window, tally=tally)
         log.warning("resumed", checkpoint=str(last), step=resumed.first_step, version=trainer.version)
-    elif resume:  # killed before its first checkpoint: from the start
+    elif launch.inv.resume:  # killed before its first checkpoint: from the start
         resumed = restore_start(run_dir, orchestrator.max_staleness)
         log.warning("resumed from the start: no checkpoint yet", step=0)
 
@@ -221,10 +214,10 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
     if how == "new":
         remember_start(run_dir, ledger.current())
     if fresh := fresh_from(how, resumed, ro.mode):
-        source.fresh_ids(fresh[0])
+        task.source.fresh_ids(fresh[0])
         log.warning("requests from this step on are generated again under this life's ids", reason=fresh[1],
                     step=fresh[0], tag=fleet.life)
-    for drawn, carried in source.redraw(ledger.version):
+    for drawn, carried in await task.source.redraw(ledger.version):
         orchestrator.carry(drawn, carried)
     if isinstance(seeding, ProcessSeeding):
         await seeding.start(timeout_s=90.0)
@@ -236,42 +229,43 @@ async def setup(s: Settings, model_dir: str, prepared: tuple | None, resume: boo
     if rs.policy != "colocated" and rs.workers:
         await fleet.start_workers(rs.workers, orchestrator.manager)
     if not resumed.from_checkpoint:
-        resumed.eval_first = await evaluation.accuracy()
+        resumed.eval_first = await _accuracy(task)
     report.start(resumed.eval_first)
     return Run(settings=s, run_id=run_id, run_dir=run_dir, trainer=trainer, ops=ops, report=report, loggers=loggers,
-               source=source, scorer=scorer, evaluation=evaluation, fleet=fleet, ledger=ledger, port=port,
-               orchestrator=orchestrator, metrics=tally, chaos=chaos, window=window, resumed=resumed, log=log)
+               task=task, fleet=fleet, ledger=ledger, port=port, orchestrator=orchestrator, metrics=tally,
+               chaos=chaos, resumed=resumed, log=log)
+
+
+async def _accuracy(task: DataTask) -> float | None:
+    """The held-out mean reward (None: no held-out set)."""
+    evaluated = await task.evaluate()
+    return None if evaluated is None else evaluated.accuracy
 
 
 async def step(run: Run, step: int) -> dict:
     """One step of the product's orchestration (rlboost/orchestrator.py) with the real trainer;
     returns its metrics row."""
-    rs, ro = run.settings.run, run.settings.rollout
+    rs = run.settings.run
     t_step = time.monotonic()
     run.port.start_step(step)
     run.metrics.begin_step()
-    run.source.step_filtered = run.scorer.step_errors = run.scorer.step_timeouts = 0
-    episodic = isinstance(run.scorer, EpisodeScorer)
-    if episodic:
-        run.scorer.begin_step()
+    run.task.begin_step()
     # the steps a dead trainer published past its checkpoint go out again under the same request ids
-    o = await run.orchestrator.step(step, run.ledger.version, run.source, ro.prompts,
-                                    republish=step <= run.resumed.republish_through,
-                                    publish_ahead=run.source.publish_ahead(step))
+    o = await run.orchestrator.step(step, run.ledger.version, republish=step <= run.resumed.republish_through,
+                                    publish_ahead=run.task.source.publish_ahead(step))
     if rs.save_rollouts:
         save_rollouts(run.run_dir / "rollouts.jsonl", run.run_id, o.trained)
     step_s = time.monotonic() - t_step  # held-out evaluation is bookkeeping, not the step
-    eval_acc = None
+    evaluated = None
     if step % rs.eval_every == 0 or step == rs.steps - 1:
-        eval_acc = await run.evaluation.accuracy()
-    row = run.metrics.row(step, o, step_s, version=run.ledger.version, eval_acc=eval_acc,
+        evaluated = await run.task.evaluate()
+    row = run.metrics.row(step, o, step_s, version=run.ledger.version,
+                          eval_acc=None if evaluated is None else evaluated.accuracy,
                           regenerated=run.fleet.regenerated_tokens(), chaos=run.chaos.plan.get(step, []),
-                          filtered=run.source.step_filtered, reward_errors=run.scorer.step_errors,
-                          reward_timeouts=run.scorer.step_timeouts, data_state=run.source.data.state())
-    if episodic:  # tool calls, turns, success and why episodes ended; the held-out episodes' tool calls
-        row.update(run.scorer.trained(o.trained).row())
-        if eval_acc is not None:
-            row["eval_tool_calls"] = run.evaluation.last.get("eval_tool_calls")
+                          **run.task.step_counts())
+    row.update(run.task.step_fields(o.trained))  # the task's own (episodes: tool calls, turns, success, ends)
+    if evaluated is not None:
+        row.update(evaluated.fields)  # the evaluation's own (episodes: the held-out episodes' tool calls)
     return row
 
 
@@ -285,7 +279,8 @@ async def main_loop(run: Run, t0: float) -> list[dict]:
     async def save(step: int) -> None:
         nonlocal last_saved
         meta = checkpoint_meta(step, run.resumed.eval_first, run_id=run.run_id, orchestrator=run.orchestrator,
-                               source=run.source, ledger=run.ledger, window=run.window, tally=run.metrics)
+                               source=run.task.source, ledger=run.ledger, window=run.orchestrator.window,
+                               tally=run.metrics)
         await asyncio.to_thread(run.ops.call, "save_checkpoint", str(run.run_dir), step, meta, rs.keep_checkpoints)
         last_saved = step
 
@@ -295,14 +290,14 @@ async def main_loop(run: Run, t0: float) -> list[dict]:
         except DataExhausted as e:
             run.log.warning("data exhausted: the run ends here", step=i, reason=str(e))
             if rows and rows[-1]["eval_acc"] is None:
-                rows[-1]["eval_acc"] = await run.evaluation.accuracy()
+                rows[-1]["eval_acc"] = await _accuracy(run.task)
             break
         rows.append(row)
         run.report.step(row)
         run.loggers.log(row)
         stop_early = rs.max_minutes and time.monotonic() - t0 > rs.max_minutes * 60 and i < rs.steps - 1
         if stop_early and row["eval_acc"] is None:
-            row["eval_acc"] = await run.evaluation.accuracy()
+            row["eval_acc"] = await _accuracy(run.task)
         if rs.checkpoint_every and (i + 1) % rs.checkpoint_every == 0:
             await save(i)
         if stop_early:
@@ -310,28 +305,6 @@ async def main_loop(run: Run, t0: float) -> list[dict]:
     if rows and last_saved != rows[-1]["step"]:
         await save(rows[-1]["step"])  # and always at the end
     return rows
-
-
-def make_data(ds: DataSettings, seed: int) -> tuple[GeneratedData | FileData, str, int]:
-    """(prompt source, reward spec, the task's response budget: 0 = none, the model's context
-    decides, `PromptBudget.for_model`) from the task / data / reward settings."""
-    task = ds.task or ("addition" if not ds.train else "")
-    if task and task not in TASKS and task != "math":
-        raise DataError(f"unknown task {task!r}; built in: addition, math")
-    if not ds.train:
-        if task != "addition":
-            raise DataError(f"the {task} task needs --data (a JSONL/Parquet file or a datasets folder)")
-        generator = get_task("addition")
-        return (GeneratedData(generator, seed=seed), ds.reward or "addition",
-                generator.max_response_chars + 1)  # + EOS: never truncates an answer
-    reward = ds.reward or task
-    if not reward:
-        raise RewardError("--data needs a reward: --reward module:fn or path/to/file.py:fn (or --task math)")
-    fields = FieldMap(prompt=ds.prompt_key, messages=ds.messages_key, ground_truth=ds.ground_truth_key,
-                      data_source=ds.data_source_key)
-    data = FileData(ds.train, ds.eval, fields, seed=seed, shuffle=ds.shuffle, epochs=ds.epochs,
-                    eval_size=ds.eval_size, eval_fraction=ds.eval_fraction)
-    return data, reward, 0
 
 
 async def train(inv: Invocation, model_dir: str, nats_url: str, redis_url: str, run_dir: Path,
@@ -365,8 +338,8 @@ async def train(inv: Invocation, model_dir: str, nats_url: str, redis_url: str, 
         if settings.metrics.port:
             metrics.start_metrics_server(settings.metrics.port, settings.metrics.bind)
             asyncio.create_task(metrics.poll_queue_pending(c.js, (POOL,), stop_metrics))
-        run = await setup(s, model_dir, prepared, inv.resume, c, nats_url, redis_url, run_dir, run_id, trainer, ops,
-                          report, stack)
+        run = await setup(Launch(inv, model_dir, run_dir, run_id, c, nats_url, redis_url, trainer, ops, report,
+                                 prepared), stack)
         rows = await main_loop(run, t0)
         final_sha = None if ranks.distributed else weights_sha256(trainer.state_dict(torch.float32))
     if not rows:
@@ -383,9 +356,9 @@ async def train(inv: Invocation, model_dir: str, nats_url: str, redis_url: str, 
             "device": str(trainer.device), "ranks": ranks.world,
             "tokens_per_s": round(sum(r["tokens"] for r in rows) / max(1e-9, sum(r["step_s"] for r in rows)), 1),
             "wall_s": round(time.monotonic() - t0, 1), "final_weights_sha256": final_sha,
-            "filtered_prompts": run.source.filtered_total, "reward_errors": run.scorer.errors,
-            "reward_timeouts": run.scorer.timeouts,
-            "request_errors": sum(r["request_errors"] for r in rows), "data": run.source.data.state(),
+            "filtered_prompts": run.task.source.filtered_total, "reward_errors": run.task.scorer.errors,
+            "reward_timeouts": run.task.scorer.timeouts,
+            "request_errors": sum(r["request_errors"] for r in rows), "data": run.task.source.data.state(),
             "checkpoint": str(final) if final else None, "run_dir": str(run_dir)}
 
 

@@ -1,16 +1,18 @@
-"""The scorer: the user's reward for a group of results, and for the held-out set's greedy answers.
+"""The scorer of single-turn prompts: the user's reward for a group of results, and for the
+held-out set's greedy answers (the episodes' is `trainer.episode_scoring.EpisodeScorer`, the same shape).
 
 It owns the reward function's process pool (`trainer.rewards.RewardPool`: a slow or crashing
 reward never blocks or kills the trainer) and turns token ids back into the text a reward
 function reads (`Item`: prompt, response, ground truth, finish reason). A result no engine could
 serve (`finish_reason == "error"`) scores 0 without a call: there is no response to judge.
 Errors and timeouts are counted for the run (`errors`, `timeouts`) and per step (`step_errors`,
-`step_timeouts`, set back to 0 by the caller at a step's start).
+`step_timeouts`, set back to 0 at a step's start: `begin_step`).
 """
 
 from __future__ import annotations
 
 from rlboost import wire
+from rlboost.orchestrator import GroupScores
 from trainer.data import Sample
 from trainer.model import decode_response
 from trainer.rewards import Item, RewardPool
@@ -35,7 +37,10 @@ class Scorer:
                     ground_truth=sample.ground_truth, data_source=sample.data_source, finish_reason=finish_reason,
                     extra=sample.extra, chat=sample.messages is not None)
 
-    async def group(self, sample: Sample, results: list[wire.RolloutResult]) -> list[float]:
+    def begin_step(self) -> None:
+        self.step_errors = self.step_timeouts = 0
+
+    async def group(self, sample: Sample, results: list[wire.RolloutResult]) -> GroupScores:
         """Rewards of one group (every result answers `sample`), in `results` order."""
         ok = [i for i, r in enumerate(results) if r.finish_reason != "error"]
         rewards = [0.0] * len(results)
@@ -45,7 +50,11 @@ class Scorer:
             rewards[i] = v
         self.step_errors += scored.errors
         self.step_timeouts += scored.timeouts
-        return rewards
+        return GroupScores(rewards)
+
+    def step_fields(self, trained: list) -> dict:
+        """More fields of a step's row, of the groups it trained: none for single-turn prompts."""
+        return {}
 
     async def greedy(self, samples: list[Sample], rows: list[list[int]]) -> list[float]:
         """Rewards of greedy responses (`rows`, one per sample; held-out evaluation)."""

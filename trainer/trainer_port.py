@@ -1,9 +1,10 @@
 """The trainer port: the real GRPO trainer as the orchestrator's `TrainerPort`.
 
-The orchestrator calls three things a step: `score` a complete group (off the trainer's path:
-the user's reward, in the scorer's process pool), `train_group` (back-propagate it; the
-optimizer step waits for the batch) and `finish_step` (the optimizer step, then the new weights
-published as the next policy version by the ledger). This adapter is all it sees of the run.
+The orchestrator calls two things a step: `train_group` on each complete group, scored by the
+run's task (`GroupScores`: the rewards, and each episode's turn rewards where there are any;
+back-propagate it, the optimizer step waits for the batch) and `finish_step` (the optimizer
+step, then the new weights published as the next policy version by the ledger). This adapter is
+all it sees of the trainer.
 
 Why the group index differs by mode: sync / async train a step's own groups, and the group's
 index in its step keeps ordered streaming reproducible; partial mixes groups of several steps in
@@ -16,16 +17,14 @@ import asyncio
 import time
 
 from rlboost import wire
+from rlboost.orchestrator import GroupScores
 from rlboost.weights.ledger import VersionLedger
 from trainer.grpo_trainer import GRPOTrainer
-from trainer.request_source import RequestSource
-from trainer.scoring import Scorer
 
 
 class GRPOPort:
-    def __init__(self, trainer: GRPOTrainer, ops, source: RequestSource, scorer: Scorer, ledger: VersionLedger,
-                 *, partial: bool) -> None:
-        self.trainer, self.ops, self.source, self.scorer, self.ledger = trainer, ops, source, scorer, ledger
+    def __init__(self, trainer: GRPOTrainer, ops, ledger: VersionLedger, *, partial: bool) -> None:
+        self.trainer, self.ops, self.ledger = trainer, ops, ledger
         self.partial = partial
         self._batch_position = 0
 
@@ -39,17 +38,11 @@ class GRPOPort:
 
     # ------------------------------------------------------------------ TrainerPort
 
-    async def score(self, key: tuple[int, int], results: list[wire.RolloutResult]) -> list[float]:
-        return await self.scorer.group(self.source.sample(key), results)
-
-    async def train_group(self, key: tuple[int, int], results: list[wire.RolloutResult], rewards: list[float],
+    async def train_group(self, key: tuple[int, int], results: list[wire.RolloutResult], scores: GroupScores,
                           start: float) -> float:
         index = self._batch_position if self.partial else key[1]
         self._batch_position += 1
-        self.source.trained(key)
-        # an episode scorer's rewards carry each episode's turn rewards (trainer.episodes.EpisodeRewards)
-        await asyncio.to_thread(self.trainer.add_group, index, results, list(rewards),
-                                getattr(rewards, "turn_rewards", None))
+        await asyncio.to_thread(self.trainer.add_group, index, results, list(scores.rewards), scores.turn_rewards)
         return time.monotonic()
 
     async def finish_step(self, step: int):
