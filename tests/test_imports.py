@@ -1,6 +1,7 @@
-"""The house's floors, read from the code's own imports: `rlboost/` (the core) imports neither
-`workers/` nor `trainer/`; `workers/` does not import `trainer/`; no product module imports the
-benchmarks wing; and no module imports itself back through another (an import circle)."""
+"""The house's floors, read from every import in the code (lazy ones and those under
+`TYPE_CHECKING` too): `rlboost/` (the core) imports neither `workers/` nor `trainer/`; `workers/`
+does not import `trainer/`; no product module imports the benchmarks wing; and no module imports
+itself back through another (an import circle)."""
 
 from __future__ import annotations
 
@@ -26,14 +27,12 @@ def modules() -> dict[str, Path]:
 
 
 def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """Every project module `name` imports (at any depth of its code: a lazy import is an
-    import too)."""
+    """Every project module `name` imports, at any depth of its code: a lazy import is an import
+    too, and so is one under `TYPE_CHECKING` (a module that names another's types to check them
+    depends on it as surely as one that runs it)."""
     found: set[str] = set()
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    for block in [n for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)]:
-        block.body = []  # annotations only: nothing runs
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -94,8 +93,10 @@ def test_no_import_circle():
 
 
 def test_the_checker_sees_a_circle_and_a_floor(tmp_path, monkeypatch):
-    """The rules above can fail: a planted circle and an upward import are both found."""
-    for package, body in (("rlboost", "from workers import b\n"), ("workers", "import rlboost.a\n")):
+    """The rules above can fail: a planted circle and an upward import are both found, the circle
+    closed by an import under `TYPE_CHECKING` and the floor broken by one inside a function."""
+    for package, body in (("rlboost", "def f():\n    from workers import b\n"),
+                          ("workers", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import rlboost.a\n")):
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text("")
         (tmp_path / package / ("a.py" if package == "rlboost" else "b.py")).write_text(body)

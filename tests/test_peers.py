@@ -376,7 +376,7 @@ async def test_a_late_joiner_takes_a_rebuilt_version_whole_from_a_peer_and_refus
     as they arrive. A peer that serves one byte wrong is refused and not asked again; with no
     honest holder the joiner takes the snapshot and the deltas from the origin, and then serves
     the version itself."""
-    from rlboost.weights import cache as cache_module
+    from rlboost.weights import peer_versions as cache_module
 
     monkeypatch.setattr(cache_module, "PEER_PIECE_BYTES", piece)
     origin = FileBlobStore(tmp_path / "origin", create=True)
@@ -445,7 +445,7 @@ async def test_a_late_joiner_takes_a_rebuilt_version_whole_from_a_peer_and_refus
 
 
 def test_a_version_file_is_cut_into_pieces_of_whole_tensors_each_with_bytes():
-    from rlboost.weights.cache import _pieces
+    from rlboost.weights.peer_versions import _pieces
 
     header, big, empty, small = (0, 8, ""), (8, 100, "a" * 64), (108, 0, "b" * 64), (108, 5, "c" * 64)
     assert _pieces([header, big, empty, small], 50) == [[header], [big, empty], [small]]

@@ -26,17 +26,34 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-if TYPE_CHECKING:  # the trainer calls this module (save_checkpoint / load_checkpoint), not the reverse
-    from trainer.grpo_trainer import GRPOTrainer
+if TYPE_CHECKING:
+    from trainer.distributed import Ranks
 
 STATE_FILE = "trainer_state.json"
+
+
+class Checkpointable(Protocol):
+    """What a checkpoint saves and restores of a trainer. `trainer.grpo_trainer.GRPOTrainer` is one
+    and calls this module (save_checkpoint / load_checkpoint): named here, not imported, so that
+    this module never reads the trainer's."""
+
+    ranks: Ranks
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    tokenizer: Any  # a Hugging Face tokenizer (save_pretrained)
+    master_dtype: torch.dtype
+    precision: str
+    version: int
+
+    def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]: ...
 
 
 def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
@@ -54,7 +71,7 @@ def latest(run_dir: str | Path) -> Path | None:
 
 
 @contextlib.contextmanager
-def _quiet(trainer: GRPOTrainer):
+def _quiet(trainer: Checkpointable):
     """One process: DCP warns that it is 'assuming the intent is to save in a single process'. It is."""
     with warnings.catch_warnings():
         if not trainer.ranks.distributed:
@@ -62,12 +79,12 @@ def _quiet(trainer: GRPOTrainer):
         yield
 
 
-def _barrier(trainer: GRPOTrainer) -> None:
+def _barrier(trainer: Checkpointable) -> None:
     if trainer.ranks.distributed:
         torch.distributed.barrier()
 
 
-def save(trainer: GRPOTrainer, run_dir: str | Path, step: int, meta: dict[str, Any], keep: int = 2) -> Path:
+def save(trainer: Checkpointable, run_dir: str | Path, step: int, meta: dict[str, Any], keep: int = 2) -> Path:
     """Write the checkpoint of the state after `step` (every rank calls this under FSDP2)."""
     t0 = time.perf_counter()
     root = Path(run_dir) / "checkpoints"
@@ -107,7 +124,7 @@ def save(trainer: GRPOTrainer, run_dir: str | Path, step: int, meta: dict[str, A
     return final
 
 
-def export_hf(weights: dict[str, torch.Tensor], trainer: GRPOTrainer, out: Path) -> None:
+def export_hf(weights: dict[str, torch.Tensor], trainer: Checkpointable, out: Path) -> None:
     """config.json + model.safetensors + tokenizer: a folder `from_pretrained` loads."""
     out.mkdir(parents=True, exist_ok=True)
     config = trainer.model.config
@@ -118,7 +135,7 @@ def export_hf(weights: dict[str, torch.Tensor], trainer: GRPOTrainer, out: Path)
     trainer.tokenizer.save_pretrained(out)
 
 
-def load(trainer: GRPOTrainer, ckpt: str | Path) -> dict[str, Any]:
+def load(trainer: Checkpointable, ckpt: str | Path) -> dict[str, Any]:
     """Restore the trainer (weights, optimizer, scheduler, version, this rank's RNG) from `ckpt`;
     returns its trainer_state.json (every rank calls this under FSDP2)."""
     ckpt = Path(ckpt)

@@ -13,7 +13,7 @@ from rlboost.config import ConfigError, Settings, apply_overrides, parse_overrid
 from rlboost.logs import get_logger
 from rlboost.services import resolve_urls
 from rlboost.weights import VersionPointer, WeightCache, open_store
-from rlboost.weights.peers import peer_cache
+from rlboost.weights.cache import peer_cache
 from rlboost.weights.source import StoreWeights, WeightSource
 from workers.counters import Counters
 from workers.engines import EngineError, engine_from_settings

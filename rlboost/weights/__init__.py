@@ -7,7 +7,11 @@ pulled into a verified local cache.
 - `deltas`: bit-exact encodings of a tensor's change (sparse2: positions + integer differences; XOR; raw), zstd-compressed;
 - `publisher`: trainer side (snapshot or delta, the version pointer, GC that keeps delta bases);
 - `pointer`: the latest published version in the `rb-policy` KV bucket;
-- `cache`: worker side (cheapest path to a version, reconstruct, verify, fall back to a snapshot);
+- `cache`: worker side, `WeightCache` (tries the ways to a version in order, replays deltas, falls back to a snapshot),
+  coordinating `plan` (the ways to a version given what is cached, cheapest first), `fetch` (each blob
+  verified, from peers or the origin), `peer_versions` (a rebuilt version taken whole from a peer), `origin`
+  (the store read with retries: manifests, snapshot deltas), `disk` (the on-disk content-addressed cache)
+  and `stats` (what pulls cost);
 - `peers`, `peerhttp`: workers serve each other the blobs they hold verified, the store last;
 - `safetensors_io`: zero-copy reading of a verified version directory;
 - `source`: `WeightSource` ("version -> folder an engine loads"; `StoreWeights`, `EmulatedWeights`);

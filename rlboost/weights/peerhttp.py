@@ -35,7 +35,7 @@ from rlboost.weights.errors import StoreError
 from rlboost.webserver import loopback, start_app
 
 if TYPE_CHECKING:
-    from rlboost.weights.cache import WeightCache
+    from rlboost.weights.disk import VerifiedFiles
 
 log = get_logger(component="peers")
 
@@ -63,7 +63,7 @@ class PeerBusy(PeerError):
 class PeerServer:
     """Serves `cache`'s verified blobs over HTTP. `start()` returns the URL to advertise."""
 
-    def __init__(self, cache: WeightCache, *, host: str = "127.0.0.1", port: int = 0, token: str = "",
+    def __init__(self, cache: VerifiedFiles, *, host: str = "127.0.0.1", port: int = 0, token: str = "",
                  max_serving: int = 4, advertise_host: str = "") -> None:
         if not token and not loopback(host):
             raise StoreError(f"weights.peer_host {host!r} is not a loopback address: set a peer token first "

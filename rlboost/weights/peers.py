@@ -6,7 +6,7 @@ HTTP (`peerhttp.PeerServer`) and says so in the `rb-peers` KV bucket, one entry 
 the origin now, claim_ts}. Every change is a compare-and-set on that one entry (KV revision), so
 concurrent workers never lose each other's updates.
 
-A pull (`WeightCache._fetch`, with `peers=`) then takes each blob:
+A pull (`rlboost.weights.fetch`, a `WeightCache` with `peers=`) then takes each blob:
 1. from up to `tries` holders, in random order (spreads the load); a busy one (503) is tried
    again a little later, one that fails or lies is not asked again for this blob;
 2. if none holds it: claims it and fetches it from the origin, keeping the claim fresh while it
@@ -23,10 +23,10 @@ A version rebuilt from deltas is served whole too: its cache's files are the sam
 worker (the layout follows from the manifest, every tensor's bytes are its SHA-256), so a worker
 advertises `version.<manifest digest>` and serves its files; a late joiner with an empty cache
 takes the version from such a holder, file by file, checking the header and every tensor's
-SHA-256 as the bytes arrive (`WeightCache._from_peer_version`), instead of the nearest snapshot
+SHA-256 as the bytes arrive (`rlboost.weights.peer_versions`), instead of the nearest snapshot
 and the deltas since. It replays nothing, as a plain snapshot pull does not.
 
-Not done here: a base snapshot a late joiner only replays deltas on (`_from_base_snapshot`) is
+Not done here: a base snapshot a late joiner only replays deltas on (`WeightCache._from_base_snapshot`) is
 not kept, so it is neither claimed nor advertised (its shards come from peers that pulled that
 snapshot version, else from the origin); a version is not claimed (a joiner that finds no holder
 takes the snapshot and the deltas since, and serves the version it rebuilt).
@@ -36,12 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 from nats.js import JetStreamContext
@@ -50,17 +47,11 @@ from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequen
 
 from rlboost import wire
 from rlboost.logs import get_logger
-from rlboost.weights.blobstore import BlobStore
-from rlboost.weights.errors import StoreError
 from rlboost.weights.peerhttp import PeerBusy, PeerError, PeerServer, read_blob, read_version_file
-
-if TYPE_CHECKING:
-    from rlboost.config import WeightsSettings
-    from rlboost.weights.cache import WeightCache
 
 log = get_logger(component="peers")
 
-__all__ = ["PeerNetwork", "BlobHolders", "PeerBusy", "PeerError", "PeerServer", "open_peers_bucket", "peer_cache"]
+__all__ = ["PeerNetwork", "BlobHolders", "PeerBusy", "PeerError", "PeerServer", "open_peers_bucket"]
 
 PEERS_TTL_S = 24 * 3600.0  # an entry nobody touched for a day is dropped (the blob is long gone)
 
@@ -258,24 +249,3 @@ def _refreshed(cur: BlobHolders, peer_id: str) -> BlobHolders | None:
         return None  # taken over (we stalled past claim_stale_s): the fetch goes on regardless
     cur.claim_ts = time.time()
     return cur
-
-
-async def peer_cache(root: str | os.PathLike[str], store: BlobStore, js: JetStreamContext, peer_id: str,
-                     cfg: WeightsSettings, **cache_options) -> tuple[WeightCache, PeerServer]:
-    """A worker's weight cache with peers on (`[weights] peers`): its server started, bound to
-    `peer_host`, and its URL (`peer_advertise` or the bound host) used in adverts. The token is
-    read from the environment variable `peer_token_env` names; a non-loopback address needs one."""
-    from rlboost.weights.cache import WeightCache
-
-    token = os.environ.get(cfg.peer_token_env, "") if cfg.peer_token_env else ""
-    network = PeerNetwork(await open_peers_bucket(js), peer_id, token=token, tries=cfg.peer_tries,
-                          wait_s=cfg.peer_wait_s)
-    cache = WeightCache(Path(root), store, peers=network, **cache_options)
-    server = PeerServer(cache, host=cfg.peer_host, port=cfg.peer_port, token=token,
-                        max_serving=cfg.peer_max_serving, advertise_host=cfg.peer_advertise)
-    try:
-        network.url = await server.start()
-    except OSError as e:
-        cache.close()
-        raise StoreError(f"weights.peer_host {cfg.peer_host}:{cfg.peer_port}: cannot serve peers: {e}") from e
-    return cache, server
