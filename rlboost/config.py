@@ -462,7 +462,7 @@ class RolloutSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class EndpointSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`rlboost serve-openai`: an OpenAI-compatible chat-completions endpoint whose every call is
-    a checkpointed rollout request (rlboost/endpoint.py, docs/guides/agent-harnesses.md)."""
+    a checkpointed rollout request (rlboost/endpoint/, docs/guides/agent-harnesses.md)."""
 
     host: str = "127.0.0.1"  # loopback unless told otherwise; any other address needs a token
     port: int = 8000  # 0 = a free port (printed at start)

@@ -74,7 +74,7 @@ WEIGHT_PULL_BYTES = Counter("rlboost_weight_pull_bytes_total", "Bytes of weight 
 WEIGHT_PULL_SECONDS = Histogram("rlboost_weight_pull_seconds", "Time to make a policy version available locally",
                                 buckets=(.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=REGISTRY)
 
-# ---------------------------------------------------------------- the OpenAI endpoint (rlboost/endpoint.py)
+# ---------------------------------------------------------------- the OpenAI endpoint (rlboost/endpoint/)
 ENDPOINT_CALLS = Counter("rlboost_endpoint_calls_total", "Chat-completions calls answered, by HTTP status",
                          ["status"], registry=REGISTRY)
 ENDPOINT_CALL_SECONDS = Histogram("rlboost_endpoint_call_seconds",
