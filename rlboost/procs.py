@@ -1,5 +1,5 @@
 """Process liveness, for the embedded servers (`rlboost.services`) and the weight cache's
-locks (`rlboost.weights.cache`): one definition below both, so neither imports the other."""
+locks (`rlboost.weights.disk`): one definition below both, so neither imports the other."""
 
 from __future__ import annotations
 
