@@ -222,7 +222,7 @@ return 1
 """
 
 # A request forwarded unstarted from the fresh lane to a resume lane (a seeding engine hands off
-# its queue, workers/worker.py `_forward_own_queue`): its spec recorded as its fresh claim would
+# its queue, workers/handoff.py `forward_own_queue`): its spec recorded as its fresh claim would
 # (see _CLAIM), so the hand-off is taken. 1 recorded (or already so), 0 another spec is recorded.
 # ARGV: spec, keep_s.
 _VOUCH = """

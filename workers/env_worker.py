@@ -51,7 +51,7 @@ from rlboost.services import resolve_urls
 from workers.counters import Counters
 from workers.episodes import EpisodeHost, EpisodeRefused
 from workers.main import WORKER_NATS_OPTIONS, exit_after_grace
-from workers.worker import make_worker_id, publish_result, retrying
+from workers.inflight import make_worker_id, publish_result, retrying
 
 T = TypeVar("T")
 
