@@ -248,14 +248,12 @@ class Emulation:
             self.c, self.pool, self.reserved_fleet,
             [("--gpus", str(g), "--slots", str(g * SLOTS_PER_GPU)) for g in [INSTANCE_GPUS] * whole + [odd] * (odd > 0)],
             self.engine, self._fallback_settings, self.counters, capacity=RESERVED_GPUS / INSTANCE_GPUS)
-        rollout = RolloutSettings(mode=self.mode, prompts=self.a.prompts, samples=self.a.samples,
-                                  max_staleness=getattr(self.a, "max_staleness", 1),
-                                  overprovision=getattr(self.a, "overprovision", 0.25),
-                                  in_flight_updates=getattr(self.a, "in_flight_updates", True))
-        trainer = EmulatedTrainer(self.train_s_per_token / self.S, self.a.token_scale)
-        self.orchestrator = Orchestrator(rollout, OrchestratorPorts(self.c, self.pool, self.seeding, self, trainer,
-                                                                    window=self.window, on_result=self._on_result),
-                                         policy=self.policy, waiting_period_s=self.hb_s)
+        rollout = RolloutSettings(mode=self.mode, prompts=self.a.prompts, samples=self.a.samples, max_staleness=getattr(
+            self.a, "max_staleness", 1), overprovision=getattr(self.a, "overprovision", 0.25), in_flight_updates=getattr(
+            self.a, "in_flight_updates", True))
+        trainer = EmulatedTrainer(self.train_s_per_token / self.S, self.a.token_scale)  # self: the task (modelled prompts)
+        self.orchestrator = Orchestrator(rollout, OrchestratorPorts(self.c, self.pool, self.seeding, self, trainer, window=self.window,
+                                                                    on_result=self._on_result), policy=self.policy, waiting_period_s=self.hb_s)
         if self.policy == "hybrid" and self.ivs and isinstance(self.fleet, HostedFleet):
             self.fleet.open()  # the host processes start before the clock, like the nodes up at 0
         procs = {}
@@ -466,8 +464,6 @@ class Emulation:
                 if a.worker_id in self.preempted and b.worker_id != a.worker_id:
                     self.taken_over[r.request_id] = (a.worker_id, b.worker_id)
 
-    # ------------------------------------------------------------------ the task (`RolloutTask`): modelled prompts
-
     async def requests(self, step: int, version: int, groups: int) -> list[wire.RolloutRequest]:
         R = self.a.token_scale
         if getattr(self.a, "preempt_busy", False):  # (tests) what `_holding_work` looks at
@@ -478,11 +474,11 @@ class Emulation:
                                     max_new_tokens=MAX_NEW_TOKENS // R, seed=seed_of(step, p, g), group=p)
                 for p in range(groups) for g in range(self.a.samples)]
 
-    async def score(self, key, results: list[wire.RolloutResult]) -> GroupScores:
-        return GroupScores([0.0] * len(results))  # the emulated trainer trains on tokens, not rewards
+    async def score(self, key, results: list[wire.RolloutResult]) -> GroupScores:  # tokens are trained, not rewards
+        return GroupScores([0.0] * len(results))
 
-    async def evaluate(self) -> None:
-        return None  # no held-out set
+    async def evaluate(self) -> None:  # no held-out set
+        return None
 
     async def step(self, step: int) -> dict:
         """One step of the product's orchestration (rlboost/orchestrator.py), on emulated engines."""

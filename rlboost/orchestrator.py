@@ -372,12 +372,37 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ one step
 
+    async def _publish_step(self, step: int, version: int, live: int, republish: bool, publish_ahead: bool) -> None:
+        """A step's requests, published (step 1 of the docstring): this step (sync), what keeps
+        prompts + overprovision groups in flight (partial), or the steps up to step + k (async:
+        the later ones under today's version)."""
+        prompts = self.prompts
+        if self.mode == "async":
+            # ahead only while preemptible workers are live: with none, the reserved GPUs would
+            # generate the steps ahead while they train (in the trace bench they did both at once:
+            # colocated steps of 90 s instead of 230 on g4dn's first 600 s, which offers no instance)
+            ahead = self.max_staleness if publish_ahead and live > 0 and self.policy != "colocated" else 0
+            for s in range(step, step + ahead + 1):
+                if s not in self._published:
+                    await self._publish(s, await self.task.requests(s, version, prompts), live, republish,
+                                        ahead=s > step)  # resumed: all of them
+        elif self.mode == "partial":
+            for s, carried in self._carry:  # a resumed run: what its previous life had in flight
+                await self._publish(s, carried, live, republish=True)
+            self._carry.clear()
+            # every step trains `prompts` groups, so this is `prompts` after the first step whatever
+            # the timing: a resumed life draws what its previous life drew, under the same ids
+            groups = prompts + math.ceil(prompts * self.overprovision) - len(self._untrained)
+            await self._publish(step, await self.task.requests(step, version, max(groups, 0)), live, republish)
+        else:
+            await self._publish(step, await self.task.requests(step, version, prompts), live, republish)
+
     async def step(self, step: int, version: int, republish: bool = False, publish_ahead: bool = True) -> StepOutcome:
         """Run step `step` of the policy at `version` (the version being trained): the task's
         requests of `[rollout] prompts` groups, trained once that many are in and scored.
         `publish_ahead=False` (async): this step only, none ahead (a resumed run whose next
         version follows a gap in the numbering: what it published now would be too old then)."""
-        prompts, task = self.prompts, self.task
+        prompts = self.prompts
         t_start = time.monotonic()
         self._last_result = t_start
         seeding = self.policy != "disaggregated" or self.engines.capacity > 0
@@ -396,27 +421,8 @@ class Orchestrator:
             await self._clear_floor()  # sync / async: no floor (one a partial run left would upgrade requests)
         if seeding or live == 0:
             await self.engines.begin_step(step, handoff=live > 0 and self.policy != "colocated")
-        # 1. publish: this step (sync), what keeps prompts + overprovision groups in flight
-        # (partial), or the steps up to step + k (async: the later ones under today's version)
-        if self.mode == "async":
-            # ahead only while preemptible workers are live: with none, the reserved GPUs would
-            # generate the steps ahead while they train (in the trace bench they did both at once:
-            # colocated steps of 90 s instead of 230 on g4dn's first 600 s, which offers no instance)
-            ahead = self.max_staleness if publish_ahead and live > 0 and self.policy != "colocated" else 0
-            for s in range(step, step + ahead + 1):
-                if s not in self._published:
-                    await self._publish(s, await task.requests(s, version, prompts), live, republish,  # resumed: all
-                                        ahead=s > step)
-        elif self.mode == "partial":
-            for s, carried in self._carry:  # a resumed run: what its previous life had in flight
-                await self._publish(s, carried, live, republish=True)
-            self._carry.clear()
-            # every step trains `prompts` groups, so this is `prompts` after the first step whatever
-            # the timing: a resumed life draws what its previous life drew, under the same ids
-            groups = prompts + math.ceil(prompts * self.overprovision) - len(self._untrained)
-            await self._publish(step, await task.requests(step, version, max(groups, 0)), live, republish)
-        else:
-            await self._publish(step, await task.requests(step, version, prompts), live, republish)
+        # 1. publish
+        await self._publish_step(step, version, live, republish, publish_ahead)
         stop_waiting = asyncio.Event()
         waiting = asyncio.create_task(self.manager.sample_waiting(stop_waiting, self.waiting_period_s,
                                                                   exclude=self.engines.worker_ids())) if live else None
