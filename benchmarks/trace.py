@@ -106,10 +106,11 @@ from rlboost.offload import SeedWindow
 from rlboost.orchestrator import GroupScores, Orchestrator, OrchestratorPorts
 from rlboost.replay import migrations, read_subject
 from rlboost.services import running_services
-from benchmarks.spot import (Interval, TraceError, available, instance_seconds, intervals, parse_trace,
+from benchmarks.spot import (Interval, TraceError, instance_seconds, intervals, parse_trace,
                           sample_nodes, static_intervals)
 from benchmarks import percentile
 from benchmarks.fleet_host import HostedFleet
+from benchmarks.trace_report import plot, print_table, rented_of
 from benchmarks.trace_model import (INSTANCE_GPUS, MAX_NEW_TOKENS, PROMPT_TOKENS, PUBLISHED, RESERVED_GPUS,
                                             SLOTS_PER_GPU, TRAIN_S_PER_TOKEN, balanced_split, generation_gpu_s,
                                             model_hybrid_throughput, model_step_s, modelled_lengths, seed_of,
@@ -587,10 +588,6 @@ def oracle(colocated: dict, ivs: list[Interval], duration_s: float, prices: Pric
 TRAINER_BOUND = 1.0 / TRAIN_S_PER_TOKEN  # tokens/s: the trainer with rollout never waiting (~27.8K)
 
 
-def rented_of(run: dict) -> list[Interval]:
-    return [Interval(node, up, down, pre) for node, up, down, pre in run.get("rented_intervals", [])]
-
-
 def summarise(policies: dict, ivs: list[Interval], a: argparse.Namespace) -> dict:
     """Each hybrid run against colocated: `oracle` (linear: colocated x (8 + 2n) / 8 on the
     instances that run rented) and `bound` (the run's own upper bound, `trace_model.throughput_bound`:
@@ -621,59 +618,51 @@ def summarise(policies: dict, ivs: list[Interval], a: argparse.Namespace) -> dic
     return result
 
 
-def print_table(policies: dict, published: dict[str, float] | None = None, model: dict[str, float] | None = None) -> None:
-    """`published`: the paper's figures; `model`: the timing model alone (no system overhead)."""
-    print(f"\n{'policy':20}{'tokens/s':>10}{'$/h':>9}{'tok/s per $/h':>15}{'rented':>8}{'x coloc':>9}{'cost eff':>9}"
-          f"{'bound':>8}{'of bound':>9}{'preempt':>9}{'regen':>10}{'hand-offs':>10}"
-          + (f"{'published':>11}" if published else "") + (f"{'model':>9}" if model else ""))
-    for name, r in policies.items():
-        pub = f"{published[name]:>11,.0f}" if published and name in published else ""
-        mod = f"{model[name]:>9,.0f}" if model and name in model else ""
-        extra = (f"{r['avg_instances_rented']:>8.2f}" if "avg_instances_rented" in r else f"{'':>8}") + (
-            f"{r['throughput_ratio']:>9.2f}{r['cost_efficiency_gain']:>+9.0%}{r['bound']:>8,.0f}{r['bound_fraction']:>9.0%}"
-            if "bound" in r else f"{'':>34}")
-        print(f"{name:20}{r['throughput']:>10,.0f}{r['cost_per_hour']:>9.2f}{r['cost_efficiency']:>15.2f}{extra}"
-              f"{r['preemptions']:>9}{r['regenerated_tokens']:>10}{r.get('handoffs', 0):>10}{pub}{mod}")
+def _runs(a: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str]) -> tuple[list[Interval], list[tuple]]:
+    """The availability intervals and the runs (label, policy, intervals, mode, fleet) the
+    command line asks for; prints what the trace segment holds."""
+    if a.calibrate or a.static:
+        a.duration = a.duration if "--duration" in argv else 1800.0
+        ivs: list[Interval] = []
+        counts = [int(x) for x in (a.static or "1,2,3,4").split(",") if x]
+        runs = ([("colocated", "colocated", [])] if a.calibrate else []) + [
+            (f"static-{n}", "hybrid", static_intervals(n, a.duration)) for n in counts]
+        runs = [(label, policy, x, "sync", "all") for label, policy, x in runs]
+    else:
+        if not a.trace:
+            p.error("--trace FILE is required (or --calibrate)")
+        events = parse_trace(a.trace)  # TraceError, OSError: the caller's one line
+        nodes = sample_nodes(events, a.fraction, a.seed)
+        ivs = intervals([e for e in events if e.node in nodes], a.start, a.duration)
+        fleets = [f for f in a.fleet.split(",") if f]
+        try:
+            for f in fleets:
+                fleet_settings(f, a.prices)
+        except ValueError as e:
+            p.error(str(e))
+        modes = [m for m in a.mode.split(",") if m]
+        if set(modes) - {"sync", "partial", "async"}:
+            p.error(f"--mode {a.mode}: use sync, partial, async (comma-separated)")
+        names = [x for x in a.policies.split(",") if x]
+        unknown = set(names) - {"colocated", "disaggregated", "hybrid"}
+        if unknown:
+            p.error(f"unknown policies {sorted(unknown)}")
+        runs = [(x, x, [], "sync", "all") for x in names if x != "hybrid"]
+        if "hybrid" in names:  # each rollout mode under each fleet policy, in the same table
+            for f in fleets:
+                for m in modes:
+                    label = ("hybrid" if m == "sync" else f"hybrid-{m}") + (f"@{f}" if len(fleets) > 1 else "")
+                    runs.append((label, "hybrid", ivs, m, f))
+        print(f"trace {a.trace}: {len(nodes)} of {len({e.node for e in events})} nodes sampled (seed {a.seed}), "
+              f"segment [{a.start:.0f}, {a.start + a.duration:.0f}) s: {len(ivs)} availability intervals, "
+              f"{sum(i.preempted for i in ivs)} preemptions, {instance_seconds(ivs) / a.duration:.2f} instances up "
+              f"on average; --fleet {a.fleet}" + (f" (at most {a.max_instances})" if a.max_instances else "")
+              + f"; compressed {a.speed:g}x "
+              f"(~{(a.duration + a.baseline_duration * (len(runs) - 1)) / a.speed / 60:.0f} min)", flush=True)
+    return ivs, runs
 
 
-def plot(ivs: list[Interval], duration: float, policies: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ts = [duration * i / 600 for i in range(601)]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
-    ax1.step([t / 60 for t in ts], [available(ivs, t) for t in ts], where="post", color="gray", label="available")
-    for name, r in policies.items():  # each hybrid run's rented instances
-        if ivs and name.startswith("hybrid") and r.get("rented_intervals") is not None:
-            fleet = rented_of(r)
-            ax1.step([t / 60 for t in ts], [available(fleet, t) for t in ts], where="post", ls="--", lw=1,
-                     label=f"rented: {name}")
-    if ivs:
-        ax1.legend(loc="upper left", fontsize=7)
-    ax1.set_xlabel("minutes into the segment")
-    ax1.set_ylabel("preemptible instances up (2xH100 each)", color="gray")
-    ax1.set_title("available vs rented instances, per-step throughput")
-    axr = ax1.twinx()
-    for name, r in policies.items():
-        if r.get("series"):
-            axr.step([x / 60 for x, _ in r["series"]], [y for _, y in r["series"]], where="pre", label=name)
-    axr.set_ylabel("tokens/s (modelled)")
-    axr.legend(loc="upper right", fontsize=8)
-    names = list(policies)
-    ax2.bar(names, [policies[n]["throughput"] for n in names], color="tab:blue")
-    ax2.set_ylabel("tokens/s (modelled)", color="tab:blue")
-    ax3 = ax2.twinx()
-    ax3.plot(names, [policies[n]["cost_efficiency"] for n in names], "o-", color="tab:red")
-    ax3.set_ylabel("tokens/s per $/h", color="tab:red")
-    ax2.set_title("throughput (bars) and cost efficiency (dots) per policy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def main(argv: list[str], s: Settings) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlboost bench trace", description=__doc__.splitlines()[0])
     p.add_argument("--trace", help="a trace file: `ms,add|remove,nodeN` per line")
     p.add_argument("--start", type=float, default=0.0, help="segment start (s into the trace)")
@@ -710,52 +699,20 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--reserved-gpu-hour", type=float, default=Prices.reserved_gpu_hour)
     p.add_argument("--preemptible-gpu-hour", type=float, default=Prices.preemptible_gpu_hour)
     p.add_argument("--out", default="", help="directory for trace.png, trace.json and worker logs")
+    return p
+
+
+def main(argv: list[str], s: Settings) -> int:
+    p = _parser()
     a = p.parse_args(argv)
     configure_logging(json=s.log_json, level="warning")  # progress lines and the table are the output
     a.prices = Prices(a.reserved_gpu_hour, a.preemptible_gpu_hour)
     t_wall = time.monotonic()
-    if a.calibrate or a.static:
-        a.duration = a.duration if "--duration" in argv else 1800.0
-        ivs: list[Interval] = []
-        counts = [int(x) for x in (a.static or "1,2,3,4").split(",") if x]
-        runs = ([("colocated", "colocated", [])] if a.calibrate else []) + [
-            (f"static-{n}", "hybrid", static_intervals(n, a.duration)) for n in counts]
-        runs = [(label, policy, x, "sync", "all") for label, policy, x in runs]
-    else:
-        if not a.trace:
-            p.error("--trace FILE is required (or --calibrate)")
-        try:
-            events = parse_trace(a.trace)
-        except (TraceError, OSError) as e:
-            print(f"rlboost bench trace: {e}", flush=True)
-            return 2
-        nodes = sample_nodes(events, a.fraction, a.seed)
-        ivs = intervals([e for e in events if e.node in nodes], a.start, a.duration)
-        fleets = [f for f in a.fleet.split(",") if f]
-        try:
-            for f in fleets:
-                fleet_settings(f, a.prices)
-        except ValueError as e:
-            p.error(str(e))
-        modes = [m for m in a.mode.split(",") if m]
-        if set(modes) - {"sync", "partial", "async"}:
-            p.error(f"--mode {a.mode}: use sync, partial, async (comma-separated)")
-        names = [x for x in a.policies.split(",") if x]
-        unknown = set(names) - {"colocated", "disaggregated", "hybrid"}
-        if unknown:
-            p.error(f"unknown policies {sorted(unknown)}")
-        runs = [(x, x, [], "sync", "all") for x in names if x != "hybrid"]
-        if "hybrid" in names:  # each rollout mode under each fleet policy, in the same table
-            for f in fleets:
-                for m in modes:
-                    label = ("hybrid" if m == "sync" else f"hybrid-{m}") + (f"@{f}" if len(fleets) > 1 else "")
-                    runs.append((label, "hybrid", ivs, m, f))
-        print(f"trace {a.trace}: {len(nodes)} of {len({e.node for e in events})} nodes sampled (seed {a.seed}), "
-              f"segment [{a.start:.0f}, {a.start + a.duration:.0f}) s: {len(ivs)} availability intervals, "
-              f"{sum(i.preempted for i in ivs)} preemptions, {instance_seconds(ivs) / a.duration:.2f} instances up "
-              f"on average; --fleet {a.fleet}" + (f" (at most {a.max_instances})" if a.max_instances else "")
-              + f"; compressed {a.speed:g}x "
-              f"(~{(a.duration + a.baseline_duration * (len(runs) - 1)) / a.speed / 60:.0f} min)", flush=True)
+    try:
+        ivs, runs = _runs(a, p, argv)
+    except (TraceError, OSError) as e:
+        print(f"rlboost bench trace: {e}", flush=True)
+        return 2
     if not (s.services.nats_url and s.services.redis_url):
         s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-trace-")
     out_dir = Path(a.out or tempfile.mkdtemp(prefix="rlboost-trace-out-"))
