@@ -65,7 +65,7 @@ Rollout modes (`[rollout] mode`):
   older); a result that were older would fail the step (`StalenessExceeded`), never be trained.
   With `in_flight_updates` (the default) the requests are `upgradable`: a worker moving to a
   newer version for the next step's requests carries its unfinished ones along (their later
-  tokens a segment of the newer version, `workers/worker.py` `_carry_forward`) instead of
+  tokens a segment of the newer version, `workers/versions.py` `Versions.carry_forward`) instead of
   finishing them first, one version at a time. No segment is older than the published version,
   so the bound holds.
 

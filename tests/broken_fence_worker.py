@@ -10,7 +10,7 @@ import runpy
 
 from rlboost import checkpoint
 
-EPOCH_CHECK = "if m[1] ~= epoch then return -1 end"
+EPOCH_CHECK = "if m[1] ~= epoch or m[4] ~= digest then return -1 end"  # the fence: epoch and the lease's proof
 
 if __name__ == "__main__":
     assert EPOCH_CHECK in checkpoint._APPEND_MANY, "the append script changed: update this test worker"

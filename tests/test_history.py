@@ -19,11 +19,11 @@ from rlboost.replay import read_subject
 from rlboost.checkpoint import CheckpointStore, LeaseLost
 from benchmarks import faults, history
 
-EPOCH_CHECK = "if m[1] ~= epoch then return -1 end"
+EPOCH_CHECK = "if m[1] ~= epoch or m[4] ~= digest then return -1 end"  # the fence: epoch and the lease's proof
 
 
 class BrokenFenceStore(CheckpointStore):
-    """The store with the epoch check taken out of its batched append (`_APPEND_MANY`): a stale
+    """The store with the fence (epoch and proof) taken out of its batched append (`_APPEND_MANY`): a stale
     lease holder's write at the current end of the checkpoint is accepted. Test-only."""
 
     def __init__(self, *args, **kwargs) -> None:
