@@ -45,7 +45,7 @@ from typing import Any
 from rlboost import episodes, wire
 from rlboost.envs import BUILTIN_ENVS, load_env
 from rlboost.envs.chat import ChatFormat, chat_format
-from rlboost.envs.episode import EpisodeRunner, Generation, Segment, Snapshot
+from rlboost.envs.episode import EpisodeRunner, Generation, Snapshot, Span
 from rlboost.config import EnvSettings
 from rlboost.errors import RlboostError
 from rlboost.logs import get_logger
@@ -262,7 +262,7 @@ class EpisodeHost:
                 raise EpisodeRefused("the environment's opening in this worker's chat format is not the request's "
                                      f"prompt ({len(snap.segments[0].token_ids)} vs {len(req.prompt_ids)} tokens)")
             if not snap.segments:  # start failed: the episode ended before it began (an env_error)
-                snap.segments = [Segment(kind="prompt", token_ids=list(req.prompt_ids))]
+                snap.segments = [Span(kind="prompt", token_ids=list(req.prompt_ids))]
             run = EpisodeRun(req=req, runner=runner, snap=snap, turn_start=0, worker_id=self.worker_id)
             await run._put(put, 0)
             return run

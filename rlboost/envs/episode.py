@@ -52,9 +52,10 @@ DONE, MAX_TURNS, MAX_TOKENS, LENGTH, TOOL_ERROR, ENV_ERROR = (
     "done", "max_turns", "max_episode_tokens", "length", "tool_error", "env_error")
 
 
-class Segment(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A run of the token stream. `model` segments carry one logprob per token and who made
-    them; `prompt` and `env` segments carry none and are never trained."""
+class Span(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A typed run of an episode's token stream (a snapshot's `segments`; not the wire's
+    `Segment`, which says who generated a stretch of a result). `model` spans carry one logprob
+    per token and who made them; `prompt` and `env` spans carry none and are never trained."""
 
     kind: Literal["prompt", "model", "env"]
     token_ids: list[int]
@@ -108,7 +109,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     version: int = SNAPSHOT_VERSION
     phase: Literal["generate", "tools", "done"] = "generate"
     turn: int = 0  # model turns recorded so far
-    segments: list[Segment] = msgspec.field(default_factory=list)
+    segments: list[Span] = msgspec.field(default_factory=list)
     messages: list[Message] = msgspec.field(default_factory=list)
     tools: list[ToolSpec] = msgspec.field(default_factory=list)
     state: Any = None
@@ -167,7 +168,7 @@ class EpisodeResult(msgspec.Struct, kw_only=True):
     turns: int
     tool_calls: int
     messages: list[Message]
-    segments: list[Segment]
+    segments: list[Span]
 
 
 def _json(state: Any) -> Any:
@@ -259,7 +260,7 @@ class EpisodeRunner:
             prompt = self.fmt.prompt_ids(snap.messages, snap.tools)
         except Exception as e:
             return self._end(snap, ENV_ERROR, f"start: {type(e).__name__}: {e}")
-        snap.segments.append(Segment(kind="prompt", token_ids=list(prompt)))
+        snap.segments.append(Span(kind="prompt", token_ids=list(prompt)))
         if self.budget(snap) <= 0:
             return self._end(snap, MAX_TOKENS)
         return snap
@@ -280,7 +281,7 @@ class EpisodeRunner:
         logprobs = [float(x) for x in gen.logprobs]
         if len(logprobs) != len(ids):  # the behaviour logprobs are what off-policy correction needs: never guessed
             raise EnvError(f"episode {snap.episode_id}: {len(ids)} tokens with {len(logprobs)} logprobs")
-        snap.segments.append(Segment(kind="model", token_ids=ids, logprobs=logprobs, turn=snap.turn,
+        snap.segments.append(Span(kind="model", token_ids=ids, logprobs=logprobs, turn=snap.turn,
                                      policy_version=gen.policy_version, weights_digest=gen.weights_digest,
                                      worker=gen.worker))
         turn = self.fmt.parse(ids, snap.tools, snap.episode_id, snap.turn, reason)
@@ -362,7 +363,7 @@ class EpisodeRunner:
             return self._end(snap, ENV_ERROR, f"the chat format cannot write the reply: {type(e).__name__}: {e}")
         if snap.n_tokens + len(env) >= self.settings.max_episode_tokens:
             return self._end(snap, MAX_TOKENS)  # no room for the model to answer: the tokens are not added
-        snap.segments.append(Segment(kind="env", token_ids=list(env), turn=turn_index))
+        snap.segments.append(Span(kind="env", token_ids=list(env), turn=turn_index))
         snap.phase, snap.pending = "generate", None
         return snap
 

@@ -40,7 +40,7 @@ __all__ = ["BaseFiles", "rebuild", "layout", "write_all", "OUT_FILE_BYTES"]
 
 OUT_FILE_BYTES = 256 << 20  # a rebuilt version is written in files of about this size
 
-Segment = tuple[int, int, int]  # (open file descriptor, offset, bytes)
+FileRange = tuple[int, int, int]  # (open file descriptor, offset, bytes)
 
 
 class BaseFiles:
@@ -75,7 +75,7 @@ class BaseFiles:
                     self._files[key] = (os.dup(f.fileno()), spans)
             return self._files[key]
 
-    def segments(self, name: str) -> list[Segment] | None:
+    def segments(self, name: str) -> list[FileRange] | None:
         """The tensor's bytes, or None if the base has no tensor of that name."""
         e = self.entries.get(name)
         if e is None:
@@ -106,7 +106,7 @@ def _check(e: TensorEntry, spans: list[Span]) -> None:
         raise StoreError(f"tensor {e.name}: {spans[0].dtype} {shape} in the base's files does not match the manifest")
 
 
-def _read_into(buf: memoryview, segments: list[Segment]) -> None:
+def _read_into(buf: memoryview, segments: list[FileRange]) -> None:
     pos = 0
     for fd, offset, n in segments:
         done = 0
