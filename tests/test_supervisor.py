@@ -183,3 +183,57 @@ async def test_a_step_waiting_on_a_lane_nobody_pulls_says_so_within_seconds(nats
     assert report["step"] == 3 and report["nobody_pulls"] == ["env"], report
     assert report["lanes"]["env"] == {"waiting": 1, "in_flight": 0, "pulling": 0} and report["live_workers"] == 0
     assert report["lanes"]["fresh"] == {"waiting": 0, "in_flight": 0, "pulling": 0}
+
+
+@pytest.mark.slow
+def test_a_run_whose_next_step_has_a_planted_episode_snapshot_completes_it_with_one_log_line(
+        services, tmp_path, tool_calling_model_dir):
+    """The attack of issue 40: a credential that watches the event subjects learns the run's
+    request ids from step 0 and SETs junk at step 1's first episode snapshot key before step 1
+    is published. The claiming worker dead-letters it; the trainer redoes it from its spec (one
+    log line) and the run trains every step."""
+    import asyncio
+    import json
+    import subprocess
+
+    import redis as redis_sync
+
+    from rlboost import bus, wire
+
+    nats_url, redis_url = services
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    steps = 3
+    p = subprocess.Popen([sys.executable, "-m", "rlboost.cli", "run", "--env", "calculator", "--model-dir",
+                          str(tool_calling_model_dir), "--run-dir", str(run_dir), "--steps", str(steps),
+                          "--prompts", "2", "--samples", "2", "--workers", "1", "--eval-every", "100",
+                          "--eval-size", "2", "--max-response-tokens", "40", "--env.max_turns", "3",
+                          "--env.describe_tools", "false", "--env.options.instructions", "false",
+                          "--t-seed", "0.5", "--t-seed-floor", "0.5"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    async def plant() -> str:
+        """Watch step 0's publish events (what any rollout credential may read), plant at step 1's."""
+        nc = await bus.connect(nats_url)
+        try:
+            sub = await nc.subscribe("rb.evt.0.>")
+            while True:
+                msg = await sub.next_msg(timeout=240)
+                event = wire.decode(wire.LeaseEvent, msg.data)
+                if event.kind == "publish":
+                    target = event.request_id.replace("-s00000-", "-s00001-")
+                    redis_sync.Redis.from_url(redis_url).set(wire.ckpt_episode_key(target), b"\x00planted")
+                    return target
+        finally:
+            await nc.close()
+
+    try:
+        target = asyncio.run(plant())
+        out, err = p.communicate(timeout=400)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == steps
+    redone = [line for line in err.splitlines() if "request published again after a dead letter" in line]
+    assert len(redone) == 1 and target in redone[0], (target, redone)
