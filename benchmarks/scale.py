@@ -307,6 +307,7 @@ async def one_size(a: argparse.Namespace, n: int, preempt: bool, nats_url: str, 
             out["publish_s"] = round(time.monotonic() - t_pub, 2)
             await asyncio.sleep(max(0.0, a.warmup - (time.monotonic() - t_pub)))
             s2 = probe.snap()
+            w0 = time.time()
             done0 = len(got)
             await asyncio.sleep(a.seconds)
             s3 = probe.snap()
@@ -327,7 +328,8 @@ async def one_size(a: argparse.Namespace, n: int, preempt: bool, nats_url: str, 
                         fleet.terminate(w)
                 pre = {"preempted": len(victims), "mode": a.preempt_mode, "t": t_pre,
                        "ids": {w.worker_id for w in victims}}
-            deadline = time.monotonic() + a.drain_timeout
+            # a request takes tokens x slots / rate at the least: the drain waits for twice that
+            deadline = time.monotonic() + max(a.drain_timeout, 2 * a.tokens * a.slots / rate + 30)
             while len(got) < len(reqs) and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
             out["drain_s"] = round(time.monotonic() - t_pub - a.warmup - a.seconds, 1)
@@ -344,6 +346,7 @@ async def one_size(a: argparse.Namespace, n: int, preempt: bool, nats_url: str, 
     # every claim from the publish to the window's end: the step's first burst (N x slots at once)
     # and the steady claims of finished requests' successors
     window = [cl for cl in claims if t_pub_wall <= cl[2] < w1]
+    steady = [cl for cl in window if cl[2] >= w0]  # the window's own: no first burst
     secs = load["s"]
     tokens = max(1, load["tokens"])
     rss_idle, rss_load = s1["rss"], s3["rss"]
@@ -356,6 +359,8 @@ async def one_size(a: argparse.Namespace, n: int, preempt: bool, nats_url: str, 
         "claim_p50_ms": percentile([cl[3] * 1000 for cl in window], 0.5),
         "claim_p99_ms": percentile([cl[3] * 1000 for cl in window], 0.99),
         "claims": len(window),
+        "claim_steady_p50_ms": percentile([cl[3] * 1000 for cl in steady], 0.5),
+        "claim_steady_p99_ms": percentile([cl[3] * 1000 for cl in steady], 0.99),
         "host_loop_lag_p50_ms": percentile(lags, 0.5), "host_loop_lag_p99_ms": percentile(lags, 0.99),
         "redis_usec_per_call": {k: round(v["usec"] / max(1, v["calls"]), 1) for k, v in _top_usec(s2, s3).items()},
         "nats_msgs_per_token": round(load["msgs"] / tokens, 3),
@@ -376,7 +381,9 @@ async def one_size(a: argparse.Namespace, n: int, preempt: bool, nats_url: str, 
         "generated_tokens": generated,
         "result_tokens": sum(len(rs[0].token_ids) for rs in got.values()),
     })
-    out["regenerated_tokens"] = out["generated_tokens"] - out["result_tokens"]
+    # generated and never in a result: regenerated (only once every request is in; until then the
+    # unfinished requests' tokens count too)
+    out["regenerated_tokens"] = out["generated_tokens"] - out["result_tokens"] if len(got) >= len(reqs) else None
     out.update(check_results(reqs, got))
     if pre:
         out["preemption"] = _handoff(pre, claims, arrived, {rid: rs[0].worker_id for rid, rs in got.items()})
@@ -460,7 +467,8 @@ def _print_row(r: dict[str, Any]) -> None:
     idle = r["idle_per_worker_s"]
     print(f"N={r['workers']:5d} ({r['hosts']} hosts, {r['rate_per_worker']} tok/s each): "
           f"{r['tokens_per_s']:,} tok/s of {r['target_tokens_per_s']:,}, {r['requests_per_s']} req/s; "
-          f"claim p50/p99 {r['claim_p50_ms']}/{r['claim_p99_ms']} ms (hosts' loop lag p99 "
+          f"claim p50/p99 {r['claim_p50_ms']}/{r['claim_p99_ms']} ms (window only "
+          f"{r['claim_steady_p50_ms']}/{r['claim_steady_p99_ms']}; hosts' loop lag p99 "
           f"{r['host_loop_lag_p99_ms']} ms); "
           f"NATS {r['nats_msgs_per_token']} msgs {r['nats_bytes_per_token']} B /tok; "
           f"Redis {r['redis_cmds_per_token']} cmds/tok; CPU-s/Mtok nats {cpu['nats-server']} redis "
