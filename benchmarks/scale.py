@@ -83,7 +83,8 @@ def _host_main(argv: list[str]) -> int:
     async def timed_claim(self, rid, owner, *args, **kwargs):
         at, t0 = time.time(), time.perf_counter()
         c = await claim(self, rid, owner, *args, **kwargs)
-        log.write(json.dumps([rid, owner, at, time.perf_counter() - t0, c.epoch, len(c.token_ids)]) + "\n")
+        log.write(json.dumps([rid, owner, at, time.perf_counter() - t0, c.epoch, len(c.token_ids),
+                              bool(kwargs.get("handoff"))]) + "\n")
         return c
 
     CheckpointStore.claim = timed_claim  # type: ignore[method-assign]
@@ -132,8 +133,9 @@ class ScaleFleet(HostedFleet):
             threading.Thread(target=self._read, args=(proc,), daemon=True).start()
             self._procs.append(proc)
 
-    def claims(self, lag: bool = False) -> list[tuple[str, str, float, float, int, int]]:
-        """Every claim (rid, owner, wall time, seconds, epoch, tokens); `lag`: the hosts' loop lags."""
+    def claims(self, lag: bool = False) -> list[tuple]:
+        """Every claim (rid, owner, wall time, seconds, epoch, tokens resumed, from the resume lane);
+        `lag`: the hosts' loop lags."""
         out = []
         for path in sorted(self.workdir.glob("claims*.jsonl")):
             for line in path.read_text(encoding="utf-8").splitlines():
@@ -393,27 +395,31 @@ async def one_size(a: argparse.Namespace, n: int, preempt: bool, nats_url: str, 
 
 
 def _handoff(pre: dict[str, Any], claims: list, arrived: dict[str, float], by: dict[str, str]) -> dict[str, Any]:
-    """The requests the preempted workers held (their last claim before the preemption, no result
-    yet) and when each was next claimed by another worker."""
-    t = pre["t"]
-    last: dict[str, tuple] = {}
-    for cl in sorted(claims, key=lambda cl: cl[2]):
-        if cl[2] < t:
-            last[cl[0]] = cl
-    orphans = {rid for rid, cl in last.items() if cl[1] in pre["ids"] and arrived.get(rid, math.inf) >= t}
-    next_claim: dict[str, float] = {}
-    for cl in sorted(claims, key=lambda cl: cl[2]):
-        if cl[0] in orphans and cl[2] >= t and cl[1] not in pre["ids"] and cl[0] not in next_claim:
-            next_claim[cl[0]] = (cl[2] - t) * 1000
-    waits = list(next_claim.values())
+    """The requests the preempted workers held at the preemption (the highest lease epoch claimed
+    before it is theirs, no result yet) and when each was next claimed by another worker."""
+    t, victims = pre["t"], pre["ids"]
+    held: dict[str, tuple] = {}
+    for cl in claims:
+        if cl[2] < t and (cl[0] not in held or cl[4] > held[cl[0]][4]):
+            held[cl[0]] = cl
+    orphans = {rid for rid, cl in held.items() if cl[1] in victims and arrived.get(rid, math.inf) >= t}
+    after: dict[str, tuple] = {}  # an orphan's next lease: the lowest epoch above the victim's, not a victim's
+    for cl in claims:
+        rid = cl[0]
+        if rid in orphans and cl[4] > held[rid][4] and cl[1] not in victims and \
+                (rid not in after or cl[4] < after[rid][4]):
+            after[rid] = cl
+    waits = [max(0.0, cl[2] - t) * 1000 for cl in after.values()]
     # with notice, a preempted worker finishes what it can within its grace: not an orphan
-    finished_in_grace = {rid for rid in orphans - set(next_claim) if by.get(rid) in pre["ids"]}
+    finished_in_grace = {rid for rid in orphans - set(after) if by.get(rid) in victims}
     orphans -= finished_in_grace
     return {"preempted_workers": pre["preempted"], "mode": pre["mode"], "orphaned_requests": len(orphans),
             "finished_in_grace": len(finished_in_grace),
-            "reclaimed": len(waits), "handoff_p50_ms": percentile(waits, 0.5), "handoff_p99_ms": percentile(waits, 0.99),
+            "reclaimed": len(waits), "from_resume_lane": sum(1 for cl in after.values() if len(cl) > 6 and cl[6]),
+            "resumed_tokens": sum(cl[5] for cl in after.values()),
+            "handoff_p50_ms": percentile(waits, 0.5), "handoff_p99_ms": percentile(waits, 0.99),
             "all_reclaimed_s": round(max(waits) / 1000, 2) if waits and len(waits) == len(orphans) else None,
-            "reclaimed_after_2s": sum(1 for w in waits if w > 2000)}  # not handed off: back after ack_wait
+            "reclaimed_after_2s": sum(1 for w in waits if w > 2000)}  # e.g. not handed off: back after ack_wait
 
 
 def fit(points: list[tuple[float, float, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -478,7 +484,8 @@ def _print_row(r: dict[str, Any]) -> None:
     if "preemption" in r:
         p = r["preemption"]
         print(f"   preemption ({p['mode']}) of {p['preempted_workers']} workers: {p['orphaned_requests']} orphans, "
-              f"{p['reclaimed']} reclaimed ({p['finished_in_grace']} finished in their notice), hand-off p50/p99 "
+              f"{p['reclaimed']} reclaimed ({p['from_resume_lane']} from the resume lane; {p['finished_in_grace']} "
+              f"finished in their notice), hand-off p50/p99 "
               f"{p['handoff_p50_ms']}/{p['handoff_p99_ms']} ms, "
               f"all reclaimed after {p['all_reclaimed_s']} s ({p['reclaimed_after_2s']} after > 2 s), "
               f"{r['regenerated_tokens']} tokens regenerated",
