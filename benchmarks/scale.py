@@ -38,6 +38,7 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -272,7 +273,7 @@ async def one_size(a: argparse.Namespace, n: int, preempt: bool, nats_url: str, 
     hosts = a.hosts or max(2, min(8, math.ceil(n / 64)))
     fleet = ScaleFleet(nats_url, redis_url, workdir, POOL, hosts=hosts, env={"RLBOOST_LOG_LEVEL": "error"},
                        worker_args=["--engine", "emulated", "--slots", str(a.slots),
-                                    "--checkpoint-tokens", str(a.chunk)])
+                                    "--checkpoint-tokens", str(a.chunk), *shlex.split(a.worker_args)])
     fleet.rate = rate
     out: dict[str, Any] = {"workers": n, "hosts": hosts, "rate_per_worker": round(rate, 2), "slots": a.slots,
                            "chunk": a.chunk, "tokens_per_request": a.tokens}
@@ -511,6 +512,8 @@ def main(argv: list[str], s: Settings) -> int:
                    help="term: with notice (drain hand-off); kill: without (ack_wait, lease expiry)")
     p.add_argument("--startup-timeout", type=float, default=60.0, help="seconds (+0.5 s per worker) to register")
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds for the last requests after the window")
+    p.add_argument("--worker-args", default="",
+                   help="more worker arguments for every worker, e.g. \"--worker.heartbeat_s 4\" (`rlboost worker --help`)")
     p.add_argument("--keep", action="store_true", help="keep the servers' data and the hosts' logs (temp dirs)")
     a = p.parse_args(argv)
     try:
