@@ -133,8 +133,8 @@ def test_a_runs_step_is_measured_and_exported_as_the_desired_workers_gauge():
                     trainer_s_per_token=1e-3, available=8, t_seed_floor_s=1.0, sync=True)
     assert again.instance_tokens_per_s == pytest.approx((150 + 75) / 2)  # a mean with the step before
 
-    tally = StepMetrics("run", "hybrid", "sync", RunSettings(), 1, pool="spot-test", reserved_pool="reserved-test")
-    tally.fleet, tally.reserved_ids, tally.t_seed_floor_s = COST, lambda: {"seed"}, 1.0
+    tally = StepMetrics("run", "hybrid", "sync", RunSettings(), 1, pool="spot-test", reserved_pool="reserved-test",
+                        fleet=COST, reserved_ids=lambda: {"seed"}, t_seed_floor_s=1.0)
     out = tally.fleet_decision(o, 12.0, 1000.0)
     expect = decide(COST, measure(  # `rlboost run` knows no availability: one more than live (max_instances 0)
         None, trained=trained, live=2, rollout_s=10.0, step_s=12.0, t_seed_s=5.0, reserved_ids={"seed"},

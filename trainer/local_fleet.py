@@ -27,9 +27,10 @@ from pathlib import Path
 
 from rlboost import wire
 from rlboost.clients import Clients
-from rlboost.config import ConfigError, RolloutSettings, WorkerSettings
+from rlboost.config import ConfigError, EnvSettings, RolloutSettings, WorkerSettings
 from rlboost.logs import get_logger
 from rlboost.pool_client import PoolClient
+from rlboost.weights.source import WeightSource
 from workers.counters import Counters, read_counters
 from workers.engines import EngineError
 from workers.fleet import Supervisor, WorkerFleet
@@ -74,10 +75,12 @@ class LocalFleet:
                  **self.env},
             die_with_parent=True)  # the run's own workers go with a killed trainer; a resume starts new ones
 
-    def seeding_engines(self, c: Clients, ro: RolloutSettings, worker: WorkerSettings,
-                        serves: bool) -> InProcessSeeding | ProcessSeeding:
+    def seeding_engines(self, c: Clients, ro: RolloutSettings, worker: WorkerSettings, serves: bool, *,
+                        weights: WeightSource | None = None, env: EnvSettings | None = None
+                        ) -> InProcessSeeding | ProcessSeeding:
         """The reserved side's seeding engine. `serves`: it takes a share of every step (else,
-        disaggregated, the reserved side only trains and its engine serves only with no live worker)."""
+        disaggregated, the reserved side only trains and its engine serves only with no live worker).
+        `weights`: where its in-process engine pulls versions from; `env`: the run's environments."""
         capacity = 1.0 if serves else 0.0
 
         def settings(pool: str, handoff_pool: str) -> WorkerSettings:
@@ -92,9 +95,9 @@ class LocalFleet:
             fleet = self._processes(self.reserved_pool, ro.seeding_engine, "--handoff-pool", self.pool)
             self.supervisor.fleets.append(fleet)
             return ProcessSeeding(c, self.pool, fleet, [()], engine, settings, self.reserved_counters,
-                                  weights=None, capacity=capacity)
+                                  weights=weights, capacity=capacity, env=env)
         return InProcessSeeding(c, self.pool, self.reserved_pool, engine, settings, self.reserved_counters,
-                                weights=None, capacity=capacity, sleep=ro.vllm_sleep)
+                                weights=weights, capacity=capacity, sleep=ro.vllm_sleep, env=env)
 
     async def start_workers(self, n: int, manager: PoolClient, timeout_s: float = 90.0) -> None:
         """Start `n` preemptible workers and wait (at most `timeout_s`: torch import + model load

@@ -155,8 +155,16 @@ async def setup(launch: Launch, stack: contextlib.AsyncExitStack) -> Run:
     task = make_task(s, prepared, tokenizer, stops, check_model_dir(model_dir).max_context, ops, run_id=run_id,
                      life=fleet.life)
     stack.callback(task.close)
-    seeding = fleet.seeding_engines(c, ro, s.worker, serves=rs.policy != "disaggregated")
-    seeding.env = s.env  # the reserved engine's workers run the run's environment too
+    # policy versions (the reserved engine pulls what the trainer publishes)
+    ledger = await VersionLedger.open(c.js, s.weights.store_options(), s.weights.publisher_options(),
+                                      lambda: trainer.version, off_policy=ro.mode != "sync",
+                                      keep_versions=s.weights.keep_versions,
+                                      staleness=0 if ro.mode == "sync" else ro.max_staleness,
+                                      adopt_newer=ro.mode == "partial", run_id=run_id)
+    seeding = fleet.seeding_engines(
+        c, ro, s.worker, serves=rs.policy != "disaggregated",
+        weights=StoreWeights(WeightCache(run_dir / "weight-cache" / "reserved", ledger.store), wait_s=30.0),
+        env=s.env)  # the reserved engine's workers run the run's environment too
 
     async def close_engine() -> None:
         if seeding.engine is not None:
@@ -166,17 +174,12 @@ async def setup(launch: Launch, stack: contextlib.AsyncExitStack) -> Run:
     stack.push_async_callback(seeding.close)
     chaos = Chaos(fleet, parse_chaos(rs.chaos), run_id)
 
-    # policy versions, the trainer's port, the step
-    ledger = await VersionLedger.open(c.js, s.weights.store_options(), s.weights.publisher_options(),
-                                      lambda: trainer.version, off_policy=ro.mode != "sync",
-                                      keep_versions=s.weights.keep_versions,
-                                      staleness=0 if ro.mode == "sync" else ro.max_staleness,
-                                      adopt_newer=ro.mode == "partial", run_id=run_id)
+    # the trainer's port, the step
     port = GRPOPort(trainer, ops, ledger, partial=ro.mode == "partial")
-    tally = StepMetrics(run_id, rs.policy, ro.mode, rs, trainer.ranks.world, pool=POOL,
-                        reserved_pool=RESERVED_POOL)
-    if rs.policy == "hybrid":  # the fleet policy's decision in each row and as a gauge ([fleet])
-        tally.fleet, tally.reserved_ids, tally.t_seed_floor_s = s.fleet, seeding.worker_ids, ro.t_seed_floor
+    hybrid = rs.policy == "hybrid"  # the fleet policy's decision in each row and as a gauge ([fleet])
+    tally = StepMetrics(run_id, rs.policy, ro.mode, rs, trainer.ranks.world, pool=POOL, reserved_pool=RESERVED_POOL,
+                        fleet=s.fleet if hybrid else None, reserved_ids=seeding.worker_ids if hybrid else set,
+                        t_seed_floor_s=ro.t_seed_floor if hybrid else 0.0)
 
     def on_result(r: wire.RolloutResult, arrived: int, total: int) -> None:
         ledger.check(r)  # may raise WrongWeights: the step fails loudly
@@ -209,7 +212,6 @@ async def setup(launch: Launch, stack: contextlib.AsyncExitStack) -> Run:
 
     # the first version (the reserved engine pulls what the trainer publishes), what a resumed
     # partial run had in flight, then the rollout processes
-    seeding.weights = StoreWeights(WeightCache(run_dir / "weight-cache" / "reserved", ledger.store), wait_s=30.0)
     how = await ledger.start(port.weights, resumed.published)
     if how == "new":
         remember_start(run_dir, ledger.current())

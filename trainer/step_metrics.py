@@ -24,7 +24,10 @@ from rlboost.orchestrator import StepOutcome
 
 class StepMetrics:
     def __init__(self, run_id: str, policy: str, mode: str, prices: RunSettings, reserved_ranks: int, *,
-                 pool: str, reserved_pool: str) -> None:
+                 pool: str, reserved_pool: str, fleet: FleetSettings | None = None,
+                 reserved_ids: Callable[[], set[str]] = set, t_seed_floor_s: float = 0.0) -> None:
+        """`fleet`: the fleet policy whose decision each row carries (hybrid runs); `reserved_ids`:
+        the reserved side's worker ids (not counted as preemptible); `t_seed_floor_s`: the window's floor."""
         self.run_id, self.policy, self.mode, self.reserved_ranks = run_id, policy, mode, reserved_ranks
         self.pool, self.reserved_pool = pool, reserved_pool
         self.gpu_hour, self.worker_hour = prices.gpu_hour_dollars, prices.worker_hour_dollars
@@ -32,10 +35,10 @@ class StepMetrics:
         self.handoffs_total = 0
         self.dollars = 0.0
         self.request_errors = 0  # this step's
-        self.fleet: FleetSettings | None = None  # set by the run: the fleet policy's decision in each row
+        self.fleet = fleet
         self.fleet_signals: fleet_policy.Signals | None = None
-        self.reserved_ids: Callable[[], set[str]] = set
-        self.t_seed_floor_s = 0.0
+        self.reserved_ids = reserved_ids
+        self.t_seed_floor_s = t_seed_floor_s
 
     def begin_step(self) -> None:
         self.request_errors = 0

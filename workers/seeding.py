@@ -38,12 +38,12 @@ class _Fallback:
 
     def __init__(self, clients: Clients, pool: str, reserved_pool: str, engine: Engine | None,
                  settings: Callable[[str, str], WorkerSettings], counters: Counters, weights: WeightSource | None,
-                 capacity: float) -> None:
+                 capacity: float, env: EnvSettings | None = None) -> None:
         self.c, self.pool, self.reserved_pool, self.engine = clients, pool, reserved_pool, engine
         self.settings, self.counters, self.weights, self.capacity = settings, counters, weights, capacity
         self.fallback: tuple[RolloutWorker, asyncio.Task] | None = None
         self.handoffs = 0
-        self.env: EnvSettings | None = None  # [env]: the environments (and chat format) the workers here run episodes in
+        self.env = env  # [env]: the environments (and chat format) the workers here run episodes in
 
     def _worker(self, pool: str, handoff_pool: str, worker_id: str) -> tuple[RolloutWorker, asyncio.Task]:
         w = RolloutWorker(self.settings(pool, handoff_pool), self.engine, self.c, worker_id=worker_id,
@@ -74,8 +74,8 @@ class InProcessSeeding(_Fallback):
     def __init__(self, clients: Clients, pool: str, reserved_pool: str, engine: Engine,
                  settings: Callable[[str, str], WorkerSettings], counters: Counters,
                  weights: WeightSource | None = None, capacity: float = 1.0, tag: str = "reserved",
-                 sleep: bool = False) -> None:
-        super().__init__(clients, pool, reserved_pool, engine, settings, counters, weights, capacity)
+                 sleep: bool = False, env: EnvSettings | None = None) -> None:
+        super().__init__(clients, pool, reserved_pool, engine, settings, counters, weights, capacity, env)
         self.tag = tag
         self.seeder: tuple[RolloutWorker, asyncio.Task] | None = None
         self.sleep = sleep  # vLLM sleep mode: GPU memory back to the trainer between windows
@@ -150,8 +150,8 @@ class ProcessSeeding(_Fallback):
 
     def __init__(self, clients: Clients, pool: str, fleet: WorkerFleet, starts: list[tuple[str, ...]],
                  fallback_engine: Engine | None, settings: Callable[[str, str], WorkerSettings], counters: Counters,
-                 weights: WeightSource | None = None, capacity: float = 1.0) -> None:
-        super().__init__(clients, pool, fleet.pool, fallback_engine, settings, counters, weights, capacity)
+                 weights: WeightSource | None = None, capacity: float = 1.0, env: EnvSettings | None = None) -> None:
+        super().__init__(clients, pool, fleet.pool, fallback_engine, settings, counters, weights, capacity, env)
         self.fleet, self.starts = fleet, starts
         self.handed_off = False  # this step: a take-back after the hand-off signals nobody again
 
