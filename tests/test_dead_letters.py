@@ -132,7 +132,8 @@ async def test_forged_dead_letters_cost_no_result_and_duplicate_none(clients, wo
     w = worker(pool, EmulatedEngine(speed=0.02))  # slow: the requests are held while the forgeries come
     manager = PoolClient(clients, pool)
     await manager.publish_step(reqs)
-    while w.counters.get("claims") < len(reqs):
+    deadline = asyncio.get_running_loop().time() + 30.0
+    while w.counters.get("claims") < len(reqs) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.01)
     for r in reqs:
         await clients.js.publish(wire.dlq_subject(wire.STREAM_REQUESTS), wire.encode(r),
