@@ -237,6 +237,7 @@ return 1
 # The trainer's redo (`CheckpointStore.reset`): one script, so no claim lands between the read of
 # the epoch and the deletes.
 _RESET = """
+redis.replicate_commands()  -- TIME is not deterministic: replicate the effects (Redis < 7), as the claim does
 local meta = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
