@@ -16,7 +16,7 @@ The arms, on the same episodes:
   env-worker` processes run them; the generation worker releases the episode at each tool call.
 
 `--kill-env-worker` (pool arm): once half the episodes are in, the environment workers are
-SIGKILLed and the run's supervisor (`workers.fleet.Supervisor`, what `rlboost run` uses)
+SIGKILLed and the run's supervisor (`rlboost.workers.fleet.Supervisor`, what `rlboost run` uses)
 restarts them: the arm reports `restarts`, `no_consumer_s` (from the kill until a restarted
 worker pulls the lane again) and `recovered_s` (until every episode that was on the killed
 workers is in: it waits out `ack_wait` before the lane redelivers it). A call that was running
@@ -44,7 +44,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks import percentile
+from rlboost.benchmarks import percentile
 from rlboost import episodes, wire
 from rlboost.clients import open_clients
 from rlboost.config import EnvSettings, Settings, WorkerSettings
@@ -56,12 +56,12 @@ from rlboost.envs.protocol import Context, ToolCall, ToolResult
 from rlboost.logs import configure_logging, get_logger, print_result
 from rlboost.pool_client import PoolClient
 from rlboost.services import running_services
-from workers.counters import Counters
-from workers.engines.scripted import ScriptedEngine
-from workers.fleet import Supervisor, WorkerFleet
-from workers.worker import RolloutWorker
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.scripted import ScriptedEngine
+from rlboost.workers.fleet import Supervisor, WorkerFleet
+from rlboost.workers.worker import RolloutWorker
 
-ENV_REF = "benchmarks.agent:make"
+ENV_REF = "rlboost.benchmarks.agent:make"
 ARMS = ("held", "parked", "pool")
 
 
@@ -133,7 +133,7 @@ def solver(rows: list[dict[str, Any]]):
 
 
 def tokenizer():
-    from trainer.model import build_tokenizer
+    from rlboost.trainer.model import build_tokenizer
 
     return build_tokenizer(calculator.ALPHABET)
 

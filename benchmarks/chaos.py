@@ -7,7 +7,7 @@ What is measured, and how:
 - mismatched: tokens or logprobs that differ from the emulated engine's reference for the
   request (what one uninterrupted worker produces);
 - regenerated tokens, per worker fate: tokens the worker generated (crash-proof counter, see
-  `workers.counters`) minus the tokens the final results attribute to it (result segments).
+  `rlboost.workers.counters`) minus the tokens the final results attribute to it (result segments).
   Terminated workers must regenerate 0; killed ones at most K per request in flight;
 - killed_inflight: requests a worker had claimed and not finished or released at the kill (from
   the lease events in RB_EVENTS, and the claims in Redis's history lines: a worker killed right
@@ -38,9 +38,9 @@ from rlboost.clients import open_clients
 from rlboost.config import Settings
 from rlboost.replay import read_chunks, read_subject
 from rlboost.services import running_services
-from benchmarks import history, percentile
-from workers.engines.emulated import LengthModel, reference_tokens
-from workers.fleet import WorkerFleet
+from rlboost.benchmarks import history, percentile
+from rlboost.workers.engines.emulated import LengthModel, reference_tokens
+from rlboost.workers.fleet import WorkerFleet
 
 POOL = "chaos"
 Reference = Callable[[wire.RolloutRequest], tuple[list[int], list[float]]]
@@ -257,7 +257,7 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--episodes", type=int, nargs="?", const=24, default=0,
                    help="calculator episodes instead of single-turn requests (default 24): SIGKILL during "
                         "generation and during tool calls, SIGTERM (benchmarks/chaos_episodes.py)")
-    from benchmarks import chaos_episodes
+    from rlboost.benchmarks import chaos_episodes
 
     chaos_episodes.add_arguments(p)
     a = p.parse_args(argv)

@@ -63,10 +63,10 @@ from rlboost.envs.protocol import Context, ToolCall, ToolResult
 from rlboost.logs import print_result
 from rlboost.replay import read_subject
 from rlboost.services import running_services
-from benchmarks.agent import solver, tokenizer  # the scripted policy that solves the calculator's problems
+from rlboost.benchmarks.agent import solver, tokenizer  # the scripted policy that solves the calculator's problems
 
 POOL = "chaosep"
-ENV_REF = "benchmarks.chaos_episodes:counting_calculator"
+ENV_REF = "rlboost.benchmarks.chaos_episodes:counting_calculator"
 
 
 # ---------------------------------------------------------------- the environment and the policy
@@ -126,8 +126,8 @@ async def make_requests(step: int, rows: list[dict], log: str, delay_s: float, m
 async def reference(reqs: list[wire.RolloutRequest], rows: list[dict], log: str) -> dict[str, tuple]:
     """Each episode run undisturbed by the runner alone: tokens after the prompt, the training
     mask, the logprobs (float32, as checkpointed) and the messages."""
-    from workers.engines.base import Sequence
-    from workers.engines.scripted import ScriptedEngine
+    from rlboost.workers.engines.base import Sequence
+    from rlboost.workers.engines.scripted import ScriptedEngine
 
     engine = ScriptedEngine(tokenizer(), solver(rows))
     out = {}
@@ -167,9 +167,9 @@ async def serve(nats_url: str, redis_url: str, pool: str, worker_id: str, rows_f
                 counters: str, k: int, inline: bool = True) -> None:
     """One worker process: the scripted engine, calculator episodes (tools inline, or sent to the
     environment pool), crash-proof counters."""
-    from workers.counters import Counters
-    from workers.engines.scripted import ScriptedEngine
-    from workers.worker import RolloutWorker
+    from rlboost.workers.counters import Counters
+    from rlboost.workers.engines.scripted import ScriptedEngine
+    from rlboost.workers.worker import RolloutWorker
 
     with open(rows_file, encoding="utf-8") as f:
         rows = json.load(f)
@@ -186,8 +186,8 @@ async def serve(nats_url: str, redis_url: str, pool: str, worker_id: str, rows_f
 
 async def serve_env(nats_url: str, redis_url: str, worker_id: str, counters: str) -> None:
     """One environment worker process: the counting calculator's tool calls."""
-    from workers.counters import Counters
-    from workers.env_worker import EnvWorker
+    from rlboost.workers.counters import Counters
+    from rlboost.workers.env_worker import EnvWorker
 
     settings = WorkerSettings(ack_wait_s=3.0, lease_ttl_s=1.5, heartbeat_s=0.2, drain_grace_s=10.0)
     async with open_clients(nats_url, redis_url, f"chaos-episodes-{worker_id}") as c:
@@ -218,7 +218,7 @@ class Fleet:
                    str(self.k), "pool" if self.env_pool else "inline"]
         else:
             cmd = ["serve-env", *self.args[:2], wid, str(self.counters(wid))]
-        self.procs[wid] = subprocess.Popen([sys.executable, "-m", "benchmarks.chaos_episodes", *cmd],
+        self.procs[wid] = subprocess.Popen([sys.executable, "-m", "rlboost.benchmarks.chaos_episodes", *cmd],
                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         log.close()
         self.fate[wid], self.kind[wid] = "running", kind
@@ -228,7 +228,7 @@ class Fleet:
         return self.workdir / f"{wid}.counters"
 
     def generated(self, wid: str) -> int:
-        from workers.counters import read_counters
+        from rlboost.workers.counters import read_counters
 
         path = self.counters(wid)
         return read_counters(path)["generated"] if path.exists() else 0

@@ -26,7 +26,7 @@ from rlboost.checkpoint import CheckpointStore
 from rlboost.logs import print_result
 from rlboost.config import Settings
 from rlboost.services import running_services
-from benchmarks.throughput import chunk_records, raw_rounds, run_fleet
+from rlboost.benchmarks.throughput import chunk_records, raw_rounds, run_fleet
 
 
 async def store_rounds(store: CheckpointStore, rids: list[str], epochs: dict[str, int], tokens: int, k: int,

@@ -23,10 +23,10 @@ from rlboost.endpoint import OpenAIEndpoint, read_sessions
 from rlboost.envs import calculator as calc
 from rlboost.logs import print_result
 from rlboost.services import running_services
-from trainer.model import build_tokenizer
-from workers.counters import Counters
-from workers.engines.emulated import EmulatedEngine, LengthModel
-from workers.worker import RolloutWorker
+from rlboost.trainer.model import build_tokenizer
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.emulated import EmulatedEngine, LengthModel
+from rlboost.workers.worker import RolloutWorker
 
 TOKEN = "bench-token"
 

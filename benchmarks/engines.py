@@ -1,6 +1,6 @@
 """`rlboost bench engines`: generated tokens/s of the vLLM and torch engines, same model and batch.
 
-Both engines run in this process on a model built locally (`trainer.model.build_model`, no hub
+Both engines run in this process on a model built locally (`rlboost.trainer.model.build_model`, no hub
 download), with the same prompts, seeds, batch size, max new tokens, sampling (temperature 1,
 no stop token: every sequence makes exactly --max-new tokens) and CPU threads. Each engine is
 driven through the worker's `Engine.generate`, in calls of --chunk tokens that resume from
@@ -39,7 +39,7 @@ from rlboost.config import Settings
 
 
 def _sequences(n: int, prompt_len: int, max_new: int, seed: int, vocab: int):
-    from workers.engines.base import Sequence
+    from rlboost.workers.engines.base import Sequence
 
     rng = random.Random(seed)
     return [Sequence(request_id=f"bench-{i:05d}", prompt_ids=[rng.randrange(2, vocab) for _ in range(prompt_len)],
@@ -49,7 +49,7 @@ def _sequences(n: int, prompt_len: int, max_new: int, seed: int, vocab: int):
 
 async def _generate_all(engine, seqs, chunk: int) -> tuple[int, float]:
     """Run a fresh copy of the batch to completion; returns (tokens made, seconds)."""
-    from workers.engines.base import Sequence
+    from rlboost.workers.engines.base import Sequence
 
     batch = [Sequence(request_id=s.request_id, prompt_ids=list(s.prompt_ids), seed=s.seed,
                       max_new_tokens=s.max_new_tokens, eos_id=s.eos_id, temperature=s.temperature) for s in seqs]
@@ -85,9 +85,9 @@ def _row(name: str, rates: list[float], extra: str = "") -> str:
 
 
 async def run(a: argparse.Namespace, workdir: Path) -> dict:
-    from trainer.model import build_model, build_tokenizer, save
-    from trainer.tasks import Addition
-    from workers.engines.torch_engine import TorchEngine
+    from rlboost.trainer.model import build_model, build_tokenizer, save
+    from rlboost.trainer.tasks import Addition
+    from rlboost.workers.engines.torch_engine import TorchEngine
 
     tok = build_tokenizer(Addition().alphabet)
     arch = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, mlp=a.mlp,
@@ -111,7 +111,7 @@ async def run(a: argparse.Namespace, workdir: Path) -> dict:
 
     if a.vllm:
         t0 = time.perf_counter()
-        from workers.engines.vllm_engine import VLLMEngine  # imports vLLM
+        from rlboost.workers.engines.vllm_engine import VLLMEngine  # imports vLLM
 
         import_s = time.perf_counter() - t0
         t0 = time.perf_counter()

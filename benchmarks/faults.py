@@ -53,8 +53,8 @@ from rlboost.config import ServicesSettings, Settings
 from rlboost.pool_client import PoolClient
 from rlboost.replay import read_chunks, read_subject
 from rlboost.services import EmbeddedServices, provision_cluster
-from workers.engines.emulated import LengthModel, reference_tokens
-from workers.fleet import WorkerFleet
+from rlboost.workers.engines.emulated import LengthModel, reference_tokens
+from rlboost.workers.fleet import WorkerFleet
 
 POOL = "faults"
 

@@ -23,7 +23,7 @@ A preemption still reaches exactly that instance's requests:
 Protocol (lines): stdin `start ID`, `kill ID`, `term ID`, `quit`; stdout `gone ID FATE` once an
 instance has stopped (FATE: killed, terminated, exited). The host's arguments are the worker's
 (`rlboost worker --help`), shared by all its instances; `HostedFleet` drives hosts from a bench
-with the surface of `workers.fleet.WorkerFleet`.
+with the surface of `rlboost.workers.fleet.WorkerFleet`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from workers.counters import FIELDS, Counters, read_counters
+from rlboost.workers.counters import FIELDS, Counters, read_counters
 
 QUIT_GRACE_S = 10.0
 INSTANCE: contextvars.ContextVar[str | None] = contextvars.ContextVar("rlboost_instance", default=None)
@@ -158,8 +158,8 @@ class Instance:
         import copy
 
         from rlboost.clients import open_clients
-        from workers.engines import engine_from_settings
-        from workers.worker import RolloutWorker
+        from rlboost.workers.engines import engine_from_settings
+        from rlboost.workers.worker import RolloutWorker
 
         h = self.host
         s = copy.deepcopy(h.settings)
@@ -217,7 +217,7 @@ class Host:
     def __init__(self, argv: list[str]) -> None:
         from rlboost.config import load_settings
         from rlboost.services import resolve_urls
-        from workers.main import parse_args
+        from rlboost.workers.main import parse_args
 
         self.settings = load_settings(None)
         parse_args(argv, self.settings)
@@ -330,7 +330,7 @@ class HostedFleet:
                **self.env}
         while len(self._procs) < max(1, self.hosts):
             log = open(self.workdir / f"host{len(self._procs)}.log", "wb")
-            proc = subprocess.Popen([sys.executable, "-m", "benchmarks.fleet_host", "--pool", self.pool, *self.worker_args],
+            proc = subprocess.Popen([sys.executable, "-m", "rlboost.benchmarks.fleet_host", "--pool", self.pool, *self.worker_args],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
             log.close()
             threading.Thread(target=self._read, args=(proc,), daemon=True).start()

@@ -20,7 +20,7 @@ from pathlib import Path
 from rlboost.logs import print_result
 from rlboost.config import Settings
 from rlboost.logs import configure_logging
-from trainer import command
+from rlboost.trainer import command
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -90,8 +90,8 @@ from rlboost.pool_client import PoolClient
 from rlboost.replay import read_chunks, read_subject
 from rlboost.config import ServicesSettings, Settings
 from rlboost.services import EmbeddedServices, free_port, provision_cluster
-from benchmarks import faults, history, netns
-from benchmarks.relay import Relay
+from rlboost.benchmarks import faults, history, netns
+from rlboost.benchmarks.relay import Relay
 
 SCENARIOS = ("redis_cut", "redis_slow", "redis_half_open", "all_unreachable", "nats_cut", "nats_half_open",
              "trainer_nats_cut", "trainer_nats_half_open", "nats_node_isolated")

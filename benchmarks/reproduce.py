@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rlboost.logs import print_result
 from rlboost.config import Settings
-from trainer import command
+from rlboost.trainer import command
 
 
 def _rollouts(run_dir: Path) -> dict[str, dict]:

@@ -50,9 +50,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks import percentile
-from benchmarks.fleet_host import HostedFleet
-from benchmarks.throughput import cpu_seconds
+from rlboost.benchmarks import percentile
+from rlboost.benchmarks.fleet_host import HostedFleet
+from rlboost.benchmarks.throughput import cpu_seconds
 from rlboost.config import Settings
 from rlboost.logs import print_result
 from rlboost.services import EmbeddedServices, free_port
@@ -68,10 +68,10 @@ STEP = 1
 def _host_main(argv: list[str]) -> int:
     """A fleet host (benchmarks/fleet_host.py, unchanged) whose engines generate at a fixed rate
     per worker and whose claims are timed: one JSON line per claim in $RLBOOST_SCALE_CLAIMS."""
-    import workers.engines as engines
-    from benchmarks import fleet_host
+    import rlboost.workers.engines as engines
+    from rlboost.benchmarks import fleet_host
     from rlboost.checkpoint import CheckpointStore
-    from workers.engines.emulated import EmulatedEngine, TimingModel
+    from rlboost.workers.engines.emulated import EmulatedEngine, TimingModel
 
     rate = float(os.environ["RLBOOST_SCALE_RATE"])
     # A step of `live` sequences takes live / rate seconds: `rate` tokens/s whatever the batch.
@@ -127,7 +127,7 @@ class ScaleFleet(HostedFleet):
                    "RLBOOST_SCALE_RATE": str(self.rate), "RLBOOST_SCALE_CLAIMS": str(self.workdir / f"claims{i}.jsonl"),
                    **self.env}
             log = open(self.workdir / f"host{i}.log", "wb")
-            proc = subprocess.Popen([sys.executable, "-m", "benchmarks.scale", "--host", "--pool", self.pool,
+            proc = subprocess.Popen([sys.executable, "-m", "rlboost.benchmarks.scale", "--host", "--pool", self.pool,
                                      *self.worker_args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                     env=env, text=True)
             log.close()
@@ -231,7 +231,7 @@ def _requests(n: int, tokens: int, tag: str) -> list:
 
 def check_results(reqs: list, got: dict[str, list]) -> dict[str, int]:
     """Every request answered exactly once, with exactly the emulated reference's tokens."""
-    from workers.engines.emulated import LengthModel, reference_tokens
+    from rlboost.workers.engines.emulated import LengthModel, reference_tokens
 
     lengths = LengthModel()
     lost = dup = bad = 0

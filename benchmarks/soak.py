@@ -72,9 +72,9 @@ from rlboost.config import RetentionSettings, Settings
 from rlboost.logs import print_result
 from rlboost.pool_client import PoolClient
 from rlboost.replay import read_chunks, read_subject
-from benchmarks import faults
-from benchmarks.relay import Relay
-from workers.fleet import WorkerFleet, WorkerProc
+from rlboost.benchmarks import faults
+from rlboost.benchmarks.relay import Relay
+from rlboost.workers.fleet import WorkerFleet, WorkerProc
 
 POOL = faults.POOL
 STEP0 = 1000  # soak steps are STEP0, STEP0 + 1, ...

@@ -23,7 +23,7 @@ from rlboost.checkpoint import pack
 from rlboost.clients import open_clients
 from rlboost.config import Settings
 from rlboost.services import EmbeddedServices, running_services
-from workers.fleet import WorkerFleet
+from rlboost.workers.fleet import WorkerFleet
 
 POOL = "throughput"
 

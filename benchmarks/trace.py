@@ -44,7 +44,7 @@ Timing constants, their sources and the calibration: `benchmarks/trace_model.py`
 
 Policies (one command runs them all). The step is the product's own, `rlboost/orchestrator.py`,
 the code `rlboost run` drives: this bench only plugs emulated parts into it (the seeding engines
-as `workers.seeding.ProcessSeeding` over emulated worker processes, `EmulatedTrainer` as the
+as `rlboost.workers.seeding.ProcessSeeding` over emulated worker processes, `EmulatedTrainer` as the
 trainer clock) and replays the trace. `--mode sync,partial,async` adds the hybrid in those
 rollout modes to the same table, JSON and plot (`hybrid-partial`, `hybrid-async`).
 - colocated (veRL-style): the 8 GPUs generate the whole step, then train on it;
@@ -99,26 +99,26 @@ from rlboost.logs import print_result
 from rlboost.clients import Clients, open_clients
 from rlboost.config import FleetSettings, RolloutSettings, Settings, WorkerSettings
 from rlboost.fleet_policy import Signals, decide, remember
-from benchmarks.costs import Prices, cost_efficiency, cost_per_hour, run_cost
+from rlboost.benchmarks.costs import Prices, cost_efficiency, cost_per_hour, run_cost
 from rlboost.logs import configure_logging
 from rlboost.pool_client import PoolClient
 from rlboost.offload import SeedWindow
 from rlboost.orchestrator import GroupScores, Orchestrator, OrchestratorPorts
 from rlboost.replay import migrations, read_subject
 from rlboost.services import running_services
-from benchmarks.spot import (Interval, TraceError, instance_seconds, intervals, parse_trace,
+from rlboost.benchmarks.spot import (Interval, TraceError, instance_seconds, intervals, parse_trace,
                           sample_nodes, static_intervals)
-from benchmarks import percentile
-from benchmarks.fleet_host import HostedFleet
-from benchmarks.trace_report import plot, print_table, rented_of
-from benchmarks.trace_model import (INSTANCE_GPUS, MAX_NEW_TOKENS, PROMPT_TOKENS, PUBLISHED, RESERVED_GPUS,
+from rlboost.benchmarks import percentile
+from rlboost.benchmarks.fleet_host import HostedFleet
+from rlboost.benchmarks.trace_report import plot, print_table, rented_of
+from rlboost.benchmarks.trace_model import (INSTANCE_GPUS, MAX_NEW_TOKENS, PROMPT_TOKENS, PUBLISHED, RESERVED_GPUS,
                                             SLOTS_PER_GPU, TRAIN_S_PER_TOKEN, balanced_split, generation_gpu_s,
                                             model_hybrid_throughput, model_step_s, modelled_lengths, seed_of,
                                             throughput_bound)
-from workers.counters import Counters
-from workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel
-from workers.fleet import WorkerFleet
-from workers.seeding import ProcessSeeding
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel
+from rlboost.workers.fleet import WorkerFleet
+from rlboost.workers.seeding import ProcessSeeding
 
 # Real seconds: a request of a worker killed without notice returns after ACK_WAIT_S (x speed
 # in modelled time: 30 s, against the 10 s a real deployment uses); leases must expire before

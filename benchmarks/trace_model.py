@@ -39,7 +39,7 @@ import math
 
 import numpy as np
 
-from workers.engines.emulated import LengthModel, TimingModel
+from rlboost.workers.engines.emulated import LengthModel, TimingModel
 
 RESERVED_GPUS, INSTANCE_GPUS = 8, 2
 SLOTS_PER_GPU = 128

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.spot import Interval, available
+from rlboost.benchmarks.spot import Interval, available
 
 
 def rented_of(run: dict) -> list[Interval]:

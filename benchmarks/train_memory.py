@@ -56,8 +56,8 @@ def _old_step(model_dir: str, results, groups: int, device: str) -> None:
     """The per-group-copy trainer, as it was (the baseline: not used anywhere else)."""
     import torch
 
-    from trainer.grpo import group_advantages, grpo_loss, token_logprobs
-    from trainer.model import load_model
+    from rlboost.trainer.grpo import group_advantages, grpo_loss, token_logprobs
+    from rlboost.trainer.model import load_model
 
     model = load_model(model_dir).to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -86,7 +86,7 @@ def _old_step(model_dir: str, results, groups: int, device: str) -> None:
 
 def _new_step(model_dir: str, results, groups: int, device: str, micro_batch_tokens: int) -> None:
     from rlboost.config import TrainerSettings
-    from trainer.grpo_trainer import GRPOTrainer
+    from rlboost.trainer.grpo_trainer import GRPOTrainer
 
     t = GRPOTrainer(model_dir, TrainerSettings(device=device, precision="fp32", micro_batch_tokens=micro_batch_tokens))
     t.start_step(0)
@@ -156,8 +156,8 @@ def main(argv: list[str], s: Settings) -> int:
         return 0
     import torch
 
-    from trainer.model import init_model_dir
-    from trainer.tasks import get_task
+    from rlboost.trainer.model import init_model_dir
+    from rlboost.trainer.tasks import get_task
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     work = Path(tempfile.mkdtemp(prefix="rlboost-train-memory-"))

@@ -49,7 +49,7 @@ import time
 import uuid
 from pathlib import Path
 
-from benchmarks.fleet_join import Bandwidth, measure_verify, report
+from rlboost.benchmarks.fleet_join import Bandwidth, measure_verify, report
 from rlboost import bus, wire
 from rlboost.logs import print_result
 from rlboost.config import Settings
@@ -67,8 +67,8 @@ def _reward(task, problem, text: str) -> float:
 
 
 async def _rollout(engine, trainer, task, tokenizer, stops, rng, step: int, prompts: int, samples: int):
-    from trainer.model import decode_response, encode
-    from workers.engines.base import Sequence
+    from rlboost.trainer.model import decode_response, encode
+    from rlboost.workers.engines.base import Sequence
 
     problems = [task.sample(rng) for _ in range(prompts)]
     seqs = []
@@ -103,9 +103,9 @@ async def _one_lr(js, a: argparse.Namespace, lr: float, model_dir: Path, work: P
     from rlboost.config import TrainerSettings
     from rlboost.modeldir import stop_ids
     from rlboost.weights import JetStreamBlobStore, WeightCache, WeightPublisher, deltas
-    from trainer.grpo_trainer import GRPOTrainer
-    from trainer.tasks import get_task
-    from workers.engines.torch_engine import TorchEngine
+    from rlboost.trainer.grpo_trainer import GRPOTrainer
+    from rlboost.trainer.tasks import get_task
+    from rlboost.workers.engines.torch_engine import TorchEngine
 
     task = get_task("addition")
     trainer = GRPOTrainer(str(model_dir), TrainerSettings(device="cpu", precision="fp32", lr=lr,
@@ -255,8 +255,8 @@ async def _peer_trials(js, a: argparse.Namespace, store, work: Path, newest: dic
 
 
 async def run(nats_url: str, a: argparse.Namespace, work: Path) -> dict:
-    from trainer.model import init_model_dir
-    from trainer.tasks import get_task
+    from rlboost.trainer.model import init_model_dir
+    from rlboost.trainer.tasks import get_task
 
     model_dir = init_model_dir(work / "model", get_task("addition"), seed=a.seed, hidden=a.hidden, layers=a.layers,
                                heads=a.heads, mlp=a.mlp)

@@ -15,7 +15,7 @@ Sources:
   patched to hand back the parser instead of parsing: nothing runs past the parser, and the
   command modules need no change to be documented.
 - Settings: the msgspec Structs of `rlboost/config.py`, with each key's comment from the source.
-- Wire: the Structs and stream specs of `rlboost/wire.py`.
+- Wire: the Structs and stream specs of the `rlboost/wire/` package.
 - Metrics: the metric objects of `rlboost/metrics.py`.
 """
 
@@ -190,7 +190,7 @@ def parser_markdown(title: str, p: argparse.ArgumentParser, keys: dict[str, str]
 def cli_markdown() -> str:
     parsers = command_parsers()
     # `rlboost run` / `demo` flags are shorthands for settings keys (trainer/command.py FLAGS)
-    keys = getattr(importlib.import_module("trainer.command"), "FLAGS", {})
+    keys = getattr(importlib.import_module("rlboost.trainer.command"), "FLAGS", {})
     return "\n".join(parser_markdown(title, p, keys if title in ("rlboost run", "rlboost demo") else None)
                      for title, p in parsers.items())
 
@@ -353,8 +353,10 @@ def wire_markdown() -> str:
         lines.append(f"| `{getattr(wire, const)}` | `wire.{const}` |")
     lines.append("")
     structs = [obj for _, obj in inspect.getmembers(wire, inspect.isclass)
-               if issubclass(obj, msgspec.Struct) and obj.__module__ == wire.__name__ and not obj.__name__.startswith("_")]
-    structs.sort(key=lambda c: inspect.getsourcelines(c)[1])
+               if issubclass(obj, msgspec.Struct) and obj.__module__.startswith(wire.__name__ + ".") and not obj.__name__.startswith("_")]
+    # in reading order: the package's files in the order its __init__ names them, then by line
+    files = ["names", "messages", "codec"]
+    structs.sort(key=lambda c: (files.index(c.__module__.rpartition(".")[2]), inspect.getsourcelines(c)[1]))
     for cls in structs:
         lines += [f"### `{cls.__name__}`", ""]
         if cls.__doc__:

@@ -251,7 +251,7 @@ def render_nats_conf(services: ServicesSettings, *, env_refs: bool = False, list
 
 # ---------------------------------------------------------------- Redis ACL
 
-# The worker touches only checkpoint keys (`rb:{rid}:*`, rlboost/wire.py) through
+# The worker touches only checkpoint keys (`rb:{rid}:*`, rlboost/wire/names.py) through
 # rlboost/checkpoint.py: a few reads, and the fencing Lua scripts by EVALSHA. Lua runs with the
 # caller's permissions, so the write commands those scripts call are granted too; everything
 # else is not: no EVAL or SCRIPT (the trainer loads the project's scripts, `load_scripts`), no

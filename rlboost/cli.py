@@ -141,13 +141,13 @@ def _run_module(module: str):
 
 
 COMMANDS = {
-    "demo": ("trainer.demo", "the main job: bootstrap the model, run hybrid RL with 2 preemptible workers"),
+    "demo": ("rlboost.trainer.demo", "the main job: bootstrap the model, run hybrid RL with 2 preemptible workers"),
     "smoke": ("rlboost.smoke", "dataflow smoke: requests -> consumer -> checkpoints -> results"),
-    "worker": ("workers.main", "run a rollout worker: rlboost worker --pool NAME --engine ENGINE"),
-    "env-worker": ("workers.env_worker", "run an environment worker: episodes' tool calls off the GPUs (env.inline = false)"),
+    "worker": ("rlboost.workers.main", "run a rollout worker: rlboost worker --pool NAME --engine ENGINE"),
+    "env-worker": ("rlboost.workers.env_worker", "run an environment worker: episodes' tool calls off the GPUs (env.inline = false)"),
     "replay": ("rlboost.replay", "print the life of a request or a step from the streams"),
-    "init-model": ("trainer.bootstrap", "build and warm-start the small local model"),
-    "run": ("trainer.command", "run RL training with a rollout policy"),
+    "init-model": ("rlboost.trainer.bootstrap", "build and warm-start the small local model"),
+    "run": ("rlboost.trainer.command", "run RL training with a rollout policy"),
     "serve-openai": ("rlboost.endpoint", "an OpenAI-compatible chat endpoint: each call a checkpointed request"),
 }
 

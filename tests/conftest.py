@@ -98,7 +98,7 @@ def s3_server(s3_env, tmp_path_factory):
 def calc_model_dir(tmp_path_factory):
     """A tiny untrained model on the calculator's alphabet (512-token context), marked warm-started."""
     from rlboost.envs import calculator
-    from trainer.model import build_model, build_tokenizer, save
+    from rlboost.trainer.model import build_model, build_tokenizer, save
 
     tok = build_tokenizer(calculator.ALPHABET)
     model = build_model(len(tok), hidden=64, layers=2, heads=2, mlp=128, max_positions=512, seed=0,
@@ -121,7 +121,7 @@ def tool_calling_model_dir(tmp_path_factory):
 
     from rlboost.envs import calculator
     from rlboost.envs.chat import chat_format
-    from trainer.model import build_model, build_tokenizer, save
+    from rlboost.trainer.model import build_model, build_tokenizer, save
 
     tok = build_tokenizer(calculator.ALPHABET)
     model = build_model(len(tok), hidden=64, layers=2, heads=2, mlp=128, max_positions=512, seed=0,

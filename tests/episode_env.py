@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks import agent, chaos_episodes
+from rlboost.benchmarks import agent, chaos_episodes
 from rlboost import episodes, wire
 from rlboost.envs.calculator import ALPHABET, CALC, CalculatorEnv
 from rlboost.envs.chat import chat_format
@@ -42,7 +42,7 @@ solver = agent.solver  # the scripted policy that solves the rows (benchmarks/ag
 
 
 def tokenizer():
-    from trainer.model import build_tokenizer
+    from rlboost.trainer.model import build_tokenizer
 
     return build_tokenizer(ALPHABET)
 

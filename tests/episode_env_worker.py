@@ -14,8 +14,8 @@ import episode_env  # noqa: E402
 
 from rlboost.clients import open_clients  # noqa: E402
 from rlboost.config import EnvSettings, WorkerSettings  # noqa: E402
-from workers.counters import Counters  # noqa: E402
-from workers.env_worker import EnvWorker  # noqa: E402
+from rlboost.workers.counters import Counters  # noqa: E402
+from rlboost.workers.env_worker import EnvWorker  # noqa: E402
 
 
 async def main(nats_url: str, redis_url: str, worker_id: str) -> None:

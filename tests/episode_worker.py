@@ -17,9 +17,9 @@ import episode_env  # noqa: E402
 from rlboost.clients import open_clients  # noqa: E402
 from rlboost.config import WorkerSettings  # noqa: E402
 from rlboost.config import EnvSettings  # noqa: E402
-from workers.counters import Counters  # noqa: E402
-from workers.engines.scripted import ScriptedEngine  # noqa: E402
-from workers.worker import RolloutWorker  # noqa: E402
+from rlboost.workers.counters import Counters  # noqa: E402
+from rlboost.workers.engines.scripted import ScriptedEngine  # noqa: E402
+from rlboost.workers.worker import RolloutWorker  # noqa: E402
 
 
 async def main(nats_url: str, redis_url: str, pool: str, worker_id: str, rows_file: str, token_s: float) -> None:

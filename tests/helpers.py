@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from rlboost import bus, wire
-from trainer.model import build_model, build_tokenizer, save
-from trainer.tasks import Addition
-from workers.engines.base import EngineError, Sequence
+from rlboost.trainer.model import build_model, build_tokenizer, save
+from rlboost.trainer.tasks import Addition
+from rlboost.workers.engines.base import EngineError, Sequence
 
 
 def engine_requests(n: int, rng: random.Random, max_new: int, sampling: list[dict], **overrides) -> list[Sequence]:

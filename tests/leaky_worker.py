@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import runpy
 
-from workers.worker import RolloutWorker
+from rlboost.workers.worker import RolloutWorker
 
 _kept: list = []
 _beat = RolloutWorker._beat

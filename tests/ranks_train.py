@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 
 from rlboost import wire
 from rlboost.config import AlgorithmSettings, TrainerSettings
-from trainer import distributed
-from trainer.grpo_trainer import GRPOTrainer
+from rlboost.trainer import distributed
+from rlboost.trainer.grpo_trainer import GRPOTrainer
 
 
 def batch(step: int, prompts: int = 5, samples: int = 4, stale: bool = False) -> list[wire.RolloutResult]:

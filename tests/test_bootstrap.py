@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-from trainer import model as M
-from trainer.bootstrap import sft_batch, warm_start
-from trainer.tasks import Addition
+from rlboost.trainer import model as M
+from rlboost.trainer.bootstrap import sft_batch, warm_start
+from rlboost.trainer.tasks import Addition
 
 torch.set_num_threads(1)
 
@@ -107,7 +107,7 @@ def test_init_model_command_runs_and_saves(tmp_path):
 def test_init_model_never_writes_into_a_folder_it_did_not_make(tmp_path, capsys):
     """A user's folder (here: any file init-model did not write) is refused, untouched."""
     from rlboost.config import Settings
-    from trainer.bootstrap import main
+    from rlboost.trainer.bootstrap import main
 
     user = tmp_path / "my-model"
     user.mkdir()
@@ -121,7 +121,7 @@ def test_init_model_never_writes_into_a_folder_it_did_not_make(tmp_path, capsys)
 def test_run_init_model_builds_only_into_a_folder_of_its_own(tmp_path):
     from rlboost.config import RunSettings, Settings
     from rlboost.modeldir import ModelDirError
-    from trainer.command import resolve_model
+    from rlboost.trainer.command import resolve_model
 
     user = tmp_path / "user-model"
     user.mkdir()
@@ -135,7 +135,7 @@ def test_the_demo_runs_a_number_of_rl_steps_not_minutes():
     """A 3-minute cap gave a busy box 21 steps (a quiet one 40): the demo's RL phase is a
     number of steps, whatever the box's speed, and the warm start's cap leaves a busy box time."""
     from rlboost.config import Settings
-    from trainer.command import parse
+    from rlboost.trainer.command import parse
 
     run = parse([], demo=True, s=Settings()).settings.run
     assert run.max_minutes == 0 and run.steps == 20
@@ -146,9 +146,9 @@ def test_the_demo_runs_a_number_of_rl_steps_not_minutes():
 
 def test_the_demo_warm_start_runs_on_one_thread(tmp_path, monkeypatch):
     """Two OpenMP threads on shared cores ran each warm-start step 5-7x slower than one."""
-    import trainer.bootstrap as B
+    import rlboost.trainer.bootstrap as B
     from rlboost.config import RunSettings, Settings
-    from trainer.command import resolve_model
+    from rlboost.trainer.command import resolve_model
 
     seen = []
 

@@ -93,7 +93,7 @@ def test_effective_settings_round_trip_through_toml(tmp_path):
 
 
 def test_the_data_section_sets_the_run_s_data_and_reward_and_flags_override(tmp_path):
-    from trainer.command import parse
+    from rlboost.trainer.command import parse
 
     f = tmp_path / "rb.toml"
     f.write_text('[data]\ntrain = "t.jsonl"\neval = "e.jsonl"\nreward = "r.py:score"\nmax_response_tokens = 64\n'

@@ -85,7 +85,7 @@ def hermes512(tmp_path_factory) -> Path:
     tokenizer with its chat template (no rlboost meta: read as the user's own)."""
     import stranger_models
 
-    from trainer.model import build_model, save
+    from rlboost.trainer.model import build_model, save
 
     tok = stranger_models.tokenizer("hermes")
     model = build_model(len(tok), hidden=32, layers=1, heads=2, mlp=64, max_positions=512, seed=0,
@@ -94,7 +94,7 @@ def hermes512(tmp_path_factory) -> Path:
 
 
 def _preflight(model_dir: Path, *argv: str):
-    from trainer import command
+    from rlboost.trainer import command
 
     return command.preflight(command.parse(["--env", ENV_REF, "--model-dir", str(model_dir), *argv]))
 
@@ -102,7 +102,7 @@ def _preflight(model_dir: Path, *argv: str):
 def _lengths(model_dir: Path, describe_tools: bool = True) -> tuple[int, int]:
     """The opening's tokens with and without its tools, rendered by the model's own template."""
     from rlboost.envs.chat import chat_format
-    from trainer.model import load_tokenizer
+    from rlboost.trainer.model import load_tokenizer
 
     fmt = chat_format(load_tokenizer(model_dir), describe_tools=describe_tools)
     opening = Archive().start({"n": 0}, None)
@@ -110,7 +110,7 @@ def _lengths(model_dir: Path, describe_tools: bool = True) -> tuple[int, int]:
 
 
 def test_an_opening_that_fills_the_context_is_refused_naming_its_length_and_the_tools_share(hermes512):
-    from trainer.data import DataError
+    from rlboost.trainer.data import DataError
 
     full, bare = _lengths(hermes512)
     assert full > 512 > bare  # the tools' schemas, not the question, fill the context
@@ -137,7 +137,7 @@ def test_the_way_forward_it_names_works(hermes512):
 
 def test_a_budget_of_the_runs_own_is_named_as_the_bound(hermes512):
     """Where `env.max_episode_tokens` is below the model's context, it is the bound to raise."""
-    from trainer.data import DataError
+    from rlboost.trainer.data import DataError
 
     brief, bare = _lengths(hermes512, describe_tools=False)
     with pytest.raises(DataError) as e:
@@ -149,7 +149,7 @@ def test_a_budget_of_the_runs_own_is_named_as_the_bound(hermes512):
 
 
 def test_an_environment_that_opens_no_row_says_why_before_the_run(hermes512):
-    from trainer.data import DataError
+    from rlboost.trainer.data import DataError
 
     with pytest.raises(DataError) as e:
         _preflight(hermes512, "--env.options.broken", "true")
@@ -162,11 +162,11 @@ def test_rows_dropped_in_a_row_during_the_run_name_the_real_reason_not_none():
     stops the run with their cause: it used to say "... could not open an episode: None"."""
     from rlboost.config import EnvSettings
     from rlboost.envs.calculator import ALPHABET
-    from trainer.data import DataError
-    from trainer.episode_data import EpisodeData
-    from trainer.episode_runner import make_runner
-    from trainer.episode_source import EpisodeSource
-    from trainer.model import build_tokenizer
+    from rlboost.trainer.data import DataError
+    from rlboost.trainer.episode_data import EpisodeData
+    from rlboost.trainer.episode_runner import make_runner
+    from rlboost.trainer.episode_source import EpisodeSource
+    from rlboost.trainer.model import build_tokenizer
 
     # a character model's fallback format: fast to render a thousand times
     env = EnvSettings(ref=ENV_REF, max_episode_tokens=64)

@@ -7,10 +7,10 @@ import json
 import pytest
 from helpers import build_hf_model
 
-from trainer.data import (DataError, DataExhausted, DataIterator, FieldMap, FileData, GeneratedData, PromptBudget,
+from rlboost.trainer.data import (DataError, DataExhausted, DataIterator, FieldMap, FileData, GeneratedData, PromptBudget,
                           Sample, encode_prompt, load_samples)
-from trainer.model import load_tokenizer
-from trainer.tasks import get_task
+from rlboost.trainer.model import load_tokenizer
+from rlboost.trainer.tasks import get_task
 
 ROWS = [
     {"messages": [{"role": "user", "content": "What is 2 plus 2?"}], "answer": "4", "level": 1},

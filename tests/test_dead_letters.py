@@ -15,10 +15,10 @@ from rlboost.clients import open_clients
 from rlboost.config import EnvSettings, WorkerSettings
 from rlboost.envs import calculator
 from rlboost.pool_client import PoolClient
-from workers.counters import Counters
-from workers.engines.emulated import EmulatedEngine, LengthModel, reference_tokens
-from workers.engines.scripted import ScriptedEngine
-from workers.worker import RolloutWorker
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.emulated import EmulatedEngine, LengthModel, reference_tokens
+from rlboost.workers.engines.scripted import ScriptedEngine
+from rlboost.workers.worker import RolloutWorker
 
 
 @pytest.fixture

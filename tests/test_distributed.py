@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from trainer.model import init_model_dir
-from trainer.tasks import get_task
+from rlboost.trainer.model import init_model_dir
+from rlboost.trainer.tasks import get_task
 
 SCRIPT = str(Path(__file__).with_name("ranks_train.py"))
 

@@ -26,9 +26,9 @@ from rlboost.clients import open_clients
 from rlboost.config import EndpointSettings, WorkerSettings
 from rlboost.endpoint import OpenAIEndpoint, read_sessions
 from rlboost.modeldir import load_tokenizer, stop_ids
-from workers.counters import Counters
-from workers.engines.base import Engine, Generated, Sequence
-from workers.worker import RolloutWorker
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.base import Engine, Generated, Sequence
+from rlboost.workers.worker import RolloutWorker
 from rlboost.weights.source import EmulatedWeights
 
 TOKEN = "test-token-123"
@@ -445,7 +445,7 @@ async def test_sessions_recorded_by_the_endpoint_train_two_grpo_steps(
     import torch
 
     from rlboost.config import TrainerSettings
-    from trainer.grpo_trainer import GRPOTrainer
+    from rlboost.trainer.grpo_trainer import GRPOTrainer
 
     async with serving(nats_url, redis_url, tokenizer, model_dir, tmp_path, "oa-train") as (ep, _, _):
         client = openai.AsyncOpenAI(base_url=_url(ep) + "/v1", api_key=TOKEN, max_retries=0)

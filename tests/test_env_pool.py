@@ -24,10 +24,10 @@ from rlboost.clients import open_clients
 from rlboost.config import EnvSettings, WorkerSettings
 from rlboost.envs import calculator
 from rlboost.pool_client import PoolClient
-from workers.counters import Counters
-from workers.engines.scripted import ScriptedEngine
-from workers.env_worker import EnvWorker
-from workers.worker import RolloutWorker
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.scripted import ScriptedEngine
+from rlboost.workers.env_worker import EnvWorker
+from rlboost.workers.worker import RolloutWorker
 
 TESTS = Path(__file__).resolve().parent
 
@@ -220,7 +220,7 @@ async def test_bench_chaos_episodes_on_the_environment_pool_keeps_every_invarian
     episode the killed generation worker held."""
     import argparse
 
-    from benchmarks import chaos_episodes
+    from rlboost.benchmarks import chaos_episodes
 
     # seed 4: the actions are kill-tool (an env worker), term-env, kill-gen, in that order
     a = argparse.Namespace(episodes=8, workers=2, k=8, every=0.5, chaos_until=0.95, timeout=150.0, seed=4,

@@ -25,7 +25,7 @@ from rlboost.envs.episode import EpisodeResult, EpisodeRunner, Generation, Snaps
 from rlboost.config import EnvSettings
 from rlboost.envs.protocol import (Context, Env, EnvError, Message, ModelTurn, Opening, Reply, Score,
                                    ToolCall, ToolResult, ToolSpec, user)
-from trainer.model import build_tokenizer
+from rlboost.trainer.model import build_tokenizer
 
 TOOL = ToolSpec(name="echo", description="echo", parameters={"type": "object", "properties": {"x": {"type": "string"}},
                                                              "required": ["x"]})

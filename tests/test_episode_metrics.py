@@ -38,7 +38,7 @@ class Census(Env):
 
 
 def _runner() -> EpisodeRunner:
-    from trainer.model import build_tokenizer
+    from rlboost.trainer.model import build_tokenizer
 
     fmt = chat_format(build_tokenizer(ALPHABET), describe_tools=False)
     return EpisodeRunner(Census(), fmt, EnvSettings(max_turns=6, max_episode_tokens=512), max_turn_tokens=64)
@@ -70,7 +70,7 @@ async def _result(runner: EpisodeRunner, rid: str, turns: list[str]) -> wire.Rol
 
 
 async def test_step_rows_carry_the_environments_metrics_of_the_episodes_they_trained():
-    from trainer.episode_scoring import EpisodeScorer
+    from rlboost.trainer.episode_scoring import EpisodeScorer
 
     runner = _runner()
     call = '<tool_call>{{"name": "{}", "arguments": {{"{}": "Oslo"}}}}</tool_call>'
@@ -95,7 +95,7 @@ async def test_step_rows_carry_the_environments_metrics_of_the_episodes_they_tra
 
 
 def test_the_loggers_show_the_episode_fields_and_the_environments_metrics():
-    from trainer.loggers import scalars
+    from rlboost.trainer.loggers import scalars
 
     row = {"step": 3, "reward": 0.5, "episodes": 4, "tool_calls_mean": 1.5, "tool_errors_mean": 0.25,
            "env/lookups": 1.5, "episode_ends": {"done": 3, "length": 1}, "data": {"epoch": 0}}

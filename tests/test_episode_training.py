@@ -12,11 +12,11 @@ import torch
 
 from rlboost import wire
 from rlboost.config import AlgorithmSettings, TrainerSettings
-from trainer.grpo import group_advantages, grpo_loss, token_logprobs, turn_advantages
-from trainer.grpo_trainer import GRPOTrainer, sample_of, trained_mask
-from trainer.model import init_model_dir
-from trainer.run import weights_sha256
-from trainer.tasks import Addition
+from rlboost.trainer.grpo import group_advantages, grpo_loss, token_logprobs, turn_advantages
+from rlboost.trainer.grpo_trainer import GRPOTrainer, sample_of, trained_mask
+from rlboost.trainer.model import init_model_dir
+from rlboost.trainer.run import weights_sha256
+from rlboost.trainer.tasks import Addition
 
 
 @pytest.fixture(scope="module")
@@ -224,8 +224,8 @@ def test_sample_of_carries_the_trainable_mask_only_for_episodes():
 def _calc_runner(max_episode_tokens: int = 512):
     from rlboost.config import EnvSettings
     from rlboost.envs import calculator
-    from trainer.episode_runner import make_runner
-    from trainer.model import build_tokenizer
+    from rlboost.trainer.episode_runner import make_runner
+    from rlboost.trainer.model import build_tokenizer
 
     settings = EnvSettings(ref="calculator", options={"instructions": False}, describe_tools=False,
                            max_episode_tokens=max_episode_tokens, max_turns=6)
@@ -286,7 +286,7 @@ async def _result(runner, row, rid: str, wrong: bool = False, forged_score: bool
 
 async def test_an_episode_result_becomes_a_sample_scored_by_the_trainers_environment():
     from rlboost.envs import calculator
-    from trainer.episode_scoring import EpisodeScorer, training_episode
+    from rlboost.trainer.episode_scoring import EpisodeScorer, training_episode
 
     runner = _calc_runner()
     row = calculator.rows("train", 1, seed=4)[0]
@@ -322,8 +322,8 @@ async def test_an_episode_result_becomes_a_sample_scored_by_the_trainers_environ
 
 async def test_the_episode_source_makes_each_rows_episode_requests_inside_a_running_loop():
     from rlboost.envs import calculator
-    from trainer.episode_data import EpisodeData
-    from trainer.episode_source import EpisodeSource
+    from rlboost.trainer.episode_data import EpisodeData
+    from rlboost.trainer.episode_source import EpisodeSource
 
     runner = _calc_runner()
     data = EpisodeData(runner.env, "calculator", seed=3, eval_size=8)
@@ -346,7 +346,7 @@ async def test_the_episode_source_makes_each_rows_episode_requests_inside_a_runn
 
 async def test_greedy_episodes_play_every_row_to_its_end_in_batches():
     from rlboost.envs import calculator
-    from trainer.episode_evaluation import greedy_episodes
+    from rlboost.trainer.episode_evaluation import greedy_episodes
 
     runner = _calc_runner()
     rows = calculator.rows("test", 5, seed=0)
@@ -395,7 +395,7 @@ def short_turns_model_dir(tmp_path_factory):
     token, not the turn's budget, so the environment answers them (an untrained model rarely
     stops within 24 tokens, and a turn cut off ends its episode)."""
     from rlboost.envs import calculator
-    from trainer.model import build_model, build_tokenizer, save
+    from rlboost.trainer.model import build_model, build_tokenizer, save
 
     tok = build_tokenizer(calculator.ALPHABET)
     model = build_model(len(tok), hidden=64, layers=2, heads=2, mlp=128, max_positions=512, seed=0,
@@ -454,7 +454,7 @@ def test_rlboost_run_env_on_the_environment_pool_runs_every_tool_call_there(serv
     import subprocess
     import sys
 
-    from workers.counters import read_counters
+    from rlboost.workers.counters import read_counters
 
     nats_url, redis_url = services
     run_dir = tmp_path / "run"
@@ -484,7 +484,7 @@ def test_a_saved_character_tokenizer_loads_with_its_spaces_and_newlines(calc_mod
     Qwen2's byte-level tokenizer, which drops the calculator's spaces and newlines."""
     from rlboost.envs import calculator
     from rlboost.modeldir import load_tokenizer
-    from trainer.model import build_tokenizer
+    from rlboost.trainer.model import build_tokenizer
 
     text = "Max has 38 beads.\n<tool_call>calc 53*8</tool_call><eos><tool_response>424</tool_response>\n"
     loaded, built = load_tokenizer(calc_model_dir), build_tokenizer(calculator.ALPHABET)
@@ -494,7 +494,7 @@ def test_a_saved_character_tokenizer_loads_with_its_spaces_and_newlines(calc_mod
 
 def test_worker_processes_get_the_runs_env_settings():
     from rlboost.config import EnvSettings, load_settings
-    from trainer.episode_runner import worker_env
+    from rlboost.trainer.episode_runner import worker_env
 
     env = EnvSettings(ref="calculator", options={"instructions": False}, describe_tools=False, max_turns=3,
                       tool_timeout_s=2.5)
@@ -508,8 +508,8 @@ def test_worker_processes_get_the_runs_env_settings():
 def test_an_untooled_demonstration_is_the_opening_then_the_answer_at_once():
     """The guessing phase's demonstrations: a worked solution without its tool turns."""
     from rlboost.envs import calculator
-    from trainer.data import DataError
-    from trainer.env_warm_start import untooled
+    from rlboost.trainer.data import DataError
+    from rlboost.trainer.env_warm_start import untooled
 
     row = calculator.rows("train", 1, level="small")[0]
     worked = calculator.solution(row, instructions=False)
@@ -525,8 +525,8 @@ def test_the_guessing_phase_runs_after_the_warm_start_and_names_the_model_it_bui
     """`run.bootstrap_guess_steps`: more steps after the warm start (its own model, recorded in
     the meta), and a demo model built with another guessing phase is not taken for this one."""
     from rlboost.config import EnvSettings, RunSettings
-    from trainer.env_warm_start import check_demo_model, env_warm_start
-    from trainer.model import read_meta
+    from rlboost.trainer.env_warm_start import check_demo_model, env_warm_start
+    from rlboost.trainer.model import read_meta
 
     env = EnvSettings(ref="calculator", describe_tools=False, options={"instructions": False, "level": "small"})
     tiny = dict(hidden=32, layers=1, heads=2, mlp=64, batch=2, eval_rows=2, eval_every=100)
@@ -551,8 +551,8 @@ def test_the_env_warm_start_stops_at_its_step_cap_with_the_same_model_every_time
     """`run.bootstrap_steps`: a warm start that stops at a step, not a time, builds the same
     model on a loaded box as on an idle one (the documented calculator runs start from one)."""
     from rlboost.config import EnvSettings, RunSettings
-    from trainer.env_warm_start import check_demo_model, env_warm_start
-    from trainer.model import read_meta
+    from rlboost.trainer.env_warm_start import check_demo_model, env_warm_start
+    from rlboost.trainer.model import read_meta
 
     env = EnvSettings(ref="calculator", describe_tools=False, options={"instructions": False, "level": "small"})
     tiny = dict(hidden=32, layers=1, heads=2, mlp=64, batch=2, eval_rows=2, eval_every=100)
@@ -575,7 +575,7 @@ def test_the_calculator_example_config_is_the_measured_command_line():
     import msgspec
 
     from rlboost.config import load_settings
-    from trainer.command import parse
+    from rlboost.trainer.command import parse
 
     root = Path(__file__).resolve().parents[1]
     blocks = re.findall(r"```sh\n(.*?)```", (root / "docs/concepts/environments.md").read_text(), re.S)

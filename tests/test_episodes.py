@@ -18,7 +18,7 @@ import episode_env
 import pytest
 from helpers import step_results
 
-from benchmarks import chaos_episodes
+from rlboost.benchmarks import chaos_episodes
 from rlboost import episodes, wire
 from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
@@ -27,9 +27,9 @@ from rlboost.envs.chat import chat_format
 from rlboost.envs.episode import EpisodeRunner
 from rlboost.config import EnvSettings
 from rlboost.pool_client import PoolClient
-from workers.counters import Counters
-from workers.engines.scripted import ScriptedEngine
-from workers.worker import RolloutWorker
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.scripted import ScriptedEngine
+from rlboost.workers.worker import RolloutWorker
 
 TESTS = Path(__file__).resolve().parent
 
@@ -383,7 +383,7 @@ async def test_bench_chaos_episodes_keeps_every_invariant_under_sigkill_and_sigt
     tokens regenerated after a SIGTERM, at most K per held episode after a SIGKILL."""
     import argparse
 
-    from benchmarks import chaos_episodes
+    from rlboost.benchmarks import chaos_episodes
 
     # seed 4: the first action is a SIGKILL during generation, the second one during a tool call
     a = argparse.Namespace(episodes=8, workers=2, k=8, every=0.5, chaos_until=0.9, timeout=150.0, seed=4,

@@ -22,7 +22,7 @@ def gpt2_model_dir(tmp_path_factory):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from trainer.model import build_tokenizer, save
+    from rlboost.trainer.model import build_tokenizer, save
 
     tok = build_tokenizer(ALPHABET)
     config = GPT2Config(vocab_size=len(tok), n_positions=CONTEXT, n_embd=32, n_layer=1, n_head=2,
@@ -50,10 +50,10 @@ async def test_greedy_episodes_of_a_gpt2_model_stay_inside_its_context(gpt2_mode
     budget took the long row past position 96 (IndexError: index out of range in self)."""
     from rlboost.envs.chat import chat_format
     from rlboost.envs.episode import EpisodeRunner
-    from trainer import distributed
-    from trainer.episode_evaluation import EpisodeEvaluation, greedy_episodes
-    from trainer.grpo_trainer import GRPOTrainer
-    from trainer.model import pad_id
+    from rlboost.trainer import distributed
+    from rlboost.trainer.episode_evaluation import EpisodeEvaluation, greedy_episodes
+    from rlboost.trainer.grpo_trainer import GRPOTrainer
+    from rlboost.trainer.model import pad_id
 
     trainer = GRPOTrainer(str(gpt2_model_dir), TrainerSettings(device="cpu", precision="fp32"), AlgorithmSettings(),
                           seed=0)

@@ -20,10 +20,10 @@ from rlboost.clients import open_clients
 from rlboost.config import ServicesSettings, WorkerSettings
 from rlboost.pool_client import PoolClient
 from rlboost.services import EmbeddedServices
-from benchmarks import faults
-from workers.counters import Counters
-from workers.engines.emulated import EmulatedEngine
-from workers.worker import RolloutWorker
+from rlboost.benchmarks import faults
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.emulated import EmulatedEngine
+from rlboost.workers.worker import RolloutWorker
 
 
 def _bench_args(**over) -> argparse.Namespace:

@@ -15,8 +15,8 @@ import pytest
 from rlboost import wire
 from rlboost.clients import open_clients
 from rlboost.pool_client import PoolClient
-from workers.engines.emulated import reference_tokens
-from benchmarks.fleet_host import HostedFleet
+from rlboost.workers.engines.emulated import reference_tokens
+from rlboost.benchmarks.fleet_host import HostedFleet
 
 K, MAX_NEW = 4, 24
 

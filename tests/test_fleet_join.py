@@ -3,7 +3,7 @@ bandwidth it models says they must."""
 
 from __future__ import annotations
 
-from benchmarks.fleet_join import MODELS, Bandwidth, origin_only_s, peers_s, table
+from rlboost.benchmarks.fleet_join import MODELS, Bandwidth, origin_only_s, peers_s, table
 
 BW = Bandwidth(link_gbps=25, origin_gbps=40, verify_mb_s=1000, verify_threads=8, piece_mb=64, delta_ratio=0.02,
                decode_ns=2.0)

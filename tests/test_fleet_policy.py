@@ -14,7 +14,7 @@ from rlboost import metrics, wire
 from rlboost.config import ConfigError, FleetSettings, RunSettings, load_settings
 from rlboost.fleet_policy import Signals, decide, dollars_per_hour, measure, settle, tokens_per_s
 from rlboost.orchestrator import StepOutcome
-from trainer.step_metrics import StepMetrics
+from rlboost.trainer.step_metrics import StepMetrics
 
 W = 2.4e6  # tokens per step (128 prompts x 8 samples, long-tailed responses)
 

@@ -21,8 +21,8 @@ from rlboost.clients import open_clients
 from rlboost.pool_client import PoolClient
 from rlboost.weights import StoreError
 from rlboost.weights import Manifest, parse_version
-from workers.engines.emulated import LengthModel, reference_tokens
-from workers.fleet import WorkerFleet
+from rlboost.workers.engines.emulated import LengthModel, reference_tokens
+from rlboost.workers.fleet import WorkerFleet
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])

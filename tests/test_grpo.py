@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from trainer.grpo import group_advantages, grpo_loss, token_logprobs
-from trainer.model import build_model
+from rlboost.trainer.grpo import group_advantages, grpo_loss, token_logprobs
+from rlboost.trainer.model import build_model
 
 torch.set_num_threads(1)
 

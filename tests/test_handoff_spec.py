@@ -19,9 +19,9 @@ from helpers import step_results
 from rlboost import wire
 from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
-from workers.counters import Counters
-from workers.engines.emulated import EmulatedEngine, LengthModel, reference_tokens
-from workers.worker import RolloutWorker
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.emulated import EmulatedEngine, LengthModel, reference_tokens
+from rlboost.workers.worker import RolloutWorker
 
 POOL = "handoff-spec"
 

@@ -17,7 +17,7 @@ from rlboost import checkpoint, wire
 from rlboost.clients import open_clients
 from rlboost.replay import read_subject
 from rlboost.checkpoint import CheckpointStore, LeaseLost
-from benchmarks import faults, history
+from rlboost.benchmarks import faults, history
 
 EPOCH_CHECK = "if m[1] ~= epoch or m[4] ~= digest then return -1 end"  # the fence: epoch and the lease's proof
 

@@ -21,10 +21,10 @@ from rlboost.pool_client import PoolClient
 from rlboost.weights import DeltaCorrupt, FileBlobStore, StoreError
 from rlboost.weights import WeightCache
 from rlboost.weights import Manifest, VersionPointer, WeightPublisher
-from workers.counters import Counters
-from workers.engines.base import EngineError
-from workers.engines.emulated import EmulatedEngine
-from workers.worker import RolloutWorker
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.base import EngineError
+from rlboost.workers.engines.emulated import EmulatedEngine
+from rlboost.workers.worker import RolloutWorker
 
 DEEP = b"\x82\xa1v\x01\xa1x" + b"\x91" * 200_000 + b"\xc0"  # 200 KB of nested MessagePack arrays
 

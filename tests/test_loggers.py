@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.loggers import Loggers, scalars
+from rlboost.trainer.loggers import Loggers, scalars
 
 ROW = {"step": 3, "reward": 0.5, "loss": -0.01, "grad_norm": 0.3, "lr": 1e-4, "live_workers": 2, "t_seed": None,
        "policy": "hybrid", "fallback": False, "chaos": []}

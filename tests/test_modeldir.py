@@ -12,9 +12,9 @@ import torch
 from helpers import build_hf_model, tree_sha256
 
 from rlboost.modeldir import ModelDirError, check_model_dir, stop_ids
-from trainer.model import load_model, load_tokenizer
-from workers.engines.base import EngineError, Sequence
-from workers.engines.torch_engine import TorchEngine
+from rlboost.trainer.model import load_model, load_tokenizer
+from rlboost.workers.engines.base import EngineError, Sequence
+from rlboost.workers.engines.torch_engine import TorchEngine
 
 torch.set_num_threads(1)
 
@@ -84,8 +84,8 @@ def test_llama_and_qwen3_load_in_the_trainer_and_the_engine_read_only(llama, qwe
 
 def test_worker_engine_options_reach_the_torch_engine(qwen3):
     from rlboost.config import Settings
-    from workers.engines import engine_from_settings
-    from workers.main import parse_args
+    from rlboost.workers.engines import engine_from_settings
+    from rlboost.workers.main import parse_args
 
     s = Settings()
     parse_args(["--engine", "torch", "--model-dir", str(qwen3), "--dtype", "float32", "--max-model-len", "64",

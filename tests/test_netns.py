@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from benchmarks import netns
+from rlboost.benchmarks import netns
 
 WHY = netns.unavailable()
 needs_netns = pytest.mark.skipif(WHY is not None, reason=f"no network namespaces here: {WHY}")

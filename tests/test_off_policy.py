@@ -13,12 +13,12 @@ import torch
 
 from rlboost import metrics, wire
 from rlboost.config import AlgorithmSettings, ConfigError, TrainerSettings, load_settings
-from trainer.grpo import grpo_loss, token_logprobs
-from trainer.grpo_trainer import GRPOTrainer
-from trainer.loggers import scalars
-from trainer.model import init_model_dir
-from trainer.report import RunReport
-from trainer.tasks import get_task
+from rlboost.trainer.grpo import grpo_loss, token_logprobs
+from rlboost.trainer.grpo_trainer import GRPOTrainer
+from rlboost.trainer.loggers import scalars
+from rlboost.trainer.model import init_model_dir
+from rlboost.trainer.report import RunReport
+from rlboost.trainer.tasks import get_task
 
 torch.set_num_threads(1)
 

@@ -23,16 +23,16 @@ from rlboost import orchestrator as orch
 from rlboost import wire
 from rlboost.clients import open_clients
 from rlboost.config import RolloutSettings, WorkerSettings
-from benchmarks.costs import Prices
+from rlboost.benchmarks.costs import Prices
 from rlboost.offload import SeedWindow
 from rlboost.replay import read_subject
-from benchmarks import trace as bench
-from benchmarks.trace_model import MAX_NEW_TOKENS
-from workers.counters import Counters
-from workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel, reference_tokens
-from workers.fleet import WorkerFleet
-from workers.seeding import InProcessSeeding
-from workers.worker import RolloutWorker
+from rlboost.benchmarks import trace as bench
+from rlboost.benchmarks.trace_model import MAX_NEW_TOKENS
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel, reference_tokens
+from rlboost.workers.fleet import WorkerFleet
+from rlboost.workers.seeding import InProcessSeeding
+from rlboost.workers.worker import RolloutWorker
 
 R = 64  # modelled tokens per emulated token, as the trace bench: median ~23 emulated tokens
 K = 4  # checkpoint_tokens of every worker here
@@ -401,8 +401,8 @@ def test_the_trace_bench_runs_the_products_orchestration(services, tmp_path, mon
 def test_vllm_sleep_is_refused_where_the_engine_cannot_sleep():
     import torch
 
-    from workers.engines import EngineError
-    from workers.seeding import make_seeding_engine
+    from rlboost.workers.engines import EngineError
+    from rlboost.workers.seeding import make_seeding_engine
 
     with pytest.raises(EngineError, match="seeding_engine = vllm"):
         make_seeding_engine("torch", "/nonexistent", WorkerSettings(), sleep=True)

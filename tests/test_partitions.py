@@ -10,7 +10,7 @@ import os
 import pytest
 
 from rlboost import wire
-from benchmarks import netns, partitions
+from rlboost.benchmarks import netns, partitions
 
 
 def _args(**over) -> argparse.Namespace:

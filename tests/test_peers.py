@@ -296,7 +296,7 @@ async def test_a_peer_cut_mid_body_or_a_dead_claimant_costs_a_retry(peers_kv, tm
 async def test_the_peers_setting_wires_a_worker(peers_kv, js, tmp_path, monkeypatch):
     """`[weights] peers = true`: a worker's weight source serves what it pulled, and a second
     worker pulls the version from it; closing withdraws the adverts."""
-    from workers.main import weight_source
+    from rlboost.workers.main import weight_source
 
     monkeypatch.setenv("RLBOOST_PEER_TOKEN", TOKEN)
     s = load_settings(environ={"RLBOOST_WEIGHTS__STORE": f"file://{tmp_path}/origin",

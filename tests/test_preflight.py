@@ -11,7 +11,7 @@ import pytest
 from helpers import build_hf_model
 
 from rlboost import cli
-from trainer import command
+from rlboost.trainer import command
 
 REWARD = "def score(solution_str, ground_truth):\n    return float(ground_truth in solution_str)\n"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.model import init_model_dir
-from trainer.tasks import get_task
+from rlboost.trainer.model import init_model_dir
+from rlboost.trainer.tasks import get_task
 
 PAGE = Path(__file__).parents[1] / "docs" / "guides" / "training.md"
 

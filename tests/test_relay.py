@@ -11,7 +11,7 @@ import time
 import pytest
 import redis
 
-from benchmarks.relay import Relay
+from rlboost.benchmarks.relay import Relay
 
 
 class _Echo(socketserver.BaseRequestHandler):

@@ -64,7 +64,7 @@ async def _publish_episode(js, tokenizer, rid: str, step: int) -> wire.RolloutRe
 
 
 async def test_replay_shows_each_model_turns_text_and_why_the_episode_ended_env_error(js, nats_url, tmp_path, capsys):
-    from trainer.model import build_tokenizer
+    from rlboost.trainer.model import build_tokenizer
 
     step = 77
     rid = wire.request_id(step, 0, 0)
@@ -103,7 +103,7 @@ async def test_replay_finds_the_runs_tokenizer_from_its_run_folder(js, nats_url,
     import asyncio
 
     from rlboost.config import Settings, dump_toml
-    from trainer.model import build_tokenizer
+    from rlboost.trainer.model import build_tokenizer
 
     step = 78
     rid = wire.request_id(step, 0, 0)

@@ -8,7 +8,7 @@ import io
 
 from rich.console import Console
 
-from trainer.report import COLUMNS, RunReport
+from rlboost.trainer.report import COLUMNS, RunReport
 
 SINGLE = {"step": 0, "reward": 0.5, "eval_acc": None, "tokens_per_s": 812.3, "live_workers": 2, "step_s": 4.1}
 # an episode run's row, as trainer/episode_scoring.py's EpisodeStats.row writes its fields

@@ -18,13 +18,13 @@ from rlboost import wire
 from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
 from rlboost.pool_client import PoolClient
-from trainer.model import init_model_dir
-from trainer.tasks import get_task
-from workers.counters import Counters, read_counters
-from workers.engines.base import RequestError
-from workers.engines.emulated import EmulatedEngine
-from workers.engines.torch_engine import TorchEngine
-from workers.worker import RolloutWorker, make_sequence
+from rlboost.trainer.model import init_model_dir
+from rlboost.trainer.tasks import get_task
+from rlboost.workers.counters import Counters, read_counters
+from rlboost.workers.engines.base import RequestError
+from rlboost.workers.engines.emulated import EmulatedEngine
+from rlboost.workers.engines.torch_engine import TorchEngine
+from rlboost.workers.worker import RolloutWorker, make_sequence
 
 
 RUN = wire.new_run_id()  # request ids of their own: the session's Redis outlives each test

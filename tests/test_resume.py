@@ -15,8 +15,8 @@ import time
 import pytest
 
 from rlboost import bus, wire
-from trainer.model import init_model_dir
-from trainer.tasks import get_task
+from rlboost.trainer.model import init_model_dir
+from rlboost.trainer.tasks import get_task
 
 K = 16  # checkpoint interval (tokens) of the run's workers
 
@@ -238,7 +238,7 @@ def test_resume_of_a_partial_run_keeps_its_mode_prompts_and_overprovision(tmp_pa
     must have the same sizes, so a resume that changes the mode, prompts or overprovision is
     refused (in either direction)."""
     from rlboost.config import ConfigError, Settings, dump_toml
-    from trainer.command import parse
+    from rlboost.trainer.command import parse
 
     s = Settings()
     s.rollout.mode = "partial"
@@ -258,7 +258,7 @@ def test_resume_of_an_async_run_keeps_its_mode_and_staleness(tmp_path):
     """The steps an async run published ahead are republished as they were: a resume that
     switches the mode or k is refused."""
     from rlboost.config import ConfigError, Settings, dump_toml
-    from trainer.command import parse
+    from rlboost.trainer.command import parse
 
     s = Settings()
     s.rollout.mode, s.rollout.max_staleness = "async", 2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.builtin_rewards import extract_answer, math_score
-from trainer.rewards import Item, RewardError, RewardPool, load_function
+from rlboost.trainer.builtin_rewards import extract_answer, math_score
+from rlboost.trainer.rewards import Item, RewardError, RewardPool, load_function
 
 VERL = '''
 import time
@@ -98,7 +98,7 @@ def test_the_math_task_scores_the_shipped_gsm8k_style_problems():
     from pathlib import Path
 
     from rlboost.config import DataSettings
-    from trainer.data_task import make_data
+    from rlboost.trainer.data_task import make_data
 
     path = Path(__file__).parent / "data" / "math_small.jsonl"
     data, reward, max_new = make_data(DataSettings(task="math", train=str(path), eval_fraction=0.25), seed=0)

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from trainer.model import init_model_dir
-from trainer.tasks import get_task
+from rlboost.trainer.model import init_model_dir
+from rlboost.trainer.tasks import get_task
 
 
 @pytest.fixture(scope="module")

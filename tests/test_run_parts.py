@@ -10,11 +10,11 @@ import json
 import pytest
 
 from rlboost.offload import SeedWindow
-from trainer.data import GeneratedData, PromptBudget
-from trainer.model import DEMO_CONTEXT, build_tokenizer
-from trainer.request_source import PromptSource
-from trainer.resume import Resumed, fresh_from
-from trainer.tasks import get_task
+from rlboost.trainer.data import GeneratedData, PromptBudget
+from rlboost.trainer.model import DEMO_CONTEXT, build_tokenizer
+from rlboost.trainer.request_source import PromptSource
+from rlboost.trainer.resume import Resumed, fresh_from
+from rlboost.trainer.tasks import get_task
 
 
 def source(life: str = "l1") -> PromptSource:

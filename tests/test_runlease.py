@@ -228,8 +228,8 @@ def test_rlboost_run_on_held_servers_exits_2_with_one_line(services, tmp_path, m
     is refused in one line, exit 2, before its model loads or a metric is written. The holder's
     own exit (Ctrl-C) releases the lease at once."""
     from rlboost import cli
-    from trainer.model import init_model_dir
-    from trainer.tasks import get_task
+    from rlboost.trainer.model import init_model_dir
+    from rlboost.trainer.tasks import get_task
 
     nats_url, redis_url = services
     asyncio.run(_fresh_bucket(nats_url))

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.model import init_model_dir
-from trainer.tasks import get_task
+from rlboost.trainer.model import init_model_dir
+from rlboost.trainer.tasks import get_task
 
 
 def _alive(pid: int) -> bool:

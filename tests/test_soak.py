@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from benchmarks.soak import judge
+from rlboost.benchmarks.soak import judge
 
 T = [i * 10.0 for i in range(60)]  # ten minutes, a sample every 10 s
 
@@ -81,7 +81,7 @@ def test_a_five_minute_soak_loses_nothing_and_samples_every_resource(tmp_path):
 
 
 def test_the_task_gauge_is_set_not_added(tmp_path):
-    from workers.counters import Counters, read_counters
+    from rlboost.workers.counters import Counters, read_counters
 
     c = Counters(tmp_path / "w.counters")
     c.set("asyncio_tasks", 7)
@@ -96,7 +96,7 @@ def test_a_soak_fails_a_worker_that_leaks_tasks_and_memory(tmp_path):
     import asyncio
     from pathlib import Path
 
-    from benchmarks import soak
+    from rlboost.benchmarks import soak
 
     a = soak.parser().parse_args(["--minutes", "1", "--workers", "2", "--every", "6", "--sample-s", "3"])
     out = asyncio.run(soak.soak(a, tmp_path, launcher=(str(Path(__file__).with_name("leaky_worker.py")),)))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.costs import Prices, cost_efficiency, cost_per_hour, run_cost
-from benchmarks.spot import Interval, TraceError, available, instance_seconds, intervals, parse_trace, sample_nodes
+from rlboost.benchmarks.costs import Prices, cost_efficiency, cost_per_hour, run_cost
+from rlboost.benchmarks.spot import Interval, TraceError, available, instance_seconds, intervals, parse_trace, sample_nodes
 
 TRACE = """0,add,node1
 0,add,node2
@@ -66,7 +66,7 @@ def test_costs_by_hand():
 
 
 def test_rented_fleet_is_capped_and_replaced():
-    from benchmarks.spot import rented
+    from rlboost.benchmarks.spot import rented
 
     ivs = [Interval("a", 0, 10, True), Interval("b", 0, 100, False), Interval("c", 5, 50, True)]
     assert rented(ivs, 0) == ivs

@@ -12,7 +12,7 @@ import time
 import pytest
 import structlog
 
-from workers.fleet import Supervisor, WorkerFleet
+from rlboost.workers.fleet import Supervisor, WorkerFleet
 
 # a stand-in for `rlboost worker` (what the fleet launches is its business, not the supervisor's):
 # a process that lives until it is signalled

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from trainer.tasks import Addition, Problem, Task, get_task, register_task
+from rlboost.trainer.tasks import Addition, Problem, Task, get_task, register_task
 
 
 def test_prompts_are_a_pure_function_of_the_seed():

@@ -13,11 +13,11 @@ import random
 import pytest
 
 from rlboost import wire
-from trainer.model import init_model_dir
-from trainer.tasks import get_task
-from benchmarks.chaos import chaos
-from workers.engines.base import Sequence
-from workers.engines.torch_engine import TorchEngine
+from rlboost.trainer.model import init_model_dir
+from rlboost.trainer.tasks import get_task
+from rlboost.benchmarks.chaos import chaos
+from rlboost.workers.engines.base import Sequence
+from rlboost.workers.engines.torch_engine import TorchEngine
 
 
 @pytest.mark.slow

@@ -11,10 +11,10 @@ import pytest
 import torch
 from helpers import assert_wrong_shape_refused_untouched, engine_requests, fresh
 
-from trainer.model import build_model, build_tokenizer, init_model_dir, save
-from trainer.tasks import Addition
-from workers.engines.base import Sequence
-from workers.engines.torch_engine import PrefixCache, TorchEngine, gumbel_noise
+from rlboost.trainer.model import build_model, build_tokenizer, init_model_dir, save
+from rlboost.trainer.tasks import Addition
+from rlboost.workers.engines.base import Sequence
+from rlboost.workers.engines.torch_engine import PrefixCache, TorchEngine, gumbel_noise
 
 torch.set_num_threads(1)
 MAX_NEW = 24

@@ -9,10 +9,10 @@ import asyncio
 import pytest
 
 from rlboost.clients import open_clients
-from benchmarks.costs import Prices
-from benchmarks.spot import Interval, intervals, parse_trace, rented
-from benchmarks import trace as bench
-from benchmarks import trace_model as model
+from rlboost.benchmarks.costs import Prices
+from rlboost.benchmarks.spot import Interval, intervals, parse_trace, rented
+from rlboost.benchmarks import trace as bench
+from rlboost.benchmarks import trace_model as model
 
 
 def args(**kw) -> argparse.Namespace:

@@ -10,11 +10,11 @@ import torch
 
 from rlboost import wire
 from rlboost.config import AlgorithmSettings, TrainerSettings
-from trainer.grpo import group_advantages, grpo_loss, token_logprobs
-from trainer.grpo_trainer import GRPOTrainer
-from trainer.model import decode_response, init_model_dir
-from trainer.model import weights_sha256
-from trainer.tasks import Addition, Problem
+from rlboost.trainer.grpo import group_advantages, grpo_loss, token_logprobs
+from rlboost.trainer.grpo_trainer import GRPOTrainer
+from rlboost.trainer.model import decode_response, init_model_dir
+from rlboost.trainer.model import weights_sha256
+from rlboost.trainer.tasks import Addition, Problem
 
 
 class DigitSum(Addition):

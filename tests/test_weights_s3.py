@@ -324,7 +324,7 @@ async def test_weights_store_setting_selects_the_s3_bucket(s3_server, bucket, js
     """`[weights] store = "s3://bucket/prefix"` (+ s3_endpoint) in a config file: the trainer's
     publisher and a worker's weight source both use that bucket; credentials come from the
     environment (AWS_ACCESS_KEY_ID etc., set by the s3_env fixture), none from the file."""
-    from workers.main import weight_source
+    from rlboost.workers.main import weight_source
 
     cfg = tmp_path / "rlboost.toml"
     cfg.write_text(f'[weights]\nstore = "s3://{bucket}/run-7"\ns3_endpoint = "{s3_server.url}"\n'
@@ -368,8 +368,8 @@ def test_a_run_publishes_to_and_its_workers_pull_from_the_s3_store(s3_server, bu
     import subprocess
     import sys
 
-    from trainer.model import init_model_dir
-    from trainer.tasks import get_task
+    from rlboost.trainer.model import init_model_dir
+    from rlboost.trainer.tasks import get_task
 
     model_dir = init_model_dir(tmp_path / "model", get_task("addition"), seed=2)
     meta = model_dir / "rlboost.json"  # pretend it was warm-started: this test is about the weights

@@ -18,10 +18,10 @@ from rlboost import bus, wire
 from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
 from rlboost.pool_client import PoolClient
-from benchmarks.chaos import chaos
-from workers.counters import Counters
-from workers.engines.emulated import EmulatedEngine, LengthModel, reference_tokens
-from workers.worker import RolloutWorker
+from rlboost.benchmarks.chaos import chaos
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.emulated import EmulatedEngine, LengthModel, reference_tokens
+from rlboost.workers.worker import RolloutWorker
 
 
 def _req(step: int, i: int, version: int = 0, max_new: int = 40) -> wire.RolloutRequest:
@@ -417,7 +417,7 @@ async def test_a_seeding_engine_hands_its_whole_share_off_on_sigusr2_and_serves_
     checkpoints, queued ones are forwarded unstarted, and the same process serves the next step."""
     import signal
 
-    from workers.fleet import WorkerFleet
+    from rlboost.workers.fleet import WorkerFleet
 
     js, step = clients.js, 109
     await bus.ensure_pool_consumer(js, "spot", wire.ConsumerSpec(ack_wait_s=3.0, max_deliver=20))
@@ -499,7 +499,7 @@ def test_worker_flags_and_any_setting_land_in_the_settings_tree_validated():
     """`rlboost worker` flags are shorthands for `[worker]` keys, any key goes as
     --section.key, and the tree's invariants hold on the result (lease TTL < ack_wait)."""
     from rlboost.config import Settings
-    from workers.main import parse_args
+    from rlboost.workers.main import parse_args
 
     s = Settings()
     parse_args(["--pool", "p1", "--ack-wait", "20", "--lease-ttl", "12", "--worker.fetch_batch", "4",

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from rlboost.logs import print_result
 from rlboost.config import Settings
 from rlboost.logs import get_logger
-from trainer import model as M
-from trainer.tasks import Problem, Task, get_task
+from rlboost.trainer import model as M
+from rlboost.trainer.tasks import Problem, Task, get_task
 
 log = get_logger(component="bootstrap")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from trainer.tasks import Addition, Problem
+from rlboost.trainer.tasks import Addition, Problem
 
 _ADDITION = Addition()
 

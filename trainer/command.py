@@ -2,14 +2,14 @@
 
 This module is the command: the command line read into the settings tree and checked before
 anything slow starts, the model it runs on, and the launch (this process, or torchrun ranks for
-`--nproc N`). The run itself (parts wired in `setup`, driven by `main_loop`) is `trainer.run`.
+`--nproc N`). The run itself (parts wired in `setup`, driven by `main_loop`) is `rlboost.trainer.run`.
 
 Settings: the whole tree (`rlboost.config`); the flags below are shorthands for its keys and
 any `--section.key value` / `section.key=value` overrides one. The effective settings are
 written to `<run_dir>/settings.toml`. Checkpoints every `run.checkpoint_every` steps and at the
-end (`trainer.training_checkpoint`); `--resume RUN_DIR` continues that run: same run id, the step after
-its last checkpoint, the data position restored (`trainer.resume`, docs/guides/resume.md).
-Under torchrun (`--nproc N`) rank 0 runs the training; other ranks follow (`trainer.distributed`).
+end (`rlboost.trainer.training_checkpoint`); `--resume RUN_DIR` continues that run: same run id, the step after
+its last checkpoint, the data position restored (`rlboost.trainer.resume`, docs/guides/resume.md).
+Under torchrun (`--nproc N`) rank 0 runs the training; other ranks follow (`rlboost.trainer.distributed`).
 """
 
 from __future__ import annotations
@@ -33,20 +33,20 @@ from rlboost.errors import RunLeaseError
 from rlboost.logs import configure_logging, print_result
 from rlboost.modeldir import ModelDirError, check_model_dir
 from rlboost.services import running_services
-from trainer import distributed
-from trainer.data import DataError, FileData, PromptBudget, encode_prompt
+from rlboost.trainer import distributed
+from rlboost.trainer.data import DataError, FileData, PromptBudget, encode_prompt
 from rlboost.envs import load_env
-from trainer.data_task import make_data
-from trainer.env_warm_start import DEMO_ENV_CONTEXT, demo_model_dir, ensure_demo_model
-from trainer.episode_data import make_episode_data
-from trainer.episode_runner import max_turn_tokens
-from trainer.episode_source import check_openings
-from trainer.local_fleet import parse_chaos
-from trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, load_tokenizer, read_meta
-from trainer.rewards import RewardError, load_function
-from trainer.run import Invocation, follow, train
-from trainer.tasks import get_task
-from workers.engines import EngineError
+from rlboost.trainer.data_task import make_data
+from rlboost.trainer.env_warm_start import DEMO_ENV_CONTEXT, demo_model_dir, ensure_demo_model
+from rlboost.trainer.episode_data import make_episode_data
+from rlboost.trainer.episode_runner import max_turn_tokens
+from rlboost.trainer.episode_source import check_openings
+from rlboost.trainer.local_fleet import parse_chaos
+from rlboost.trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, load_tokenizer, read_meta
+from rlboost.trainer.rewards import RewardError, load_function
+from rlboost.trainer.run import Invocation, follow, train
+from rlboost.trainer.tasks import get_task
+from rlboost.workers.engines import EngineError
 
 PREFLIGHT_SAMPLES = 1024  # training prompts a preflight tokenises (as many as the run drops before refusing)
 
@@ -132,7 +132,7 @@ def resolve_model(rs: RunSettings, s: Settings, env: EnvSettings | None = None) 
         raise ModelDirError(f"{model_dir} holds files that rlboost init-model did not make: "
                             "not building the demo model there")
     if not (model_dir / "config.json").exists() or not read_meta(model_dir).get("trained"):
-        from trainer.bootstrap import warm_start
+        from rlboost.trainer.bootstrap import warm_start
 
         print(f"bootstrapping the model into {model_dir} (build + supervised warm start)...", flush=True)
         threads = torch.get_num_threads()
@@ -300,7 +300,7 @@ def launch_ranks(argv: list[str], nproc: int) -> int:
     The command line travels in the environment: torchrun's own parser would otherwise take
     `--nproc` (and any prefix of its options) for one of its own."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "trainer.command"]
+           "-m", "rlboost.trainer.command"]
     return subprocess.call(cmd, env={**os.environ, RANKS_ARGV: json.dumps(argv)})
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.tasks import Task
+from rlboost.trainer.tasks import Task
 
 from rlboost.errors import RlboostError
 

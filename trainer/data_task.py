@@ -1,14 +1,14 @@
 """A run's task: what its steps consume (the orchestrator's `RolloutTask`), made of three parts.
 
-- a request source (`trainer.request_source`): data rows -> a step's requests, their ids, seeds
+- a request source (`rlboost.trainer.request_source`): data rows -> a step's requests, their ids, seeds
   and the data position a checkpoint keeps;
 - a scorer: a complete group's `GroupScores` (single-turn prompts: the user's reward in a
-  process pool, `trainer.scoring`; episodes: the environment on the trainer,
-  `trainer.episode_scoring`);
-- a held-out evaluation (`trainer.evaluation`, `trainer.episode_evaluation`).
+  process pool, `rlboost.trainer.scoring`; episodes: the environment on the trainer,
+  `rlboost.trainer.episode_scoring`);
+- a held-out evaluation (`rlboost.trainer.evaluation`, `rlboost.trainer.episode_evaluation`).
 
 Single-turn prompts (`prompt_task`) and episodes (`episode_task`) are the same task with other
-parts, so the step (`trainer.run.step`) never asks which; `make_task` picks them from the
+parts, so the step (`rlboost.trainer.run.step`) never asks which; `make_task` picks them from the
 settings (`[env] ref`: episodes). Another kind of work (an outside environment's sessions) is
 another source, scorer and evaluation, or another `RolloutTask` altogether.
 """
@@ -20,18 +20,18 @@ from typing import Any, Protocol
 from rlboost import wire
 from rlboost.config import DataSettings, Settings
 from rlboost.orchestrator import Evaluated, GroupKey, GroupScores
-from trainer.data import DataError, FieldMap, FileData, GeneratedData, PromptBudget
-from trainer.episode_data import make_episode_data
-from trainer.episode_evaluation import EpisodeEvaluation
-from trainer.episode_runner import episode_runner
-from trainer.episode_scoring import EpisodeScorer
-from trainer.episode_source import EpisodeSource
-from trainer.evaluation import Evaluation
-from trainer.model import pad_id
-from trainer.request_source import PromptSource, RequestSource
-from trainer.rewards import RewardError
-from trainer.scoring import Scorer
-from trainer.tasks import TASKS, get_task
+from rlboost.trainer.data import DataError, FieldMap, FileData, GeneratedData, PromptBudget
+from rlboost.trainer.episode_data import make_episode_data
+from rlboost.trainer.episode_evaluation import EpisodeEvaluation
+from rlboost.trainer.episode_runner import episode_runner
+from rlboost.trainer.episode_scoring import EpisodeScorer
+from rlboost.trainer.episode_source import EpisodeSource
+from rlboost.trainer.evaluation import Evaluation
+from rlboost.trainer.model import pad_id
+from rlboost.trainer.request_source import PromptSource, RequestSource
+from rlboost.trainer.rewards import RewardError
+from rlboost.trainer.scoring import Scorer
+from rlboost.trainer.tasks import TASKS, get_task
 
 
 class GroupScorer(Protocol):

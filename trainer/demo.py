@@ -8,7 +8,7 @@ cap unless `--max-minutes`: a busy box takes longer, and shows the same learning
 from __future__ import annotations
 
 from rlboost.config import Settings
-from trainer import command
+from rlboost.trainer import command
 
 
 def main(argv: list[str], s: Settings) -> int:

@@ -3,7 +3,7 @@ model on the environment's alphabet, trained on the environment's worked solutio
 (`solution(row)`) in the episode's own chat format (`ChatFormat.conversation_ids`, loss on the
 assistant's tokens only) until its held-out success reaches a target (`env_warm_start`); where
 it lives and whether it is built for this environment (`demo_model_dir`, `check_demo_model`,
-`ensure_demo_model`). The single-turn demo's is `trainer.bootstrap.warm_start`.
+`ensure_demo_model`). The single-turn demo's is `rlboost.trainer.bootstrap.warm_start`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 from rlboost.config import EnvSettings
 from rlboost.envs import load_env
 from rlboost.logs import get_logger
-from trainer.data import DataError
-from trainer.episode_data import EpisodeData
-from trainer.episode_evaluation import greedy_episodes
-from trainer.episode_runner import make_runner
+from rlboost.trainer.data import DataError
+from rlboost.trainer.episode_data import EpisodeData
+from rlboost.trainer.episode_evaluation import greedy_episodes
+from rlboost.trainer.episode_runner import make_runner
 
 log = get_logger(component="episodes")
 
@@ -71,8 +71,8 @@ def env_warm_start(env_settings: EnvSettings, out_dir: Path, target: float, max_
     copying transition (docs/concepts/environments.md, "Learning on this box")."""
     import torch
 
-    from trainer import model as M
-    from trainer.bootstrap import sft_step
+    from rlboost.trainer import model as M
+    from rlboost.trainer.bootstrap import sft_step
 
     env = load_env(env_settings.ref, **env_settings.options)
     alphabet = getattr(env, "alphabet", "")
@@ -157,7 +157,7 @@ def demo_model_dir(data_dir: str | Path, ref: str) -> Path:
 def check_demo_model(model_dir: Path, env: EnvSettings, guess_steps: int = 0, guess_share: float = 0.8) -> bool:
     """True if `model_dir` holds the demo's model warm-started for this environment and options,
     with this guessing phase (`env_warm_start`)."""
-    from trainer.model import read_meta
+    from rlboost.trainer.model import read_meta
 
     meta = read_meta(model_dir)
     return bool(meta.get("trained")) and meta.get("env") == env.ref and \

@@ -1,7 +1,7 @@
 """The rows a run's episodes start from (`rlboost run --env`): the environment's own
 (`rows(split, n, seed)`: `train` for training, `test` held out) or a data file (`--data`, JSONL /
 Parquet / datasets folder; held out: `--eval-data` or a seeded fraction), in seeded shuffled
-passes whose position a checkpoint keeps (`trainer.data.DataIterator`).
+passes whose position a checkpoint keeps (`rlboost.trainer.data.DataIterator`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from rlboost.config import EnvSettings
 from rlboost.envs import load_env
-from trainer.data import DataError, DataIterator, read_rows
+from rlboost.trainer.data import DataError, DataIterator, read_rows
 
 TRAIN_ROWS = 4096  # rows drawn from an environment's own generator for training (seeded passes over them)
 

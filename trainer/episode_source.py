@@ -2,7 +2,7 @@
 
 Each request is one episode (`rlboost.episodes.request`: the opening in the model's chat format
 is the prompt, the `[env]` bounds travel in its `EpisodeSpec`), `samples` episodes per row (a
-GRPO group); ids, seeds, the data position, resume and redraw are `trainer.request_source`'s.
+GRPO group); ids, seeds, the data position, resume and redraw are `rlboost.trainer.request_source`'s.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import asyncio
 from rlboost import episodes, wire
 from rlboost.config import EnvSettings
 from rlboost.envs.episode import EpisodeRunner
-from trainer.data import DataError, DataExhausted
-from trainer.episode_data import EpisodeData
-from trainer.episode_runner import make_runner
-from trainer.request_source import RequestSource, request_seed
+from rlboost.trainer.data import DataError, DataExhausted
+from rlboost.trainer.episode_data import EpisodeData
+from rlboost.trainer.episode_runner import make_runner
+from rlboost.trainer.request_source import RequestSource, request_seed
 
 DROPS_LOGGED = 3  # rows dropped in a row that each get a warning line; the rest are counted (`filtered`)
 

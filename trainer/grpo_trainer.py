@@ -17,7 +17,7 @@ early waits (as token lists, not gradients) until the groups before it are done 
 gradients is formed in the same order whatever order the groups arrived in, and a run is
 bit-for-bit a function of its seeds even when preemptions reshuffle who finishes first.
 
-With FSDP2 (`trainer.distributed`) the groups are scattered over the ranks when the step is
+With FSDP2 (`rlboost.trainer.distributed`) the groups are scattered over the ranks when the step is
 complete and every rank trains its share; the update equals one process's within rounding.
 """
 
@@ -34,10 +34,10 @@ import torch
 from rlboost import wire
 from rlboost.config import AlgorithmSettings, TrainerSettings
 from rlboost.modeldir import check_model_dir
-from trainer import distributed
-from trainer.distributed import SINGLE, Ranks
-from trainer.grpo import group_advantages, grpo_loss, token_logprobs, turn_advantages
-from trainer.model import load_model, load_tokenizer
+from rlboost.trainer import distributed
+from rlboost.trainer.distributed import SINGLE, Ranks
+from rlboost.trainer.grpo import group_advantages, grpo_loss, token_logprobs, turn_advantages
+from rlboost.trainer.model import load_model, load_tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -439,7 +439,7 @@ class GRPOTrainer:
     def greedy(self, prompts: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int) -> list[list[int]]:
         """Greedy responses (token ids) of the policy, for held-out evaluation: the caller scores
         them. A collective under FSDP2 (every rank generates the same batch)."""
-        from trainer.model import greedy_ids
+        from rlboost.trainer.model import greedy_ids
 
         return greedy_ids(self.model, prompts, max_new_tokens, stops, pad_id)
 
@@ -457,12 +457,12 @@ class GRPOTrainer:
         return out
 
     def save_checkpoint(self, run_dir: str, step: int, meta: dict, keep: int) -> str:
-        from trainer import training_checkpoint as checkpoint
+        from rlboost.trainer import training_checkpoint as checkpoint
 
         return str(checkpoint.save(self, run_dir, step, meta, keep))
 
     def load_checkpoint(self, path: str) -> dict:
-        from trainer import training_checkpoint as checkpoint
+        from rlboost.trainer import training_checkpoint as checkpoint
 
         return checkpoint.load(self, path)
 

@@ -1,7 +1,7 @@
 """The local fleet: the rollout processes one `rlboost run` starts and supervises on this box,
 and the chaos it injects into them.
 
-- The preemptible pool's workers: `rlboost worker --engine torch` processes (`workers.fleet`),
+- The preemptible pool's workers: `rlboost worker --engine torch` processes (`rlboost.workers.fleet`),
   started at setup and killed with the trainer (`die_with_parent`): a resumed run starts new
   ones. Each life of the trainer gets its own folder and worker-id prefix (`life-N`, `lNw`), so a
   resumed run's workers neither reuse a killed one's id nor its crash-proof counters.
@@ -12,7 +12,7 @@ and the chaos it injects into them.
 - `regenerated_tokens`: what every worker and engine of every life generated and never made
   durable (their crash-proof counters), so generated again by someone.
 - `supervise`: every process above that exits on its own (a crash, an OOM kill, a SIGKILL from
-  outside) is reaped, reported in one log line and restarted with backoff (`workers.fleet.Supervisor`):
+  outside) is reaped, reported in one log line and restarted with backoff (`rlboost.workers.fleet.Supervisor`):
   a run whose only environment worker died does not wait on a lane nobody serves.
 
 `Chaos` is the `--chaos STEP:term|kill` switch: mid-step (the first result past half the step's
@@ -31,10 +31,10 @@ from rlboost.config import ConfigError, EnvSettings, RolloutSettings, WorkerSett
 from rlboost.logs import get_logger
 from rlboost.pool_client import PoolClient
 from rlboost.weights.source import WeightSource
-from workers.counters import Counters, read_counters
-from workers.engines import EngineError
-from workers.fleet import Supervisor, WorkerFleet
-from workers.seeding import InProcessSeeding, ProcessSeeding, make_seeding_engine
+from rlboost.workers.counters import Counters, read_counters
+from rlboost.workers.engines import EngineError
+from rlboost.workers.fleet import Supervisor, WorkerFleet
+from rlboost.workers.seeding import InProcessSeeding, ProcessSeeding, make_seeding_engine
 
 
 class LocalFleet:

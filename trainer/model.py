@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from rlboost import modeldir
-from trainer.tasks import Task
+from rlboost.trainer.tasks import Task
 
 PAD, EOS = "<pad>", "<eos>"
 META_FILE = "rlboost.json"  # which task the model was warm-started on, and how far

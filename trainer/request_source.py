@@ -1,10 +1,10 @@
 """A step's requests from data rows: `RequestSource`, and `PromptSource` (single-turn prompts).
 
-The run's task (`trainer.data_task.DataTask`, the orchestrator's `RolloutTask`) asks a source for
+The run's task (`rlboost.trainer.data_task.DataTask`, the orchestrator's `RolloutTask`) asks a source for
 a step's requests (`await requests(step, version, groups)`), which row group `key` answers, to
 score it (`sample`), and forgets the row once the group is scored (`scored`). What a row becomes
 is the subclass's (`_draw`): a prompt's `samples` requests (`PromptSource`, here), a row's
-`samples` episodes (`trainer.episode_source.EpisodeSource`); an outside environment's sessions
+`samples` episodes (`rlboost.trainer.episode_source.EpisodeSource`); an outside environment's sessions
 can be another.
 
 What the base owns and why:
@@ -28,7 +28,7 @@ import hashlib
 
 from rlboost import wire
 from rlboost.logs import get_logger
-from trainer.data import PromptBudget, Sample, encode_prompt
+from rlboost.trainer.data import PromptBudget, Sample, encode_prompt
 
 
 def request_seed(run_seed: int, step: int, prompt: int, sample: int) -> int:
@@ -82,7 +82,7 @@ class RequestSource:
 
     def fresh_ids(self, step: int) -> None:
         """The requests of `step` and later get this life's own ids: what its previous life
-        published for them is not for this life (see `trainer.resume.fresh_from`), so they are
+        published for them is not for this life (see `rlboost.trainer.resume.fresh_from`), so they are
         generated again; the ones the previous life left queued are served, and their results
         answer no request of this life."""
         self.fresh_from = step

@@ -1,6 +1,6 @@
 """Resume: what a checkpoint carries beside the trainer's own state, and how a new life takes it back.
 
-The trainer's weights, optimizer and step count are `trainer.training_checkpoint`'s. This module keeps
+The trainer's weights, optimizer and step count are `rlboost.trainer.training_checkpoint`'s. This module keeps
 the run's identity (`run.json`: a resumed run, even one killed before its first checkpoint,
 publishes under the same request ids) and the parts' own state at a checkpoint:
 
@@ -34,8 +34,8 @@ from rlboost.config import ConfigError
 from rlboost.offload import SeedWindow
 from rlboost.orchestrator import Orchestrator
 from rlboost.weights.ledger import VersionLedger
-from trainer.request_source import RequestSource
-from trainer.step_metrics import StepMetrics
+from rlboost.trainer.request_source import RequestSource
+from rlboost.trainer.step_metrics import StepMetrics
 
 
 def run_identity(run_dir: Path, resume: bool, wanted: str = "") -> str:

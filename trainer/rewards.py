@@ -37,7 +37,7 @@ from rlboost import plugins
 from rlboost.errors import RlboostError
 from rlboost.logs import get_logger
 
-BUILTIN = {"addition": "trainer.builtin_rewards:addition_score", "math": "trainer.builtin_rewards:math_score"}
+BUILTIN = {"addition": "rlboost.trainer.builtin_rewards:addition_score", "math": "rlboost.trainer.builtin_rewards:math_score"}
 SAMPLE_PARAMS = {"data_source", "solution_str", "ground_truth", "extra_info", "prompt", "finish_reason", "answer"}
 
 

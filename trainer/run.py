@@ -8,13 +8,13 @@ fallback, rollout modes sync / partial / async) is `rlboost.orchestrator.Orchest
 code `rlboost bench trace` measures. This module only wires parts, each owning one job
 (`setup`), and drives them (`step`, `main_loop`):
 
-- `trainer.data_task`: the run's task, the orchestrator's `RolloutTask` (a step's requests, a
+- `rlboost.trainer.data_task`: the run's task, the orchestrator's `RolloutTask` (a step's requests, a
   group's scores, the held-out evaluation): single-turn prompts or episodes (`[env] ref`), the
   same parts of other kinds, so that nothing here asks which;
-- `trainer.trainer_port`: the GRPO trainer as the orchestrator's `TrainerPort`;
+- `rlboost.trainer.trainer_port`: the GRPO trainer as the orchestrator's `TrainerPort`;
 - `rlboost.weights.ledger`: policy versions (numbers, publish + gc, digests, result checks);
-- `trainer.local_fleet`: this box's worker processes and seeding engine, and `--chaos`;
-- `trainer.step_metrics`: a step's metrics row; `trainer.resume`: a checkpoint's run state.
+- `rlboost.trainer.local_fleet`: this box's worker processes and seeding engine, and `--chaos`;
+- `rlboost.trainer.step_metrics`: a step's metrics row; `rlboost.trainer.resume`: a checkpoint's run state.
 
 Model, data and reward are the user's (README "Your model, your data, your reward"): any
 Hugging Face causal-LM folder (read, never written), a dataset file (trainer.data) or the
@@ -23,7 +23,7 @@ Prompts are token ids (chat template for chat data); a prompt over its token bud
 filtered before the step, counted and logged; requests carry every EOS id of the model.
 
 The command around it (flags, the checks before anything slow, the model it runs on, one
-process or torchrun ranks) is `trainer.command`; resuming a run is `trainer.resume` and
+process or torchrun ranks) is `rlboost.trainer.command`; resuming a run is `rlboost.trainer.resume` and
 docs/guides/resume.md.
 """
 
@@ -48,21 +48,21 @@ from rlboost.orchestrator import Orchestrator, OrchestratorPorts
 from rlboost.weights import WeightCache
 from rlboost.weights.ledger import VersionLedger
 from rlboost.weights.source import StoreWeights
-from trainer import training_checkpoint as ckpt
-from trainer import distributed
-from trainer.data import DataError, DataExhausted
-from trainer.data_task import DataTask, make_task, read_data
-from trainer.episode_runner import worker_env
-from trainer.grpo_trainer import GRPOTrainer
-from trainer.local_fleet import Chaos, LocalFleet, parse_chaos
-from trainer.loggers import Loggers
-from trainer.model import weights_sha256
-from trainer.report import RunReport
-from trainer.resume import Resumed, checkpoint_meta, fresh_from, remember_start, restore, restore_start, \
+from rlboost.trainer import training_checkpoint as ckpt
+from rlboost.trainer import distributed
+from rlboost.trainer.data import DataError, DataExhausted
+from rlboost.trainer.data_task import DataTask, make_task, read_data
+from rlboost.trainer.episode_runner import worker_env
+from rlboost.trainer.grpo_trainer import GRPOTrainer
+from rlboost.trainer.local_fleet import Chaos, LocalFleet, parse_chaos
+from rlboost.trainer.loggers import Loggers
+from rlboost.trainer.model import weights_sha256
+from rlboost.trainer.report import RunReport
+from rlboost.trainer.resume import Resumed, checkpoint_meta, fresh_from, remember_start, restore, restore_start, \
     run_identity
-from trainer.step_metrics import StepMetrics, save_rollouts
-from trainer.trainer_port import GRPOPort
-from workers.seeding import ProcessSeeding
+from rlboost.trainer.step_metrics import StepMetrics, save_rollouts
+from rlboost.trainer.trainer_port import GRPOPort
+from rlboost.workers.seeding import ProcessSeeding
 
 POOL = "spot"
 RESERVED_POOL = "reserved"

@@ -1,7 +1,7 @@
 """The scorer of single-turn prompts: the user's reward for a group of results, and for the
-held-out set's greedy answers (the episodes' is `trainer.episode_scoring.EpisodeScorer`, the same shape).
+held-out set's greedy answers (the episodes' is `rlboost.trainer.episode_scoring.EpisodeScorer`, the same shape).
 
-It owns the reward function's process pool (`trainer.rewards.RewardPool`: a slow or crashing
+It owns the reward function's process pool (`rlboost.trainer.rewards.RewardPool`: a slow or crashing
 reward never blocks or kills the trainer) and turns token ids back into the text a reward
 function reads (`Item`: prompt, response, ground truth, finish reason). A result no engine could
 serve (`finish_reason == "error"`) scores 0 without a call: there is no response to judge.
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from rlboost import wire
 from rlboost.orchestrator import GroupScores
-from trainer.data import Sample
-from trainer.model import decode_response
-from trainer.rewards import Item, RewardPool
+from rlboost.trainer.data import Sample
+from rlboost.trainer.model import decode_response
+from rlboost.trainer.rewards import Item, RewardPool
 
 
 class Scorer:

@@ -4,10 +4,10 @@ A task is a small plugin: it samples problems from a seeded `random.Random` (so 
 prompts are a pure function of the run seed and the step), scores a response string with a
 checkable reward, and owns a fixed held-out evaluation set that training prompts never
 repeat. Each problem also carries a worked `solution`: the supervised warm start
-(`trainer.bootstrap`) learns the response format from it, and RL then only has to make the
+(`rlboost.trainer.bootstrap`) learns the response format from it, and RL then only has to make the
 answers right.
 
-Tasks are text-level and torch-free; tokenisation belongs to `trainer.model`.
+Tasks are text-level and torch-free; tokenisation belongs to `rlboost.trainer.model`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import time
 from rlboost import wire
 from rlboost.orchestrator import GroupScores
 from rlboost.weights.ledger import VersionLedger
-from trainer.grpo_trainer import GRPOTrainer
+from rlboost.trainer.grpo_trainer import GRPOTrainer
 
 
 class GRPOPort:

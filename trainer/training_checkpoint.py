@@ -34,13 +34,13 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 if TYPE_CHECKING:
-    from trainer.distributed import Ranks
+    from rlboost.trainer.distributed import Ranks
 
 STATE_FILE = "trainer_state.json"
 
 
 class Checkpointable(Protocol):
-    """What a checkpoint saves and restores of a trainer. `trainer.grpo_trainer.GRPOTrainer` is one
+    """What a checkpoint saves and restores of a trainer. `rlboost.trainer.grpo_trainer.GRPOTrainer` is one
     and calls this module (save_checkpoint / load_checkpoint): named here, not imported, so that
     this module never reads the trainer's."""
 

@@ -22,11 +22,11 @@ from rlboost import bus, wire
 from rlboost.checkpoint import AlreadyFinished, CheckpointError, CorruptCheckpoint, LeaseHeld
 from rlboost.episodes import EpisodeStateError
 from rlboost.weights.errors import VersionGone
-from workers.episode_phase import EpisodePhase
-from workers.episodes import EpisodeHost, EpisodeRefused, EpisodeRun
-from workers.finish import Finisher
-from workers.inflight import Active, InFlight, is_complete, make_sequence
-from workers.versions import Versions
+from rlboost.workers.episode_phase import EpisodePhase
+from rlboost.workers.episodes import EpisodeHost, EpisodeRefused, EpisodeRun
+from rlboost.workers.finish import Finisher
+from rlboost.workers.inflight import Active, InFlight, is_complete, make_sequence
+from rlboost.workers.versions import Versions
 
 _ORPHANS: set[asyncio.Task] = set()  # fetches drained workers stopped waiting for (Admission.feed)
 

@@ -48,10 +48,10 @@ from rlboost.clients import open_clients
 from rlboost.config import ConfigError, EnvSettings, Settings, WorkerSettings, apply_overrides, parse_overrides
 from rlboost.logs import get_logger
 from rlboost.services import resolve_urls
-from workers.counters import Counters
-from workers.episodes import EpisodeHost, EpisodeRefused
-from workers.main import WORKER_NATS_OPTIONS, exit_after_grace
-from workers.inflight import make_worker_id, publish_result, retrying
+from rlboost.workers.counters import Counters
+from rlboost.workers.episodes import EpisodeHost, EpisodeRefused
+from rlboost.workers.main import WORKER_NATS_OPTIONS, exit_after_grace
+from rlboost.workers.inflight import make_worker_id, publish_result, retrying
 
 T = TypeVar("T")
 

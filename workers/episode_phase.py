@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 from rlboost import bus, wire
 from rlboost.checkpoint import AlreadyFinished, LeaseLost
 from rlboost.checkpoint import pack as checkpoint_pack
-from workers.finish import Finisher
-from workers.inflight import Active, InFlight
+from rlboost.workers.finish import Finisher
+from rlboost.workers.inflight import Active, InFlight
 
 
 class EpisodePhase:

@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 
 from rlboost import bus, wire
 from rlboost.checkpoint import AlreadyFinished, CheckpointError, LeaseLost
-from workers.inflight import Active, InFlight, make_result, make_sequence, publish_result
+from rlboost.workers.inflight import Active, InFlight, make_result, make_sequence, publish_result
 
 
 class Finisher:

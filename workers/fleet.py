@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.counters import FIELDS, read_counters
+from rlboost.workers.counters import FIELDS, read_counters
 
 
 def _die_with_parent() -> None:

@@ -18,12 +18,12 @@ import numpy as np
 
 from rlboost import wire
 from rlboost.checkpoint import AlreadyFinished, LeaseLost
-from workers.engines.base import RequestError
-from workers.episode_phase import EpisodePhase
-from workers.finish import Finisher
-from workers.handoff import Handoff
-from workers.inflight import Active, InFlight
-from workers.versions import Versions
+from rlboost.workers.engines.base import RequestError
+from rlboost.workers.episode_phase import EpisodePhase
+from rlboost.workers.finish import Finisher
+from rlboost.workers.handoff import Handoff
+from rlboost.workers.inflight import Active, InFlight
+from rlboost.workers.versions import Versions
 
 
 def pack_flush(dirty: list[Active]) -> tuple[list[bytes], list[list[float]]]:

@@ -21,7 +21,7 @@ import redis.exceptions
 from nats.aio.msg import Msg
 
 from rlboost import bus, wire
-from workers.inflight import InFlight
+from rlboost.workers.inflight import InFlight
 
 
 class Handoff:

@@ -29,10 +29,10 @@ from nats.aio.msg import Msg
 from rlboost import bus, wire
 from rlboost.clients import Clients
 from rlboost.config import WorkerSettings
-from workers.counters import Counters
-from workers.engines.base import Engine, Sequence
-from workers.episodes import EpisodeRun
-from workers.outbox import Outbox
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.base import Engine, Sequence
+from rlboost.workers.episodes import EpisodeRun
+from rlboost.workers.outbox import Outbox
 
 T = TypeVar("T")
 JOIN_COALESCE_S = 0.05  # hand-offs arriving together interrupt the engine once per this

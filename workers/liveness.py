@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from rlboost import metrics, wire
 from rlboost.checkpoint import AlreadyFinished, LeaseLost
-from workers.inflight import InFlight
+from rlboost.workers.inflight import InFlight
 
 
 class Liveness:

@@ -15,9 +15,9 @@ from rlboost.services import resolve_urls
 from rlboost.weights import VersionPointer, WeightCache, open_store
 from rlboost.weights.cache import peer_cache
 from rlboost.weights.source import StoreWeights, WeightSource
-from workers.counters import Counters
-from workers.engines import EngineError, engine_from_settings
-from workers.worker import RolloutWorker, make_worker_id
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines import EngineError, engine_from_settings
+from rlboost.workers.worker import RolloutWorker, make_worker_id
 
 
 # `rlboost worker` flags: shorthands for `[worker]` keys (flag dest -> key). Any setting also

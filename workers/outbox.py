@@ -14,7 +14,7 @@ import time
 
 from rlboost import bus, wire
 from rlboost.clients import Clients
-from workers.counters import Counters
+from rlboost.workers.counters import Counters
 
 
 class Outbox:

@@ -27,10 +27,10 @@ import msgspec
 
 from rlboost.clients import Clients
 from rlboost.config import EnvSettings, WorkerSettings
-from workers.counters import Counters
-from workers.engines.base import Engine
-from workers.fleet import WorkerFleet
-from workers.worker import RolloutWorker, WeightSource
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.base import Engine
+from rlboost.workers.fleet import WorkerFleet
+from rlboost.workers.worker import RolloutWorker, WeightSource
 
 
 class _Fallback:
@@ -194,7 +194,7 @@ def make_seeding_engine(kind: str, model_dir: str, w: WorkerSettings, sleep: boo
     workers), vLLM (the worker's engine options) or emulated (benches). `sleep` (vLLM sleep mode,
     the engine freeing its GPU memory while the trainer trains, as verl does) is GPU-only: this
     code refuses it where it cannot work, and it has not been run here (no GPU on the CPU box)."""
-    from workers.engines import EngineError, engine_from_settings
+    from rlboost.workers.engines import EngineError, engine_from_settings
 
     if sleep:
         if kind != "vllm":

@@ -20,7 +20,7 @@ import msgspec
 from rlboost.checkpoint import LeaseLost
 from rlboost.weights.errors import VersionGone
 from rlboost.weights.source import WeightSource
-from workers.inflight import InFlight
+from rlboost.workers.inflight import InFlight
 
 STARTUP_WEIGHTS = "startup"  # the weights id of an engine's start-up weights, no manifest behind them
 

@@ -41,16 +41,16 @@ from rlboost.clients import Clients
 from rlboost.config import EnvSettings, WorkerSettings
 from rlboost.logs import get_logger
 from rlboost.weights.source import WeightSource
-from workers import admission
-from workers.admission import Admission
-from workers.counters import Counters
-from workers.engines.base import Engine
-from workers.episode_phase import EpisodePhase
-from workers.episodes import EpisodeHost
-from workers.finish import Finisher
-from workers.generation import Generation, pack_flush
-from workers.handoff import Handoff
-from workers.inflight import (
+from rlboost.workers import admission
+from rlboost.workers.admission import Admission
+from rlboost.workers.counters import Counters
+from rlboost.workers.engines.base import Engine
+from rlboost.workers.episode_phase import EpisodePhase
+from rlboost.workers.episodes import EpisodeHost
+from rlboost.workers.finish import Finisher
+from rlboost.workers.generation import Generation, pack_flush
+from rlboost.workers.handoff import Handoff
+from rlboost.workers.inflight import (
     JOIN_COALESCE_S,
     Active,
     InFlight,
@@ -62,8 +62,8 @@ from workers.inflight import (
     publish_result,
     retrying,
 )
-from workers.liveness import Liveness
-from workers.versions import STARTUP_WEIGHTS, Versions
+from rlboost.workers.liveness import Liveness
+from rlboost.workers.versions import STARTUP_WEIGHTS, Versions
 
 # (imported from here by tests, benchmarks, workers/main.py, workers/seeding.py and workers/env_worker.py)
 __all__ = ["RolloutWorker", "Active", "JOIN_COALESCE_S", "STARTUP_WEIGHTS", "WeightSource", "finish_reason",

@@ -133,7 +133,7 @@ class VersionLedger:
 
     def current(self) -> dict:
         """The version being trained and its digest: what a resume before the first checkpoint
-        starts from (`trainer.resume.remember_start`)."""
+        starts from (`rlboost.trainer.resume.remember_start`)."""
         return {"version": self.version, "digest": self.digests.get(self.version, "")}
 
     async def publish(self, weights: StateDict) -> PublishReport:

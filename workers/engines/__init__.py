@@ -1,10 +1,10 @@
-"""Inference engines behind one small interface (see `workers.engines.base`)."""
+"""Inference engines behind one small interface (see `rlboost.workers.engines.base`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from workers.engines.base import Engine, EngineError, Generated, Sequence
+from rlboost.workers.engines.base import Engine, EngineError, Generated, Sequence
 
 if TYPE_CHECKING:
     from rlboost.config import WorkerSettings
@@ -13,16 +13,16 @@ if TYPE_CHECKING:
 def make_engine(name: str, **options: object) -> Engine:
     """Engines are imported lazily: the emulated one must not pay for importing torch."""
     if name == "emulated":
-        from workers.engines.emulated import EmulatedEngine
+        from rlboost.workers.engines.emulated import EmulatedEngine
 
         return EmulatedEngine(**options)  # type: ignore[arg-type]
     if name == "torch":
-        from workers.engines.torch_engine import TorchEngine
+        from rlboost.workers.engines.torch_engine import TorchEngine
 
         return TorchEngine(**options)  # type: ignore[arg-type]
     if name == "vllm":
         try:
-            from workers.engines.vllm_engine import VLLMEngine
+            from rlboost.workers.engines.vllm_engine import VLLMEngine
         except ModuleNotFoundError as e:
             raise EngineError(f"the vllm engine is not available in this build ({e.name} missing); "
                               "use --engine torch") from None
@@ -33,9 +33,9 @@ def make_engine(name: str, **options: object) -> Engine:
 def engine_from_settings(w: WorkerSettings, sleep: bool = False) -> Engine:
     """The one engine factory: a worker process's engine and the reserved side's seeding engine
     are both built here from `[worker]` settings (engine, model_dir and the engine options).
-    `sleep`: vLLM sleep mode (checked by the caller, `workers.seeding.make_seeding_engine`)."""
+    `sleep`: vLLM sleep mode (checked by the caller, `rlboost.workers.seeding.make_seeding_engine`)."""
     if w.engine == "emulated":
-        from workers.engines.emulated import LengthModel, TimingModel
+        from rlboost.workers.engines.emulated import LengthModel, TimingModel
 
         return make_engine("emulated", speed=w.speed, timing=TimingModel().on_gpus(w.gpus).per_emulated_token(
             w.token_scale), lengths=LengthModel().per_emulated_token(w.token_scale))

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlboost.weights.source import EmulatedWeights
-from workers.engines.base import Engine, Generated, Sequence
+from rlboost.workers.engines.base import Engine, Generated, Sequence
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 

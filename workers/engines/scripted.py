@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from workers.engines.base import Engine, Generated, RequestError, Sequence
+from rlboost.workers.engines.base import Engine, Generated, RequestError, Sequence
 
 Policy = Callable[[str, int], str]
 

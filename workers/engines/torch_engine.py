@@ -57,7 +57,7 @@ except ImportError:  # pragma: no cover - older transformers
 
 from rlboost.logs import get_logger
 from rlboost.modeldir import ModelDirError, check_model_dir, load_causal_lm
-from workers.engines.base import Engine, EngineError, Generated, RequestError, Sequence
+from rlboost.workers.engines.base import Engine, EngineError, Generated, RequestError, Sequence
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

@@ -18,7 +18,7 @@ How it maps onto the interface:
 - Logprobs: `logprobs_mode="processed_logprobs"`, i.e. the logprob of the sampled token under
   the distribution vLLM sampled from, after temperature. With top-k/top-p off (what the
   trainer uses) that is the temperature-scaled full distribution, the same quantity as the
-  torch engine and `trainer.grpo.token_logprobs`; with top-k or top-p on, it is renormalised
+  torch engine and `rlboost.trainer.grpo.token_logprobs`; with top-k or top-p on, it is renormalised
   over the kept tokens (the torch engine reports the unfiltered one). Greedy (temperature
   0) reports logprobs at temperature 1, like the torch engine.
 - Weights: `load_weights` reloads in place through vLLM's `reload_weights(weights_path=dir)`
@@ -34,7 +34,7 @@ How it maps onto the interface:
   a temporary directory first. The prefix cache is reset, so no KV of the old weights is
   reused.
 
-Determinism: WEAKER than the contract in `workers.engines.base`. vLLM draws its sampling noise
+Determinism: WEAKER than the contract in `rlboost.workers.engines.base`. vLLM draws its sampling noise
 from a per-request generator whose stream advances one draw per decode step from where the
 request started. The engine seeds each vLLM request with a hash of (the request's seed, the
 offset it starts at), so:
@@ -77,7 +77,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 from rlboost.logs import get_logger  # noqa: E402
-from workers.engines.base import Engine, EngineError, Generated, RequestError, Sequence  # noqa: E402
+from rlboost.workers.engines.base import Engine, EngineError, Generated, RequestError, Sequence  # noqa: E402
 
 _ids = itertools.count()
 
