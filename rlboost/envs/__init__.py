@@ -9,7 +9,9 @@
 - `adapters`: environments from libraries users already have (reasoning-gym, textarena,
   gymnasium).
 
-`load_env(ref)` loads an environment the way `--env` names it.
+`load_env(ref)` loads an environment the way `--env` names it: `module:fn`, `path/to/file.py:fn`,
+a built-in name, or `SCHEME:TARGET` for an environment of another library (`verifiers:...`,
+`openenv:...`), which that scheme's loader turns into an rlboost environment.
 """
 
 from __future__ import annotations
@@ -26,18 +28,36 @@ BUILTIN_ENVS = {
     "gymnasium": "rlboost.envs.adapters:gymnasium",
 }
 
+# `--env SCHEME:TARGET`: another library's environment, loaded by `fn(TARGET, **options)`. A scheme
+# is checked before `module:fn` (a module named `verifiers` would otherwise be imported and asked
+# for a function named TARGET).
+SCHEMES: dict[str, str] = {}
+
 
 def load_env(ref: str, **options: Any) -> Environment:
     """The environment `ref` names: `module:fn`, `path/to/file.py:fn` or a built-in name; `fn`
     (a function or a class) is called with `options` (`[env.options]`) and must return an
-    environment."""
+    environment. `SCHEME:TARGET` (SCHEMES) calls the scheme's loader with TARGET and `options`."""
+    scheme, sep, target = ref.partition(":")
+    if sep and scheme in SCHEMES:
+        if not target:
+            raise EnvError(f"env {ref!r}: name the {scheme} environment after the colon ({scheme}:NAME)")
+        loader = plugins.load(SCHEMES[scheme], what="env", error=EnvError)
+        return _checked(ref, _made(ref, lambda: loader(target, **options)))
     factory = plugins.load(ref, what="env", builtins=BUILTIN_ENVS, error=EnvError)
+    return _checked(ref, _made(ref, lambda: factory(**options)))
+
+
+def _made(ref: str, make) -> Any:
     try:
-        env = factory(**options)
+        return make()
     except EnvError:
         raise
     except Exception as e:
         raise EnvError(f"env {ref!r}: {plugins.resolve(ref, BUILTIN_ENVS)}() failed ({e!r})") from None
+
+
+def _checked(ref: str, env: Any) -> Environment:
     missing = [m for m in ("start", "call_tool", "respond", "score") if not callable(getattr(env, m, None))]
     if missing:
         raise EnvError(f"env {ref!r}: {type(env).__name__} is not an environment (no {', '.join(missing)}); "
