@@ -58,7 +58,7 @@ def resolve_precision(name: str, device: torch.device) -> str:
 @dataclass
 class StepReport:
     step: int
-    version: int  # the policy version after this step's update
+    updates: int  # optimizer updates taken so far (the published version is the ledger's: base + updates)
     reward_mean: float
     reward_std: float
     tokens: int  # response tokens trained on
@@ -183,7 +183,9 @@ class GRPOTrainer:
             lr=self.cfg.lr, betas=tuple(self.cfg.betas), eps=self.cfg.adam_eps)
         self.total_steps = total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.version = 0
+        # Optimizer updates taken. Not a policy version: the run's `VersionLedger` numbers those
+        # (base + updates, unique in the weight store across lives) and is their one owner.
+        self.updates = 0
         self._state: _StepState | None = None
         self._outgoing: list | None = None  # rank 0: the step's shares, while they are scattered
 
@@ -217,8 +219,9 @@ class GRPOTrainer:
         """`problems` is accepted for callers that pass the step's prompts; rewards come from
         the caller (`add_group`), so the trainer does not need them. `policy_version`: the
         published version this step trains (a run's numbering may start above the trainer's
-        own count); the staleness of each token is counted from it. Default: the trainer's own."""
-        self._state = _StepState(step=step, policy_version=self.version if policy_version is None else policy_version)
+        own count: the ledger's); the staleness of each token is counted from it. Default: the trainer's
+        update count (a trainer used without a ledger, whose versions are its updates)."""
+        self._state = _StepState(step=step, policy_version=self.updates if policy_version is None else policy_version)
 
     def add_group(self, group: int, results: list[wire.RolloutResult], rewards: list[float],
                   turn_rewards: list[list[float | None] | None] | None = None) -> float:
@@ -409,7 +412,7 @@ class GRPOTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.model.zero_grad(set_to_none=True)
-        self.version += 1
+        self.updates += 1
         st.train_s += time.perf_counter() - t0
 
     def _report(self) -> StepReport:
@@ -419,7 +422,7 @@ class GRPOTrainer:
         mean = sum(rewards) / len(rewards)
         train_s = st.train_s
         report = StepReport(
-            step=st.step, version=self.version, reward_mean=mean,
+            step=st.step, updates=self.updates, reward_mean=mean,
             reward_std=math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards)), tokens=int(st.sums["tokens"]),
             responses=len(rewards), loss=st.sums["loss"] / total, kl=st.sums["kl"] / total,
             entropy=st.sums["entropy"] / total, clip_fraction=st.sums["clipped"] / total,

@@ -157,7 +157,7 @@ async def setup(launch: Launch, stack: contextlib.AsyncExitStack) -> Run:
     stack.callback(task.close)
     # policy versions (the reserved engine pulls what the trainer publishes)
     ledger = await VersionLedger.open(c.js, s.weights.store_options(), s.weights.publisher_options(),
-                                      lambda: trainer.version, off_policy=ro.mode != "sync",
+                                      lambda: trainer.updates, off_policy=ro.mode != "sync",
                                       keep_versions=s.weights.keep_versions,
                                       staleness=0 if ro.mode == "sync" else ro.max_staleness,
                                       adopt_newer=ro.mode == "partial", run_id=run_id)
@@ -205,7 +205,8 @@ async def setup(launch: Launch, stack: contextlib.AsyncExitStack) -> Run:
         state = await asyncio.to_thread(ops.call, "load_checkpoint", str(last))
         resumed = restore(state, run_dir, max_staleness=orchestrator.max_staleness, source=task.source,
                           window=orchestrator.window, tally=tally)
-        log.warning("resumed", checkpoint=str(last), step=resumed.first_step, version=trainer.version)
+        log.warning("resumed", checkpoint=str(last), step=resumed.first_step,
+                    version=(resumed.published or {}).get("version"))
     elif launch.inv.resume:  # killed before its first checkpoint: from the start
         resumed = restore_start(run_dir, orchestrator.max_staleness)
         log.warning("resumed from the start: no checkpoint yet", step=0)

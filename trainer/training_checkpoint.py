@@ -7,7 +7,7 @@
   master dtype, AdamW moments and step): sharded, each rank writes and reads its own shards
   under FSDP2; one process writes it the same way;
 - `rank-R.json`: each rank's RNG states (Python, torch CPU, CUDA);
-- `trainer_state.json`: step, run id, policy version, scheduler, and what the caller adds
+- `trainer_state.json`: step, run id, the trainer's update count, scheduler, and what the caller adds
   (data position, the seeding window's memory, the first evaluation).
 
 A checkpoint is written into `step-NNNNNN.tmp` and renamed when complete, so a kill while
@@ -51,7 +51,7 @@ class Checkpointable(Protocol):
     tokenizer: Any  # a Hugging Face tokenizer (save_pretrained)
     master_dtype: torch.dtype
     precision: str
-    version: int
+    updates: int
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]: ...
 
@@ -109,7 +109,7 @@ def save(trainer: Checkpointable, run_dir: str | Path, step: int, meta: dict[str
     _barrier(trainer)
     if leader:
         sched = {k: v for k, v in trainer.scheduler.state_dict().items() if k != "lr_lambdas"}
-        state = {"step": step, "version": trainer.version, "world": trainer.ranks.world, "precision": trainer.precision,
+        state = {"step": step, "updates": trainer.updates, "world": trainer.ranks.world, "precision": trainer.precision,
                  "scheduler": sched, "saved_at": time.time(), **meta}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
         shutil.rmtree(final, ignore_errors=True)
@@ -136,7 +136,7 @@ def export_hf(weights: dict[str, torch.Tensor], trainer: Checkpointable, out: Pa
 
 
 def load(trainer: Checkpointable, ckpt: str | Path) -> dict[str, Any]:
-    """Restore the trainer (weights, optimizer, scheduler, version, this rank's RNG) from `ckpt`;
+    """Restore the trainer (weights, optimizer, scheduler, update count, this rank's RNG) from `ckpt`;
     returns its trainer_state.json (every rank calls this under FSDP2)."""
     ckpt = Path(ckpt)
     state = json.loads((ckpt / STATE_FILE).read_text())
@@ -146,7 +146,7 @@ def load(trainer: Checkpointable, ckpt: str | Path) -> dict[str, Any]:
         dcp.load(box, checkpoint_id=str(ckpt / "state"))
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=box["model"], optim_state_dict=box["optim"])
     trainer.scheduler.load_state_dict({**trainer.scheduler.state_dict(), **state["scheduler"]})
-    trainer.version = int(state["version"])
+    trainer.updates = int(state.get("updates", state.get("version", 0)))  # "version": before the rename
     rank_file = ckpt / f"rank-{trainer.ranks.rank}.json"  # DCP reshards; RNG files are per rank
     rng = json.loads((rank_file if rank_file.exists() else ckpt / "rank-0.json").read_text())
     random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
