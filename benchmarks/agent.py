@@ -53,9 +53,10 @@ from rlboost.envs.calculator import CALC, CalculatorEnv
 from rlboost.envs.chat import chat_format
 from rlboost.envs.episode import EpisodeRunner
 from rlboost.envs.protocol import Context, ToolCall, ToolResult
-from rlboost.logs import configure_logging, get_logger, print_result
+from rlboost.logs import configure_logging, get_logger
 from rlboost.pool_client import PoolClient
 from rlboost.services import running_services
+from rlboost.benchmarks import report
 from rlboost.workers.counters import Counters
 from rlboost.workers.engines.scripted import ScriptedEngine
 from rlboost.workers.fleet import Supervisor, WorkerFleet
@@ -301,6 +302,7 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=7)
+    report.add_out(p)
     a = p.parse_args(argv)
     a.arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     if not a.arms or any(x not in ARMS for x in a.arms):
@@ -320,5 +322,4 @@ def main(argv: list[str], s: Settings) -> int:
     print(f"{a.episodes} episodes, {a.workers} worker(s) x {a.slots} slots, tools p50 {out['tool_p50_s']} s / "
           f"p99 {out['tool_p99_s']} s, {a.tool_cpu:.0%} computing: {arms}  "
           f"-> {'OK' if ok else 'EPISODES LOST OR WRONG'}")
-    print_result(out)
-    return 0 if ok else 1
+    return report.finish("agent", out, report.out_dir(a), ok=ok)

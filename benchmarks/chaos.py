@@ -32,13 +32,12 @@ import numpy as np
 
 from rlboost import bus, wire
 from rlboost.checkpoint import HISTORY_ENV, parse_segment
-from rlboost.logs import print_result
 from rlboost.pool_client import PoolClient
 from rlboost.clients import open_clients
 from rlboost.config import Settings
 from rlboost.replay import read_chunks, read_subject
 from rlboost.services import running_services
-from rlboost.benchmarks import history, percentile
+from rlboost.benchmarks import history, percentile, report
 from rlboost.workers.engines.emulated import LengthModel, reference_tokens
 from rlboost.workers.fleet import WorkerFleet
 
@@ -260,6 +259,7 @@ def main(argv: list[str], s: Settings) -> int:
     from rlboost.benchmarks import chaos_episodes
 
     chaos_episodes.add_arguments(p)
+    report.add_out(p)
     a = p.parse_args(argv)
     if a.episodes:
         return chaos_episodes.bench(a, s)
@@ -276,5 +276,4 @@ def main(argv: list[str], s: Settings) -> int:
           f"(bound {a.k} x {out['killed_inflight']} in flight); hand-off p50 {out['handoff_p50_ms']} ms, "
           f"p99 {out['handoff_p99_ms']} ms; history: {out['history_violations']} violations in {out['history_ops']} "
           f"operations  -> {'OK' if ok else 'INVARIANT VIOLATED'}  (worker logs: {workdir})")
-    print_result(out)
-    return 0 if ok else 1
+    return report.finish("chaos", out, report.out_dir(a), ok=ok)

@@ -60,10 +60,10 @@ from rlboost.envs.calculator import CALC, CalculatorEnv
 from rlboost.envs.chat import chat_format
 from rlboost.envs.episode import EpisodeRunner
 from rlboost.envs.protocol import Context, ToolCall, ToolResult
-from rlboost.logs import print_result
 from rlboost.replay import read_subject
 from rlboost.services import running_services
 from rlboost.benchmarks.agent import solver, tokenizer  # the scripted policy that solves the calculator's problems
+from rlboost.benchmarks import report
 
 POOL = "chaosep"
 ENV_REF = "rlboost.benchmarks.chaos_episodes:counting_calculator"
@@ -468,8 +468,7 @@ def bench(a: argparse.Namespace, s: Settings) -> int:
           f"{out['regenerated_tokens_term']}, kill {out['regenerated_tokens_kill']} (bound {out['checkpoint_tokens']} x "
           f"{out['episodes_held_at_kill']} held)  -> {'OK' if out['ok'] else 'INVARIANT VIOLATED'}  "
           f"(worker logs: {workdir})")
-    print_result(out)
-    return 0 if out["ok"] else 1
+    return report.finish("chaos", out, report.out_dir(a), ok=out["ok"])
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:

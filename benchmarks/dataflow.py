@@ -23,10 +23,10 @@ import uuid
 import redis.asyncio as aioredis
 
 from rlboost.checkpoint import CheckpointStore
-from rlboost.logs import print_result
 from rlboost.config import Settings
 from rlboost.services import running_services
 from rlboost.benchmarks.throughput import chunk_records, raw_rounds, run_fleet
+from rlboost.benchmarks import report
 
 
 async def store_rounds(store: CheckpointStore, rids: list[str], epochs: dict[str, int], tokens: int, k: int,
@@ -77,6 +77,7 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; best of each is kept")
     p.add_argument("--workers", type=int, default=0,
                    help="measure tokens/s through N real worker processes (emulated engine) instead")
+    report.add_out(p)
     a = p.parse_args(argv)
     if a.workers:
         return run_fleet(a, s)
@@ -87,5 +88,4 @@ def main(argv: list[str], s: Settings) -> int:
     print(f"checkpoint store: {out['tokens_per_s']:,} tokens/s  (fenced Lua appends, {a.groups} pipelines)")
     print(f"raw APPEND:       {out['raw_tokens_per_s']:,} tokens/s  (same bytes, no fencing)")
     print(f"ratio {out['ratio']}  (target >= 0.5)")
-    print_result(out)
-    return 0
+    return report.finish("dataflow", out, report.out_dir(a))

@@ -21,8 +21,8 @@ from rlboost.clients import open_clients
 from rlboost.config import EndpointSettings, Settings, WorkerSettings
 from rlboost.endpoint import OpenAIEndpoint, read_sessions
 from rlboost.envs import calculator as calc
-from rlboost.logs import print_result
 from rlboost.services import running_services
+from rlboost.benchmarks import report
 from rlboost.trainer.model import build_tokenizer
 from rlboost.workers.counters import Counters
 from rlboost.workers.engines.emulated import EmulatedEngine, LengthModel
@@ -91,6 +91,7 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--calls", type=int, default=400)
     p.add_argument("--concurrency", type=int, default=16, help="calls in flight at once (HTTP connections)")
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per call")
+    report.add_out(p)
     a = p.parse_args(argv)
     if not (s.services.nats_url and s.services.redis_url):
         s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-bench-")
@@ -100,5 +101,4 @@ def main(argv: list[str], s: Settings) -> int:
     print(f"{out['calls']} calls, {out['concurrency']} at once, {out['tokens_per_call']} tokens each: "
           f"{out['calls_per_s']} calls/s, p50 {out['p50_ms']} ms, p99 {out['p99_ms']} ms; "
           f"{out['recorded']} recorded")
-    print_result(out)
-    return 0 if out["recorded"] == out["calls"] else 1
+    return report.finish("endpoint", out, report.out_dir(a), ok=out["recorded"] == out["calls"])

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlboost.logs import print_result
+from rlboost.benchmarks import report
 from rlboost.config import Settings
 
 
@@ -77,11 +77,6 @@ async def _reload_times(engine, dirs: list[Path], repeats: int) -> list[float]:
         times.append(time.perf_counter() - t0)
     await engine.load_weights(dirs[0], version=0)  # back to the weights the figures were taken with
     return times
-
-
-def _row(name: str, rates: list[float], extra: str = "") -> str:
-    return (f"{name:<16} {statistics.median(rates):>12,.0f} {max(rates):>12,.0f} "
-            f"{min(rates):>12,.0f}  {extra}")
 
 
 async def run(a: argparse.Namespace, workdir: Path) -> dict:
@@ -139,9 +134,9 @@ async def run(a: argparse.Namespace, workdir: Path) -> dict:
         await engine.close()
 
     print()
-    print(f"{'engine':<16} {'tokens/s med':>12} {'best':>12} {'worst':>12}  weight reload (median)")
-    for name in engines:
-        print(_row(name, rates[name], f"{statistics.median(reloads[name]) * 1000:.1f} ms"))
+    report.print_table(engines, [("engine", "<16", str), ("tokens/s med", ">12,.0f", lambda n: statistics.median(rates[n])),
+                                 ("best", ">12,.0f", lambda n: max(rates[n])), ("worst", ">12,.0f", lambda n: min(rates[n])),
+                                 (" weight reload (median)", "", lambda n: f" {statistics.median(reloads[n]) * 1000:.1f} ms")])
     med = {name: statistics.median(r) for name, r in rates.items()}
     for name in a.torch_dtypes:
         print(f"torch-{name} prefix cache / full re-feed: {med[f'torch-{name}'] / med[f'torch-{name}-full']:.2f}x")
@@ -186,6 +181,7 @@ def main(argv: list[str], s: Settings) -> int:
                    help="comma-separated dtypes of the torch engine to measure (float64 is its default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="the torch engines only")
+    report.add_out(p)
     a = p.parse_args(argv)
     a.torch_dtypes = [d for d in a.torch_dtypes.split(",") if d]
     if a.vllm and importlib.util.find_spec("vllm") is None:
@@ -199,5 +195,4 @@ def main(argv: list[str], s: Settings) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the table readable; INFO shows vLLM's own log
     with tempfile.TemporaryDirectory(prefix="rlboost-bench-engines-") as tmp:
         out = asyncio.run(run(a, Path(tmp)))
-    print_result(out)
-    return 0
+    return report.finish("engines", out, report.out_dir(a))

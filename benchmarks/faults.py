@@ -47,12 +47,12 @@ import numpy as np
 
 from rlboost import wire
 from rlboost.checkpoint import LeaseLost
-from rlboost.logs import print_result
 from rlboost.clients import open_clients
 from rlboost.config import ServicesSettings, Settings
 from rlboost.pool_client import PoolClient
 from rlboost.replay import read_chunks, read_subject
 from rlboost.services import EmbeddedServices, provision_cluster
+from rlboost.benchmarks import report
 from rlboost.workers.engines.emulated import LengthModel, reference_tokens
 from rlboost.workers.fleet import WorkerFleet
 
@@ -506,6 +506,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep the servers' data dirs and worker logs")
+    report.add_out(p)
     return p
 
 
@@ -530,6 +531,5 @@ def main(argv: list[str], s: Settings) -> int:
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
     ok = all(r["ok"] for r in rows)
-    print_result({"ok": ok, "scenarios": rows})
-    return 0 if ok else 1
+    return report.finish("faults", {"ok": ok, "scenarios": rows}, report.out_dir(a), ok=ok)
 

@@ -27,6 +27,8 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
+from rlboost.benchmarks.report import print_table
+
 GB = 1e9
 MODELS = {"8B": 8e9 * 2, "70B": 70e9 * 2}  # bf16: two bytes a parameter
 FLEETS = (1, 10, 100)
@@ -94,9 +96,8 @@ def measure_verify(mb: int = 256) -> float:
 def report(bw: Bandwidth) -> dict:
     rows = table(bw)
     print(f"fleet-join model (assumptions: {asdict(bw)})")
-    print(f"{'model':<5} {'pull':<21} {'N':>4} {'GB':>7} {'origin-only s':>14} {'peers s':>8} "
-          f"{'origin GB (only / peers)':>26}")
-    for r in rows:
-        print(f"{r['model']:<5} {r['pull']:<21} {r['instances']:>4} {r['bytes_gb']:>7} {r['origin_only_s']:>14} "
-              f"{r['peers_s']:>8} {r['origin_gb_origin_only']:>12} / {r['origin_gb_peers']}")
+    print_table(rows, [("model", "<5", "model"), ("pull", "<21", "pull"), ("N", ">4", "instances"),
+                       ("GB", ">7", "bytes_gb"), ("origin-only s", ">14", "origin_only_s"), ("peers s", ">8", "peers_s"),
+                       ("origin GB (only / peers)", ">26",
+                        lambda r: f"{r['origin_gb_origin_only']:>12} / {r['origin_gb_peers']}")])
     return {"model_fleet": rows, "assumptions": asdict(bw)}

@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import tempfile
 from pathlib import Path
 
-from rlboost.logs import print_result
+from rlboost.benchmarks import report
 from rlboost.config import Settings
 from rlboost.logs import configure_logging
 from rlboost.trainer import command
@@ -61,11 +60,10 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--off-policy", default="tis", help="algorithm.off_policy in every mode (the same loss for all)")
     p.add_argument("--model-dir", default="", help="default: the demo model (built on first use)")
-    p.add_argument("--out", default="")
+    report.add_out(p, "the runs' folders, modes.json and modes.png (default: a new temp folder)")
     a = p.parse_args(argv)
     configure_logging(json=s.log_json, level="warning")  # the live tables and the summary are the output
-    out_dir = Path(a.out or tempfile.mkdtemp(prefix="rlboost-modes-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = report.out_dir(a, prefix="rlboost-modes-")
     common = ["--steps", str(a.steps), "--prompts", str(a.prompts), "--samples", str(a.samples), "--seed", str(a.seed),
               "--workers", "2", "--eval-every", str(a.eval_every), "--max-staleness", str(a.max_staleness),
               "--algorithm.off_policy", a.off_policy]
@@ -79,11 +77,8 @@ def main(argv: list[str], s: Settings) -> int:
         curves[name] = _metrics(out_dir / mode)
         evals = [(r["step"], r["eval_acc"]) for r in curves[name] if r["eval_acc"] is not None]
         print(f"{name}: held-out accuracy {evals}, {sum(r['step_s'] for r in curves[name]):.1f} s of steps", flush=True)
-    plot(curves, out_dir / "modes.png")
     result = {name: {"eval_first": f["eval_first"], "eval_last": f["eval_last"], "steps": f["steps"],
                      "train_s": round(sum(r["step_s"] for r in curves[name]), 1),
                      "staleness_max": max(r.get("staleness_max", 0) for r in curves[name])}
               for name, f in finals.items()}
-    print(f"(plot in {out_dir / 'modes.png'})", flush=True)
-    print_result({"modes": result, "out": str(out_dir)})
-    return 0
+    return report.finish("modes", {"modes": result, "out": str(out_dir)}, out_dir, plot=lambda path: plot(curves, path))

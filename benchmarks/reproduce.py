@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
-from rlboost.logs import print_result
+from rlboost.benchmarks import report
 from rlboost.config import Settings
 from rlboost.trainer import command
 
@@ -53,9 +52,9 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--chaos", default="1:term,3:kill")
     p.add_argument("--model-dir", default="")
     p.add_argument("--precision", default="fp64", help="the trainer's (fp64: the deterministic mode)")
-    p.add_argument("--out", default="")
+    report.add_out(p, "the two runs' folders and reproduce.json (default: a new temp folder)")
     a = p.parse_args(argv)
-    out_dir = Path(a.out or tempfile.mkdtemp(prefix="rlboost-reproduce-"))
+    out_dir = report.out_dir(a, prefix="rlboost-reproduce-")
     common = ["--steps", str(a.steps), "--prompts", str(a.prompts), "--samples", str(a.samples), "--seed",
               str(a.seed), "--workers", "2", "--eval-every", "2", "--save-rollouts", "--model-dir", a.model_dir,
               "--precision", a.precision]
@@ -72,5 +71,4 @@ def main(argv: list[str], s: Settings) -> int:
     print(f"{cmp['identical_token_sequences']}/{cmp['responses']} responses token-identical "
           f"({cmp['migrated_responses']} of them migrated between workers in the preempted run); "
           f"max |logprob diff| {cmp['max_logprob_abs_diff']:.3g}; final weights identical: {result['weights_identical']}")
-    print_result(result)
-    return 0
+    return report.finish("reproduce", result, out_dir)

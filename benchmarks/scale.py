@@ -50,11 +50,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rlboost.benchmarks import percentile
+from rlboost.benchmarks import percentile, report
 from rlboost.benchmarks.fleet_host import HostedFleet
 from rlboost.benchmarks.throughput import cpu_seconds
 from rlboost.config import Settings
-from rlboost.logs import print_result
 from rlboost.services import EmbeddedServices, free_port
 
 POOL = "scale"
@@ -515,6 +514,7 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--worker-args", default="",
                    help="more worker arguments for every worker, e.g. \"--worker.heartbeat_s 4\" (`rlboost worker --help`)")
     p.add_argument("--keep", action="store_true", help="keep the servers' data and the hosts' logs (temp dirs)")
+    report.add_out(p)
     a = p.parse_args(argv)
     try:
         a.workers = [int(x) for x in a.workers.split(",") if x.strip()]
@@ -529,8 +529,7 @@ def main(argv: list[str], s: Settings) -> int:
         for k, v in f.items()))
     print(f"load average {', '.join(f'{x:.1f}' for x in out['load_avg'])} on {out['cpus']} CPUs -> "
           f"{'OK' if out['ok'] else 'REQUESTS LOST, DUPLICATED OR WRONG'}")
-    print_result(out)
-    return 0 if out["ok"] else 1
+    return report.finish("scale", out, report.out_dir(a), ok=out["ok"])
 
 
 if __name__ == "__main__":

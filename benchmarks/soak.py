@@ -69,10 +69,9 @@ import redis.asyncio as aioredis
 from rlboost import bus, wire
 from rlboost.clients import open_clients
 from rlboost.config import RetentionSettings, Settings
-from rlboost.logs import print_result
 from rlboost.pool_client import PoolClient
 from rlboost.replay import read_chunks, read_subject
-from rlboost.benchmarks import faults
+from rlboost.benchmarks import faults, report
 from rlboost.benchmarks.relay import Relay
 from rlboost.workers.fleet import WorkerFleet, WorkerProc
 
@@ -243,7 +242,7 @@ class Sampler:
             self.add(f"mb {label}", kind, t, size / 2**20, abs_tol=0.05)
 
 
-def report(sampler: Sampler, a: argparse.Namespace, run_s: float) -> tuple[list[dict], bool]:
+def resource_rows(sampler: Sampler, a: argparse.Namespace, run_s: float) -> tuple[list[dict], bool]:
     """One row per series; ok False if a judged one grows without levelling off."""
     rows, ok = [], True
     work = sampler.series.get("results")
@@ -282,14 +281,12 @@ def _value_at(points: list[tuple[float, float]], t: float) -> float:
 
 def print_table(rows: list[dict]) -> None:
     short = [r for r in rows if r["verdict"] == "short-lived"]
-    print(f"{'series':<34} {'kind':<8} {'n':>3} {'first':>10} {'last':>10} {'slope/h':>10} "
-          f"{'1st half/h':>11} {'2nd half/h':>11}  verdict")
-    for r in rows:
-        if r["verdict"] == "short-lived":
-            continue
-        extra = f" ({r['per_1k_requests']} per 1k requests)" if "per_1k_requests" in r else ""
-        print(f"{r['series']:<34} {r['kind']:<8} {r['samples']:>3} {r['first']:>10} {r['last']:>10} "
-              f"{r['slope_per_h']:>10} {r['first_half_per_h']:>11} {r['last_half_per_h']:>11}  {r['verdict']}{extra}")
+    report.print_table([r for r in rows if r["verdict"] != "short-lived"], [
+        ("series", "<34", "series"), ("kind", "<8", "kind"), ("n", ">3", "samples"), ("first", ">10", "first"),
+        ("last", ">10", "last"), ("slope/h", ">10", "slope_per_h"), ("1st half/h", ">11", "first_half_per_h"),
+        ("2nd half/h", ">11", "last_half_per_h"),
+        (" verdict", "", lambda r: f" {r['verdict']}" + (f" ({r['per_1k_requests']} per 1k requests)"
+                                                        if "per_1k_requests" in r else ""))])
     if short:
         print(f"({len(short)} series of short-lived processes not judged: restarted workers, earlier server lifetimes)")
 
@@ -409,7 +406,7 @@ async def soak(a: argparse.Namespace, root: Path, launcher: tuple[str, ...] = ("
             n.close()
             r.close()
         srv.close()
-    rows, resources_ok = report(sampler, a, a.minutes * 60)
+    rows, resources_ok = resource_rows(sampler, a, a.minutes * 60)
     count = lambda k: sum(1 for x in actions if x[0] == k)  # noqa: E731
     return {**totals, "batches": len(requests), "published": sum(len(r) for r in requests.values()), "completed": completed, "seconds": round(elapsed, 1),
             "workers_started": len(fleet.workers), "actions": {k: count(k) for k in sorted({x[0] for x in actions})},
@@ -495,6 +492,7 @@ def parser() -> argparse.ArgumentParser:
                         "(>= 300; 0: the production defaults, a day and more, so retained state is not judged)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep the servers' data dir and worker logs")
+    report.add_out(p)
     return p
 
 
@@ -516,5 +514,4 @@ def main(argv: list[str], s: Settings) -> int:
           f"wrong-version {out['wrong_version_tokens']} stale {out['stale_writes_accepted']} epochs-reused "
           f"{out['epochs_reused']} workers started {out['workers_started']} faults {out['actions']}  -> "
           f"{'OK' if out['ok'] else 'FAILED'}", flush=True)
-    print_result(out)  # a bench's last line: the whole result as JSON
-    return 0 if out["ok"] else 1
+    return report.finish("soak", out, report.out_dir(a), ok=out["ok"])

@@ -18,11 +18,11 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from rlboost import wire
-from rlboost.logs import print_result
 from rlboost.checkpoint import pack
 from rlboost.clients import open_clients
 from rlboost.config import Settings
 from rlboost.services import EmbeddedServices, running_services
+from rlboost.benchmarks import report
 from rlboost.workers.fleet import WorkerFleet
 
 POOL = "throughput"
@@ -155,5 +155,4 @@ def run_fleet(a: argparse.Namespace, s: Settings) -> int:
           f"({out['raw_redis_append_per_s']:,} appends/s); raw JetStream publish {out['raw_nats_publish_per_s']:,} "
           f"msgs/s (= {out['raw_nats_tokens_per_s']:,} tokens/s at one {out['raw_chunk_message_bytes']}-byte "
           f"message per chunk)")
-    print_result(out)
-    return 0
+    return report.finish("dataflow", out, report.out_dir(a))  # `bench dataflow --workers N`

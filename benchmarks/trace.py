@@ -87,7 +87,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import tempfile
 import time
@@ -95,7 +94,6 @@ from collections import defaultdict
 from pathlib import Path
 
 from rlboost import wire
-from rlboost.logs import print_result
 from rlboost.clients import Clients, open_clients
 from rlboost.config import FleetSettings, RolloutSettings, Settings, WorkerSettings
 from rlboost.fleet_policy import Signals, decide, remember
@@ -108,7 +106,7 @@ from rlboost.replay import migrations, read_subject
 from rlboost.services import running_services
 from rlboost.benchmarks.spot import (Interval, TraceError, instance_seconds, intervals, parse_trace,
                           sample_nodes, static_intervals)
-from rlboost.benchmarks import percentile
+from rlboost.benchmarks import percentile, report
 from rlboost.benchmarks.fleet_host import HostedFleet
 from rlboost.benchmarks.trace_report import plot, print_table, rented_of
 from rlboost.benchmarks.trace_model import (INSTANCE_GPUS, MAX_NEW_TOKENS, PROMPT_TOKENS, PUBLISHED, RESERVED_GPUS,
@@ -150,6 +148,7 @@ def prior_signals(a: argparse.Namespace, available: int) -> Signals:
                    tail_s=MAX_NEW_TOKENS * t.step_base_s, replace_s=30.0)
 
 
+SERIES = ("series", "rented_series", "decisions", "rented_intervals")  # a run's series: trace.json only
 SEED_FLOOR_S = 5.0  # modelled s: the adaptive seeding window's floor (SeedWindow floor_s x S)
 
 
@@ -698,7 +697,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--static", default="", help="instead of a trace: hybrid with these many instances always up (1,2)")
     p.add_argument("--reserved-gpu-hour", type=float, default=Prices.reserved_gpu_hour)
     p.add_argument("--preemptible-gpu-hour", type=float, default=Prices.preemptible_gpu_hour)
-    p.add_argument("--out", default="", help="directory for trace.png, trace.json and worker logs")
+    report.add_out(p, "trace.json, trace.png and the worker logs go here (default: a new temp folder)")
     return p
 
 
@@ -715,8 +714,7 @@ def main(argv: list[str], s: Settings) -> int:
         return 2
     if not (s.services.nats_url and s.services.redis_url):
         s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-trace-")
-    out_dir = Path(a.out or tempfile.mkdtemp(prefix="rlboost-trace-out-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = report.out_dir(a, prefix="rlboost-trace-out-")
     with running_services(s.services) as (nats_url, redis_url):
         policies = asyncio.run(evaluate(a, nats_url, redis_url, out_dir, runs))
     if a.calibrate or a.static:
@@ -754,11 +752,10 @@ def main(argv: list[str], s: Settings) -> int:
             print(f"migration (modelled s to the next claim): {h['n']} after a hand-off p50 {h['p50']} p95 {h['p95']}"
                   + (f"; {k['n']} after a kill p50 {k['p50']} p95 {k['p95']}" if k["n"] else ""))
     result["wall_s"] = round(time.monotonic() - t_wall, 1)
-    plot(ivs if a.trace else [], a.duration, result.get("policies", policies), out_dir / "trace.png")
-    (out_dir / "trace.json").write_text(json.dumps(result, indent=2))
-    print(f"(plot, JSON and worker logs in {out_dir})", flush=True)
-    for r in result.get("policies", {}).values():
-        for key in ("series", "rented_series", "decisions", "rented_intervals"):
-            r.pop(key, None)  # in trace.json; the last line stays one readable JSON object
-    print_result(result)
-    return 0
+    print(f"(worker logs in {out_dir})", flush=True)
+    line = dict(result)  # the series stay in trace.json; the last line stays one readable JSON object
+    if "policies" in result:
+        line["policies"] = {name: {k: v for k, v in r.items() if k not in SERIES}
+                            for name, r in result["policies"].items()}
+    return report.finish("trace", result, out_dir, line=line,
+                         plot=lambda path: plot(ivs if a.trace else [], a.duration, result.get("policies", policies), path))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlboost.benchmarks.report import print_table as _table
 from rlboost.benchmarks.spot import Interval, available
 
 
@@ -15,17 +16,24 @@ def rented_of(run: dict) -> list[Interval]:
 
 def print_table(policies: dict, published: dict[str, float] | None = None, model: dict[str, float] | None = None) -> None:
     """`published`: the paper's figures; `model`: the timing model alone (no system overhead)."""
-    print(f"\n{'policy':20}{'tokens/s':>10}{'$/h':>9}{'tok/s per $/h':>15}{'rented':>8}{'x coloc':>9}{'cost eff':>9}"
-          f"{'bound':>8}{'of bound':>9}{'preempt':>9}{'regen':>10}{'hand-offs':>10}"
-          + (f"{'published':>11}" if published else "") + (f"{'model':>9}" if model else ""))
-    for name, r in policies.items():
-        pub = f"{published[name]:>11,.0f}" if published and name in published else ""
-        mod = f"{model[name]:>9,.0f}" if model and name in model else ""
-        extra = (f"{r['avg_instances_rented']:>8.2f}" if "avg_instances_rented" in r else f"{'':>8}") + (
-            f"{r['throughput_ratio']:>9.2f}{r['cost_efficiency_gain']:>+9.0%}{r['bound']:>8,.0f}{r['bound_fraction']:>9.0%}"
-            if "bound" in r else f"{'':>34}")
-        print(f"{name:20}{r['throughput']:>10,.0f}{r['cost_per_hour']:>9.2f}{r['cost_efficiency']:>15.2f}{extra}"
-              f"{r['preemptions']:>9}{r['regenerated_tokens']:>10}{r.get('handoffs', 0):>10}{pub}{mod}")
+
+    def bounded(key: str):  # the columns against colocated and the bound: hybrid runs only
+        return lambda row: row[1][key] if "bound" in row[1] else None
+
+    columns = [("policy", "<20", lambda row: row[0]), ("tokens/s", ">10,.0f", lambda row: row[1]["throughput"]),
+               ("$/h", ">9.2f", lambda row: row[1]["cost_per_hour"]),
+               ("tok/s per $/h", ">15.2f", lambda row: row[1]["cost_efficiency"]),
+               ("rented", ">8.2f", lambda row: row[1].get("avg_instances_rented")),
+               ("x coloc", ">9.2f", bounded("throughput_ratio")), ("cost eff", ">+9.0%", bounded("cost_efficiency_gain")),
+               ("bound", ">8,.0f", bounded("bound")), ("of bound", ">9.0%", bounded("bound_fraction")),
+               ("preempt", ">9", lambda row: row[1]["preemptions"]),
+               ("regen", ">10", lambda row: row[1]["regenerated_tokens"]),
+               ("hand-offs", ">10", lambda row: row[1].get("handoffs", 0))]
+    for title, spec, figures in (("published", ">11,.0f", published), ("model", ">9,.0f", model)):
+        if figures:
+            columns.append((title, spec, lambda row, f=figures: f.get(row[0])))
+    print()
+    _table(policies.items(), columns, sep="")
 
 
 def plot(ivs: list[Interval], duration: float, policies: dict, path: Path) -> None:

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlboost.logs import print_result
+from rlboost.benchmarks import report
 from rlboost.config import Settings
 
 
@@ -150,8 +150,9 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, default=16, help=argparse.SUPPRESS)
     p.add_argument("--warm-dir", default="", help=argparse.SUPPRESS)
+    report.add_out(p)
     a = p.parse_args(argv)
-    if a.child:
+    if a.child:  # the parent reads this line
         print(json.dumps(child(a)), flush=True)
         return 0
     import torch
@@ -190,5 +191,4 @@ def main(argv: list[str], s: Settings) -> int:
         result["new_within_6x"] = figures["new"]["peak_bytes"] <= 6 * figures["new"]["param_bytes"]
     if "new" in figures and "old" in figures:
         result["old_over_new"] = round(figures["old"]["peak_bytes"] / figures["new"]["peak_bytes"], 2)
-    print_result(result)
-    return 0
+    return report.finish("train-memory", result, report.out_dir(a))

@@ -49,9 +49,9 @@ import time
 import uuid
 from pathlib import Path
 
-from rlboost.benchmarks.fleet_join import Bandwidth, measure_verify, report
+from rlboost.benchmarks import fleet_join, report
+from rlboost.benchmarks.fleet_join import Bandwidth, measure_verify
 from rlboost import bus, wire
-from rlboost.logs import print_result
 from rlboost.config import Settings
 from rlboost.services import running_services
 
@@ -316,12 +316,13 @@ def main(argv: list[str], s: Settings) -> int:
                    help="a follower's bytes over a whole version's (bench weights' median delta)")
     g.add_argument("--decode-ns", type=float, default=Bandwidth.decode_ns,
                    help="a delta's decode per element and thread, in ns (a follower's replay)")
+    report.add_out(p)
     a = p.parse_args(argv)
     if a.model_fleet:  # the verify rate is this box's, measured now; the rest are the flags
-        print_result(report(Bandwidth(link_gbps=a.link_gbps, origin_gbps=a.origin_gbps, verify_mb_s=measure_verify(),
-                                      verify_threads=a.verify_threads, piece_mb=a.piece_mb,
-                                      delta_ratio=a.delta_ratio, decode_ns=a.decode_ns)))
-        return 0
+        return report.finish("weights", fleet_join.report(Bandwidth(
+            link_gbps=a.link_gbps, origin_gbps=a.origin_gbps, verify_mb_s=measure_verify(),
+            verify_threads=a.verify_threads, piece_mb=a.piece_mb, delta_ratio=a.delta_ratio,
+            decode_ns=a.decode_ns)), report.out_dir(a))
     if not (s.services.nats_url and s.services.redis_url):
         s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-bench-")
     work = Path(tempfile.mkdtemp(prefix="rlboost-bench-weights-"))
@@ -332,5 +333,4 @@ def main(argv: list[str], s: Settings) -> int:
         shutil.rmtree(work, ignore_errors=True)
         if s.services.data_dir.startswith(tempfile.gettempdir()):
             shutil.rmtree(s.services.data_dir, ignore_errors=True)
-    print_result(out)
-    return 0
+    return report.finish("weights", out, report.out_dir(a))
