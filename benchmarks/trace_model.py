@@ -187,3 +187,30 @@ def throughput_bound(tokens: float, generation_s: float, instances: float, overl
 def balanced_split() -> int:
     """Rollout GPUs of the best disaggregated split of the reserved cluster (timing model)."""
     return min(range(1, RESERVED_GPUS), key=lambda k: model_step_s(k, RESERVED_GPUS - k, streamed=True))
+
+
+def availability_bound(ivs, duration_s: float, gen_s_per_token: float, reserved_only: float,
+                       s_per_token: float = TRAIN_S_PER_TOKEN) -> dict[str, float]:
+    """The availability-aware bound of a hybrid run on a trace (tokens/s over the segment): at
+    each moment, with n preemptible instances available (offered by the trace, rented or not),
+    - n = 0: `reserved_only`, the reserved cluster alone (colocated's rate);
+    - else min(the trainer with rollout never waiting (1 / s_per_token), the generation those n
+      instances and the reserved GPUs allow: (8 + 2n) / (gen_s_per_token + 8 x s_per_token),
+      `throughput_bound`'s generation term at n instances, per token),
+    integrated over the segment. Unlike `throughput_bound` it charges a run for the minutes the
+    trace offers nothing and credits what it offered but the run did not rent; unlike the linear
+    oracle it is a bound. `ivs`: the trace's availability intervals (`spot.intervals`)."""
+    edges = sorted({0.0, duration_s, *(t for i in ivs for t in (i.up_s, i.down_s) if 0.0 <= t <= duration_s)})
+    trainer = 1.0 / s_per_token
+    tokens = 0.0
+    zero_s = 0.0
+    for a, b in zip(edges, edges[1:]):
+        n = sum(1 for i in ivs if i.up_s <= a < i.down_s)
+        if n == 0:
+            rate = reserved_only
+            zero_s += b - a
+        else:
+            rate = min(trainer, (RESERVED_GPUS + INSTANCE_GPUS * n) / (gen_s_per_token + RESERVED_GPUS * s_per_token))
+        tokens += rate * (b - a)
+    return {"availability_bound": tokens / duration_s if duration_s > 0 else 0.0,
+            "none_available_s": zero_s}

@@ -88,3 +88,19 @@ def test_traces_named_on_the_command_line(tmp_path):
         assert "not p3, g4dn" in str(e)
     else:
         raise AssertionError("nope")
+
+
+def test_the_availability_bound_follows_what_the_trace_offers():
+    from rlboost.benchmarks.spot import Interval
+    from rlboost.benchmarks.trace_model import TRAIN_S_PER_TOKEN, availability_bound
+
+    g = 4 * TRAIN_S_PER_TOKEN  # GPU-s per token generated
+    per_n = lambda n: min(1 / TRAIN_S_PER_TOKEN, (8 + 2 * n) / (g + 8 * TRAIN_S_PER_TOKEN))  # noqa: E731
+    # nothing for the first half, then one instance, then (a quarter) two of them
+    ivs = [Interval("a", 50.0, 100.0, False), Interval("b", 75.0, 100.0, False)]
+    b = availability_bound(ivs, 100.0, g, reserved_only=1000.0)
+    want = (50 * 1000.0 + 25 * per_n(1) + 25 * per_n(2)) / 100
+    assert abs(b["availability_bound"] - want) < 1e-6 and b["none_available_s"] == 50.0
+    # many instances: the trainer is the limit
+    many = [Interval(f"n{k}", 0.0, 100.0, False) for k in range(400)]
+    assert abs(availability_bound(many, 100.0, g, 1000.0)["availability_bound"] - 1 / TRAIN_S_PER_TOKEN) < 1e-6
