@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,18 @@ from rlboost.endpoint.parse import ChatCall, parse_call, parse_reward, session_i
 from rlboost.endpoint.sessions import RECORD_VERSION, SessionBook, conversation_digest
 from rlboost.envs.chat import ChatFormat
 from rlboost.envs.protocol import Message, ToolCall
+
+
+@dataclass
+class Prepared:
+    """A call checked and rendered, not yet published."""
+
+    session: str
+    call: ChatCall
+    prompt_ids: list[int]
+    stops: list[int]
+    extends: dict | None
+    idem: str | None
 
 
 class Chats:
@@ -34,6 +47,11 @@ class Chats:
 
     async def chat(self, body: Any, headers: dict[str, str]) -> dict:
         """One chat-completions call: the OpenAI response, or EndpointError."""
+        return await self.answer(self.prepare(body, headers))
+
+    def prepare(self, body: Any, headers: dict[str, str]) -> Prepared:
+        """Everything a call is checked for before anything is published: a streamed call is
+        refused with its HTTP status here, before its event stream starts."""
         session = session_id(headers, body)
         call = parse_call(body, self.cfg)
         try:
@@ -50,10 +68,14 @@ class Chats:
         if self.inflight >= self.cfg.max_inflight:
             raise EndpointError(f"{self.inflight} calls are waiting already (endpoint.max_inflight); retry later",
                                 429, kind="rate_limit_error")
+        return Prepared(session, call, prompt_ids, stops, extends, headers.get("idempotency-key"))
+
+    async def answer(self, p: Prepared) -> dict:
+        """A prepared call generated, recorded and answered (the whole response)."""
         self.inflight += 1
         metrics.ENDPOINT_INFLIGHT.set(self.inflight)
         try:
-            return await self._generate(session, call, prompt_ids, stops, extends, headers.get("idempotency-key"))
+            return await self._generate(p.session, p.call, p.prompt_ids, p.stops, p.extends, p.idem)
         finally:
             self.inflight -= 1
             metrics.ENDPOINT_INFLIGHT.set(self.inflight)

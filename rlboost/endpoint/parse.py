@@ -37,6 +37,8 @@ class ChatCall:
     stop: list[str]
     logprobs: bool
     model: str
+    stream: bool = False  # server-sent events (stream.py)
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 def _text(value: Any, where: str) -> str:
@@ -151,9 +153,11 @@ def _integer(body: dict, key: str, lo: int, hi: int) -> int | None:
 
 def _refuse_unsupported(body: dict) -> None:
     """What rollout engines cannot do, refused by name rather than silently ignored."""
-    if body.get("stream"):
-        raise bad("stream=true is not supported: this endpoint answers whole (non-streaming) responses; "
-                  "send stream=false or leave it out", "stream")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise bad("'stream' must be true or false", "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not (isinstance(opts, dict) and isinstance(opts.get("include_usage", False), bool)):
+        raise bad("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
     for key, default in _UNSUPPORTED_DEFAULTS.items():
         if body.get(key) not in (None, default):
             raise bad(f"'{key}' is not supported (rollout engines sample from the plain distribution and record "
@@ -190,7 +194,8 @@ def parse_call(body: Any, cfg: EndpointSettings) -> ChatCall:
                     temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                     top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                     n=_integer(body, "n", 1, cfg.max_n) or 1, seed=seed, stop=stop, logprobs=bool(logprobs),
-                    model=model or cfg.model_name)
+                    model=model or cfg.model_name, stream=bool(body.get("stream")),
+                    include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
 
 
 def session_id(headers: dict[str, str], body: Any) -> str:

@@ -24,6 +24,7 @@ from aiohttp import web
 from rlboost import metrics, wire
 from rlboost.clients import Clients
 from rlboost.config import EndpointSettings
+from rlboost.endpoint import stream
 from rlboost.endpoint.bridge import Dataflow
 from rlboost.endpoint.chat import Chats
 from rlboost.endpoint.errors import EndpointError, bad
@@ -99,9 +100,45 @@ class OpenAIEndpoint:
         return _json(200, {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": 0,
                                                        "owned_by": "rlboost"}]})
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         headers = {k.lower(): v for k, v in request.headers.items()}
-        return _json(200, await self.chats.chat(await self._body(request), headers))
+        prepared = self.chats.prepare(await self._body(request), headers)  # a bad call: its HTTP error
+        if not prepared.call.stream:
+            return _json(200, await self.chats.answer(prepared))
+        return await self._stream(request, prepared)
+
+    async def _stream(self, request: web.Request, prepared) -> web.StreamResponse:
+        """`stream: true` (stream.py): SSE comments while the turn is generated, then the recorded
+        answer as chunks and `[DONE]`; a failure once the stream started is an error event."""
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        answering = asyncio.create_task(self.chats.answer(prepared))
+        try:
+            while not (await asyncio.wait({answering}, timeout=stream.KEEPALIVE_S))[0]:
+                await resp.write(stream.KEEPALIVE)
+            try:
+                whole = answering.result()
+            except EndpointError as e:
+                self.log.warning("streamed call failed", status=e.status, error=str(e))
+                await resp.write(stream.event(e.body()))
+                return resp
+            except Exception as e:  # a bug or a server fault: this call fails, the server serves on
+                self.log.error("streamed call failed", error=f"{type(e).__name__}: {e}")
+                await resp.write(stream.event(EndpointError(f"internal error: {type(e).__name__}: {e}", 500,
+                                                            kind="server_error").body()))
+                return resp
+            for chunk in stream.chunks(whole, prepared.call.include_usage):
+                await resp.write(stream.event(chunk))
+            await resp.write(stream.DONE)
+            await resp.write_eof()
+        except ConnectionError:  # the harness hung up: its call still finishes and is recorded
+            self.log.info("streamed call's client went away", session=prepared.session)
+            await asyncio.wait({answering})
+        except asyncio.CancelledError:  # the server closes: as a non-streamed call, unanswered
+            answering.cancel()
+            raise
+        return resp
 
     async def _reward(self, request: web.Request) -> web.Response:
         return _json(200, await self.chats.reward(request.match_info["session"], await self._body(request)))
