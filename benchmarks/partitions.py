@@ -79,19 +79,23 @@ import tempfile
 import time
 import urllib.request
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rlboost import wire
+from rlboost import bus, wire
 from rlboost.checkpoint import HISTORY_ENV
 from rlboost.clients import open_clients
-from rlboost.logs import print_result
 from rlboost import pool_client
 from rlboost.pool_client import PoolClient
 from rlboost.replay import read_chunks, read_subject
 from rlboost.config import ServicesSettings, Settings
 from rlboost.services import EmbeddedServices, free_port, provision_cluster
-from rlboost.benchmarks import faults, history, netns
+from rlboost.benchmarks import faults, history, netns, report
 from rlboost.benchmarks.relay import Relay
+
+if TYPE_CHECKING:
+    from rlboost.workers.fleet import WorkerFleet
 
 SCENARIOS = ("redis_cut", "redis_slow", "redis_half_open", "all_unreachable", "nats_cut", "nats_half_open",
              "trainer_nats_cut", "trainer_nats_half_open", "nats_node_isolated")
@@ -174,8 +178,6 @@ class SplitServers(faults.Servers):
 
 async def _stream_leader(url: str, stream: str, timeout_s: float = 30.0, other_than: str = "") -> str:
     """The stream's leader as the node at `url` sees it, once there is one (other than `other_than`)."""
-    from rlboost import bus
-
     nc = await bus.connect(url)
     try:
         deadline = time.monotonic() + timeout_s
@@ -307,259 +309,290 @@ class Trainer:
             await asyncio.sleep(0.02)
 
 
-async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
-    rng = random.Random(a.seed)
-    split = name == "nats_node_isolated"
-    real = name in NETNS_SCENARIOS  # real links: servers and workers in namespaces of their own
-    if real:
-        srv = await asyncio.to_thread(netns.Servers, root / name, a.workers)
-    elif split:
-        srv = await asyncio.to_thread(SplitServers, root / name, a.replicas)
-    else:
-        srv = await asyncio.to_thread(faults.Servers, root / name)
-    # each worker's (NATS link, Redis link): fault relays, or veth pairs (netns.Link) for the real ones
-    links: dict = {}
-    prefix = None  # what each worker runs in: its namespace's `ip netns exec`, for the real links
-    trainer = trainer_relay = None  # set before anything can raise: the finally closes its relay
-    try:
-        if real:
-            links, urls, prefix = srv.worker_links, srv.worker_urls, srv.worker_prefix
-        elif split:
-            # The node to isolate: the work queue's leader, so the majority has to elect another.
-            iso = int((await _stream_leader(srv.node_urls[0], wire.STREAM_REQUESTS)).removeprefix("rb-n"))
-            majority = [u for i, u in enumerate(srv.node_urls) if i != iso]
-            # where each stream leads (at replication 1: the one node that has it)
-            extra_at_start = {"stream_leaders": {spec.name: await _stream_leader(srv.node_urls[0], spec.name)
-                                                 for spec in wire.STREAMS}}
-            srv.nats_url = majority[0]  # the publisher, the watcher and the checks: the majority side
-            order = [srv.node_urls[iso], *majority]
-            urls = [(order[i % 3], srv.redis_url) for i in range(a.workers)]  # w001, w004, ...: isolated
-        else:
-            for i in range(a.workers):  # workers start as w001, w002, ... (WorkerFleet)
-                links[f"w{i + 1:03d}"] = (Relay.to_url(srv.nats_url, f"nats-{i}"),
-                                          Relay.to_url(srv.redis_url, f"redis-{i}"))
-            urls = [(n.url(srv.nats_url), r.url(srv.redis_url)) for n, r in links.values()]
-        extra: dict = dict(extra_at_start) if split else {}
-        if name in TRAINER_SCENARIOS:  # the trainer reaches NATS through a relay of its own
-            trainer_relay = Relay.to_url(srv.nats_url, "nats-trainer")
-            trainer = Trainer(trainer_relay.url(srv.nats_url), srv.redis_url, a.timeout)
-        step = (30 + NETNS_SCENARIOS.index(name) if real else
-                20 + SCENARIOS.index(name) if name in SCENARIOS else 0)
-        reqs = faults.make_requests(step, a.requests, rng, a.min_new, a.max_new)
-        from rlboost import bus
+class Partition:
+    """One scenario's run, along its jobs: the servers and each worker's links (`setup`), the
+    fault (`FAULTS[name]`, called once `--at` of the step's results are in), the load with the
+    fault in its midst (`run`) and the checks over what the streams and the store recorded
+    (`check`)."""
 
-        watch = await bus.connect(srv.nats_url)
-
-        async def all_in() -> bool:
-            return await faults._results_so_far(watch.jetstream(), step) >= len(reqs)
-
-        def victim_of(fleet):
-            return next((w for w in fleet.live() if w.counters()["claims"] > 0), fleet.live()[0])
-
-        async def one_worker_fault(ctx, hurt, heal, hold_s: float, link: int = 1) -> None:
-            w = victim_of(ctx["fleet"])
-            fenced0 = w.counters()["fenced"]
-            relay = links[w.worker_id][link]  # 0: its NATS link, 1: its Redis link
-            await asyncio.to_thread(hurt, relay)
-            await asyncio.sleep(hold_s)  # the fault's duration
-            await asyncio.to_thread(heal, relay)
-            t = time.monotonic()
-            resumed = await _progress_after(w, t, a.timeout / 2, all_in, nats=link == 0)
-            extra.update(victim=w.worker_id, victim_resumed_s=resumed, recovery_s=resumed)
-            ctx["victim"], ctx["fenced0"] = w, fenced0
-
-        async def one_link_flapped(ctx, link: int) -> None:
-            """The victim's link goes down and up `--flaps` times; recovery from its last return."""
-            w = victim_of(ctx["fleet"])
-            fenced0 = w.counters()["fenced"]
-            veth = links[w.worker_id][link]
-            for i in range(a.flaps):
-                await _set_link(veth, "cut")
-                await asyncio.sleep(a.flap_down_s)
-                await _set_link(veth, "restore")
-                if i < a.flaps - 1:
-                    await asyncio.sleep(a.flap_up_s)
-            t = time.monotonic()
-            resumed = await _progress_after(w, t, a.timeout / 2, all_in, nats=link == 0)
-            extra.update(victim=w.worker_id, victim_resumed_s=resumed, recovery_s=resumed, flaps=a.flaps,
-                         flapped=f"{w.worker_id}-{'nats' if link == 0 else 'redis'}")
-            ctx["victim"], ctx["fenced0"] = w, fenced0
-
-        async def trainer_fault(hurt, hold_s: float) -> None:
-            # mid-step: some results taken, the rest in flight (the workers are at it)
-            t_wait = time.monotonic()
-            while not trainer.taken and time.monotonic() - t_wait < a.timeout / 2:
-                await asyncio.sleep(0.02)
-            js = watch.jetstream()
-            taken0, published0 = len(trainer.taken), await faults._results_so_far(js, step)
-            link = trainer.reconnects()
-            hurt(trainer_relay)
-            t = time.monotonic()  # a half-open link: recovery counts from the moment it went dead
-            await asyncio.sleep(hold_s)
-            trainer_relay.restore()
-            if hold_s > 0:
-                t = time.monotonic()
-            extra["recovery_s"] = await trainer.heard_again(t, link, a.timeout / 2, len(reqs))
-            # what the workers published while the trainer could not hear (until it did again)
-            extra.update(taken_at_cut=taken0, results_during_cut=await faults._results_so_far(js, step) - published0)
-
-        if name == "redis_cut":
-            async def fault(ctx):
-                await one_worker_fault(ctx, Relay.cut, Relay.restore, a.cut_s)
-        elif name in ("netns_redis_cut", "netns_nats_cut"):
-            async def fault(ctx):
-                # the worker's other link stays up; the harness's own links too
-                await one_worker_fault(ctx, netns.Link.cut, netns.Link.restore, a.cut_s,
-                                       link=0 if name == "netns_nats_cut" else 1)
-        elif name == "netns_flap":
-            async def fault(ctx):
-                await one_link_flapped(ctx, link=0 if a.flap_link == "nats" else 1)
-        elif name == "redis_slow":
-            async def fault(ctx):
-                await one_worker_fault(ctx, lambda r: r.set_latency(a.slow_s, a.slow_s / 8),
-                                       lambda r: r.set_latency(0.0, 0.0), a.slow_for_s)
-        elif name == "redis_half_open":
-            async def fault(ctx):
-                await one_worker_fault(ctx, lambda r: r.half_open(new_too=True), Relay.restore, a.cut_s)
-        elif name == "nats_cut":
-            async def fault(ctx):
-                await one_worker_fault(ctx, Relay.cut, Relay.restore, a.cut_s, link=0)
-        elif name == "nats_half_open":
-            async def fault(ctx):
-                # the connection dies and new ones work: resumed = how soon the worker notices it
-                # (its pings) and reconnects, from the moment it went dead
-                await one_worker_fault(ctx, Relay.half_open, lambda r: None, 0.0, link=0)
-        elif name == "trainer_nats_cut":
-            async def fault(ctx):
-                await trainer_fault(Relay.cut, a.cut_s)
-        elif name == "trainer_nats_half_open":
-            async def fault(ctx):
-                await trainer_fault(Relay.half_open, 0.0)
-        elif name == "all_unreachable":
-            async def fault(ctx):
-                live = ctx["fleet"].live()
-                for n, r in links.values():
-                    n.cut()
-                    r.cut()
-                await asyncio.sleep(1.0)  # the first failures are handled: from here on, waiting only
-                t0, cpu0 = time.monotonic(), {w.worker_id: cpu_seconds(w.proc.pid) for w in live}
-                await asyncio.sleep(max(0.0, a.outage_s - 1.0))
-                window = time.monotonic() - t0
-                cpu = {w.worker_id: round(100 * (cpu_seconds(w.proc.pid) - cpu0[w.worker_id]) / window, 2)
-                       for w in live if w.alive()}
-                for n, r in links.values():
-                    n.restore()
-                    r.restore()
-                t = time.monotonic()
-                resumed = await asyncio.gather(*(_progress_after(w, t, a.timeout / 2, all_in) for w in live))
-                extra.update(outage_s=a.outage_s, cpu_pct=cpu, cpu_pct_max=max(cpu.values(), default=None),
-                             resumed_s=dict(zip((w.worker_id for w in live), resumed)),
-                             resumed_s_max=None if None in resumed else max(resumed, default=None))
-                extra["recovery_s"] = extra["resumed_s_max"]
-        elif split:
-            async def fault(ctx):
-                isolated = [w for w in ctx["fleet"].live() if (int(w.worker_id[1:]) - 1) % 3 == 0]
-                fenced0 = sum(w.counters()["fenced"] for w in isolated)
-                before = await faults._results_so_far(watch.jetstream(), step)
-                for r in srv.svc.links_of(iso):
-                    r.cut()
-                t0 = time.monotonic()
-                # the state the cut is for: the node has no route left (not one around the relays)
-                while (n := await asyncio.to_thread(srv.svc.routes_of, iso)) != 0 and time.monotonic() - t0 < 10:
-                    await asyncio.sleep(0.1)
-                extra["isolated_routes_during_cut"] = n
-                if a.replicas > 1:  # the majority elects a leader of its own
-                    with contextlib.suppress(TimeoutError):
-                        extra["leader_during_cut"] = await _stream_leader(srv.nats_url, wire.STREAM_REQUESTS,
-                                                                          a.cut_s, other_than=f"rb-n{iso}")
-                        extra["failover_s"] = round(time.monotonic() - t0, 2)
-                cpu0 = {w.worker_id: cpu_seconds(w.proc.pid) for w in isolated}
-                await asyncio.sleep(max(0.0, a.cut_s - (time.monotonic() - t0)))
-                window = time.monotonic() - t0
-                cpu = {w.worker_id: round(100 * (cpu_seconds(w.proc.pid) - cpu0[w.worker_id]) / window, 2)
-                       for w in isolated if w.alive()}
-                after = await faults._results_so_far(watch.jetstream(), step)
-                during = after - before if min(before, after) >= 0 else None  # None: the majority cannot read them
-                for r in srv.svc.links_of(iso):
-                    r.restore()
-                t = time.monotonic()
-
-                async def all_in_after() -> None:
-                    while not await all_in():
-                        await asyncio.sleep(0.1)
-                    extra["all_in_s"] = round(time.monotonic() - t, 2)
-
-                ctx["all_in_task"] = asyncio.create_task(all_in_after())
-                # producing again: a result stored (a claim needs Redis only, which it never lost)
-                resumed = await asyncio.gather(*(_progress_after(w, t, a.timeout / 2, all_in, fields=("results",))
-                                                 for w in isolated))
-                extra.update(isolated_node=f"rb-n{iso}", replicas=a.replicas,
-                             isolated_workers=[w.worker_id for w in isolated],
-                             cpu_pct=cpu, cpu_pct_max=max(cpu.values(), default=None), results_during_cut=during,
-                             isolated_resumed_s=dict(zip((w.worker_id for w in isolated), resumed)),
-                             recovery_s=None if None in resumed else max(resumed, default=None))
-                ctx["isolated"], ctx["fenced0"] = isolated, fenced0
-        else:
+    def __init__(self, name: str, a: argparse.Namespace, root: Path) -> None:
+        if name not in FAULTS:  # before any server starts
             raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS + NETNS_SCENARIOS)}")
+        self.name, self.a, self.root = name, a, root
+        self.real = name in NETNS_SCENARIOS  # real links: servers and workers in namespaces of their own
+        self.split = name == "nats_node_isolated"
+        self.step = 30 + NETNS_SCENARIOS.index(name) if self.real else 20 + SCENARIOS.index(name)
+        self.reqs = faults.make_requests(self.step, a.requests, random.Random(a.seed), a.min_new, a.max_new)
+        self.srv = None
+        # each worker's (NATS link, Redis link): fault relays, or veth pairs (netns.Link) for the real ones
+        self.links: dict = {}
+        self.urls: list[tuple[str, str]] = []  # each worker's (NATS, Redis) URLs, in start order
+        self.prefix = None  # what each worker runs in: its namespace's `ip netns exec`, for the real links
+        self.trainer: Trainer | None = None
+        self.trainer_relay: Relay | None = None
+        self.iso = -1  # nats_node_isolated: the node cut off
+        self.watch = None  # the harness's own NATS connection: has every result come in?
+        self.extra: dict = {}  # the fault's figures, for the scenario's row
+        self.held: dict = {}  # what the fault leaves for the checks: the worker(s) it hurt, their counts before
 
-        captured: dict = {}
-        # Every store operation of the workers, with its outcome, for the history check below.
-        hist_dir = root / name / "history"
-        worker_env = {HISTORY_ENV: str(hist_dir)}
-        if name == "redis_slow":
+    # -- the servers and the links
+
+    async def setup(self) -> None:
+        """Fresh servers, and each worker's (and a trainer scenario's trainer's) way to them."""
+        a = self.a
+        if self.real:
+            self.srv = await asyncio.to_thread(netns.Servers, self.root / self.name, a.workers)
+            self.links, self.urls, self.prefix = self.srv.worker_links, self.srv.worker_urls, self.srv.worker_prefix
+        elif self.split:
+            self.srv = await asyncio.to_thread(SplitServers, self.root / self.name, a.replicas)
+            await self._spread_over_nodes()
+        else:
+            self.srv = await asyncio.to_thread(faults.Servers, self.root / self.name)
+            for i in range(a.workers):  # workers start as w001, w002, ... (WorkerFleet)
+                self.links[f"w{i + 1:03d}"] = (Relay.to_url(self.srv.nats_url, f"nats-{i}"),
+                                               Relay.to_url(self.srv.redis_url, f"redis-{i}"))
+            self.urls = [(n.url(self.srv.nats_url), r.url(self.srv.redis_url)) for n, r in self.links.values()]
+        if self.name in TRAINER_SCENARIOS:  # the trainer reaches NATS through a relay of its own
+            self.trainer_relay = Relay.to_url(self.srv.nats_url, "nats-trainer")
+            self.trainer = Trainer(self.trainer_relay.url(self.srv.nats_url), self.srv.redis_url, a.timeout)
+        self.watch = await bus.connect(self.srv.nats_url)
+
+    async def _spread_over_nodes(self) -> None:
+        srv = self.srv
+        # The node to isolate: the work queue's leader, so the majority has to elect another.
+        self.iso = int((await _stream_leader(srv.node_urls[0], wire.STREAM_REQUESTS)).removeprefix("rb-n"))
+        majority = [u for i, u in enumerate(srv.node_urls) if i != self.iso]
+        # where each stream leads (at replication 1: the one node that has it)
+        self.extra["stream_leaders"] = {spec.name: await _stream_leader(srv.node_urls[0], spec.name)
+                                        for spec in wire.STREAMS}
+        srv.nats_url = majority[0]  # the publisher, the watcher and the checks: the majority side
+        order = [srv.node_urls[self.iso], *majority]
+        self.urls = [(order[i % 3], srv.redis_url) for i in range(self.a.workers)]  # w001, w004, ...: isolated
+
+    def close(self) -> None:
+        if not self.real:  # veth pairs go with their namespaces (srv.close())
+            for n, r in self.links.values():
+                n.close()
+                r.close()
+        if self.trainer_relay is not None:
+            self.trainer_relay.close()
+        if self.srv is not None:
+            self.srv.close()
+
+    # -- the faults (FAULTS: which scenario runs which)
+
+    async def all_in(self) -> bool:
+        return await faults._results_so_far(self.watch.jetstream(), self.step) >= len(self.reqs)
+
+    @staticmethod
+    def victim_of(fleet: WorkerFleet):
+        return next((w for w in fleet.live() if w.counters()["claims"] > 0), fleet.live()[0])
+
+    async def one_worker_fault(self, fleet: WorkerFleet, hurt, heal, hold_s: float, link: int = 1) -> None:
+        """One worker's link (0: to NATS, 1: to Redis) is hurt for `hold_s`, then healed."""
+        w = self.victim_of(fleet)
+        self.held.update(victim=w, fenced0=w.counters()["fenced"])
+        relay = self.links[w.worker_id][link]
+        await asyncio.to_thread(hurt, relay)
+        await asyncio.sleep(hold_s)  # the fault's duration
+        await asyncio.to_thread(heal, relay)
+        t = time.monotonic()
+        resumed = await _progress_after(w, t, self.a.timeout / 2, self.all_in, nats=link == 0)
+        self.extra.update(victim=w.worker_id, victim_resumed_s=resumed, recovery_s=resumed)
+
+    async def one_link_flapped(self, fleet: WorkerFleet, link: int) -> None:
+        """The victim's link goes down and up `--flaps` times; recovery from its last return."""
+        a = self.a
+        w = self.victim_of(fleet)
+        self.held.update(victim=w, fenced0=w.counters()["fenced"])
+        veth = self.links[w.worker_id][link]
+        for i in range(a.flaps):
+            await _set_link(veth, "cut")
+            await asyncio.sleep(a.flap_down_s)
+            await _set_link(veth, "restore")
+            if i < a.flaps - 1:
+                await asyncio.sleep(a.flap_up_s)
+        t = time.monotonic()
+        resumed = await _progress_after(w, t, a.timeout / 2, self.all_in, nats=link == 0)
+        self.extra.update(victim=w.worker_id, victim_resumed_s=resumed, recovery_s=resumed, flaps=a.flaps,
+                          flapped=f"{w.worker_id}-{'nats' if link == 0 else 'redis'}")
+
+    async def trainer_fault(self, hurt, hold_s: float) -> None:
+        trainer, relay, a = self.trainer, self.trainer_relay, self.a
+        # mid-step: some results taken, the rest in flight (the workers are at it)
+        t_wait = time.monotonic()
+        while not trainer.taken and time.monotonic() - t_wait < a.timeout / 2:
+            await asyncio.sleep(0.02)
+        js = self.watch.jetstream()
+        taken0, published0 = len(trainer.taken), await faults._results_so_far(js, self.step)
+        link = trainer.reconnects()
+        hurt(relay)
+        t = time.monotonic()  # a half-open link: recovery counts from the moment it went dead
+        await asyncio.sleep(hold_s)
+        relay.restore()
+        if hold_s > 0:
+            t = time.monotonic()
+        self.extra["recovery_s"] = await trainer.heard_again(t, link, a.timeout / 2, len(self.reqs))
+        # what the workers published while the trainer could not hear (until it did again)
+        self.extra.update(taken_at_cut=taken0,
+                          results_during_cut=await faults._results_so_far(js, self.step) - published0)
+
+    async def all_unreachable(self, fleet: WorkerFleet) -> None:
+        a = self.a
+        live = fleet.live()
+        for n, r in self.links.values():
+            n.cut()
+            r.cut()
+        await asyncio.sleep(1.0)  # the first failures are handled: from here on, waiting only
+        t0, cpu0 = time.monotonic(), {w.worker_id: cpu_seconds(w.proc.pid) for w in live}
+        await asyncio.sleep(max(0.0, a.outage_s - 1.0))
+        window = time.monotonic() - t0
+        cpu = {w.worker_id: round(100 * (cpu_seconds(w.proc.pid) - cpu0[w.worker_id]) / window, 2)
+               for w in live if w.alive()}
+        for n, r in self.links.values():
+            n.restore()
+            r.restore()
+        t = time.monotonic()
+        resumed = await asyncio.gather(*(_progress_after(w, t, a.timeout / 2, self.all_in) for w in live))
+        self.extra.update(outage_s=a.outage_s, cpu_pct=cpu, cpu_pct_max=max(cpu.values(), default=None),
+                          resumed_s=dict(zip((w.worker_id for w in live), resumed)),
+                          resumed_s_max=None if None in resumed else max(resumed, default=None))
+        self.extra["recovery_s"] = self.extra["resumed_s_max"]
+
+    async def node_isolated(self, fleet: WorkerFleet) -> None:
+        a, srv, iso, extra = self.a, self.srv, self.iso, self.extra
+        isolated = [w for w in fleet.live() if (int(w.worker_id[1:]) - 1) % 3 == 0]
+        self.held.update(isolated=isolated, fenced0=sum(w.counters()["fenced"] for w in isolated))
+        before = await faults._results_so_far(self.watch.jetstream(), self.step)
+        for r in srv.svc.links_of(iso):
+            r.cut()
+        t0 = time.monotonic()
+        # the state the cut is for: the node has no route left (not one around the relays)
+        while (n := await asyncio.to_thread(srv.svc.routes_of, iso)) != 0 and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.1)
+        extra["isolated_routes_during_cut"] = n
+        if a.replicas > 1:  # the majority elects a leader of its own
+            with contextlib.suppress(TimeoutError):
+                extra["leader_during_cut"] = await _stream_leader(srv.nats_url, wire.STREAM_REQUESTS, a.cut_s,
+                                                                  other_than=f"rb-n{iso}")
+                extra["failover_s"] = round(time.monotonic() - t0, 2)
+        cpu0 = {w.worker_id: cpu_seconds(w.proc.pid) for w in isolated}
+        await asyncio.sleep(max(0.0, a.cut_s - (time.monotonic() - t0)))
+        window = time.monotonic() - t0
+        cpu = {w.worker_id: round(100 * (cpu_seconds(w.proc.pid) - cpu0[w.worker_id]) / window, 2)
+               for w in isolated if w.alive()}
+        after = await faults._results_so_far(self.watch.jetstream(), self.step)
+        during = after - before if min(before, after) >= 0 else None  # None: the majority cannot read them
+        for r in srv.svc.links_of(iso):
+            r.restore()
+        t = time.monotonic()
+
+        async def all_in_after() -> None:
+            while not await self.all_in():
+                await asyncio.sleep(0.1)
+            extra["all_in_s"] = round(time.monotonic() - t, 2)
+
+        self.held["all_in_task"] = asyncio.create_task(all_in_after())
+        # producing again: a result stored (a claim needs Redis only, which it never lost)
+        resumed = await asyncio.gather(*(_progress_after(w, t, a.timeout / 2, self.all_in, fields=("results",))
+                                         for w in isolated))
+        extra.update(isolated_node=f"rb-n{iso}", replicas=a.replicas, isolated_workers=[w.worker_id for w in isolated],
+                     cpu_pct=cpu, cpu_pct_max=max(cpu.values(), default=None), results_during_cut=during,
+                     isolated_resumed_s=dict(zip((w.worker_id for w in isolated), resumed)),
+                     recovery_s=None if None in resumed else max(resumed, default=None))
+
+    # -- the load, then the checks
+
+    async def run(self) -> dict:
+        """The step's requests through the workers, the fault once `--at` of them are in
+        (faults.run_load); then the trainer's collection, in a trainer scenario."""
+        a = self.a
+        # Every store operation of the workers, with its outcome, for the history check.
+        worker_env = {HISTORY_ENV: str(self.root / self.name / "history")}
+        if self.name == "redis_slow":
             # a slow store makes its worker look stalled sooner, so its requests are redelivered
             # while its late writes are in flight
             worker_env["RLBOOST_WORKER__STALL_S"] = "1.0"
-
-        async def fault_and_keep(ctx):
-            await fault(ctx)
-            captured.update(ctx)
-
         try:
-            out = await faults.run_load(srv, root, name, reqs, a.workers, fault_and_keep, at=a.at,
-                                        timeout_s=a.timeout, speed=a.speed, worker_urls=urls, worker_env=worker_env,
-                                        worker_prefix=prefix, publish=trainer.publish if trainer else None)
-            if trainer is not None:  # the workers are done: the trainer has everything to take
-                await trainer.finish(a.timeout / 2)
+            out = await faults.run_load(self.srv, self.root, self.name, self.reqs, a.workers,
+                                        lambda ctx: FAULTS[self.name](self, ctx["fleet"]), at=a.at,
+                                        timeout_s=a.timeout, speed=a.speed, worker_urls=self.urls or None,
+                                        worker_env=worker_env, worker_prefix=self.prefix,
+                                        publish=self.trainer.publish if self.trainer else None)
+            if self.trainer is not None:  # the workers are done: the trainer has everything to take
+                await self.trainer.finish(a.timeout / 2)
         finally:
-            if (task := captured.get("all_in_task")) is not None:  # it sees the last result a poll later
+            if (task := self.held.get("all_in_task")) is not None:  # it sees the last result a poll later
                 with contextlib.suppress(Exception, asyncio.TimeoutError):
                     await asyncio.wait_for(task, 5.0)
-            await watch.close()
-        if split:
-            extra["leader_after"] = await _stream_leader(srv.nats_url, wire.STREAM_REQUESTS)
-        if "victim" in captured:
-            out["fenced"] = captured["victim"].counters()["fenced"] - captured["fenced0"]
-        out.update(extra)
-        if trainer is not None:
-            took = faults.analyse(reqs, trainer.taken, [], [])
-            out.update(trainer=trainer.outcome, taken=len(trainer.taken),
+            await self.watch.close()
+        return out
+
+    async def check(self, out: dict) -> None:
+        """Into `out`: the fault's figures; what the trainer took; the fencing checks over what the
+        streams and the store recorded (takeovers, the whole history: benchmarks/history.py)."""
+        step, held = self.step, self.held
+        if self.split:
+            self.extra["leader_after"] = await _stream_leader(self.srv.nats_url, wire.STREAM_REQUESTS)
+        if "victim" in held:
+            out["fenced"] = held["victim"].counters()["fenced"] - held["fenced0"]
+        out.update(self.extra)
+        if self.trainer is not None:
+            took = faults.analyse(self.reqs, self.trainer.taken, [], [])
+            out.update(trainer=self.trainer.outcome, taken=len(self.trainer.taken),
                        **{f"taken_{k}": took[k] for k in ("lost", "duplicated", "mismatched", "wrong_version_tokens")})
-        async with open_clients(srv.nats_url, srv.redis_url, f"rlboost-partitions-{name}") as c:
+        async with open_clients(self.srv.nats_url, self.srv.redis_url, f"rlboost-partitions-{self.name}") as c:
             events = await read_subject(c.js, f"rb.evt.{step}.>", wire.LeaseEvent)
             chunks = await read_chunks(c.js, step)
             results = await read_subject(c.js, wire.result_subject(step), wire.RolloutResult)
             # The fencing invariants over the whole history (benchmarks/history.py): no worker is
             # SIGKILLed here, so every checkpoint token must be explained by a recorded write.
-            by_id = {q.request_id: q for q in reqs}
+            by_id = {q.request_id: q for q in self.reqs}
             pool = PoolClient(c, faults.POOL)
-            out.update(await history.check_run(hist_dir, c.store, results, strict=True, rids=list(by_id),
+            out.update(await history.check_run(self.root / self.name / "history", c.store, results, strict=True,
+                                               rids=list(by_id),
                                                verify=lambda r: pool.verify_result(step, r, by_id[r.request_id])))
         out["writes_after_takeover"] = writes_after_takeover(events, chunks)
-        if "victim" in extra:
-            out["taken_over"] = taken_over(events, extra["victim"])
-        if "isolated" in captured:  # what the isolated side held that the majority finished, and refused writes
-            out["taken_over"] = sum(taken_over(events, w.worker_id) for w in captured["isolated"])
-            out["fenced"] = sum(w.counters()["fenced"] for w in captured["isolated"]) - captured["fenced0"]
+        if "victim" in self.extra:
+            out["taken_over"] = taken_over(events, self.extra["victim"])
+        if "isolated" in held:  # what the isolated side held that the majority finished, and refused writes
+            out["taken_over"] = sum(taken_over(events, w.worker_id) for w in held["isolated"])
+            out["fenced"] = sum(w.counters()["fenced"] for w in held["isolated"]) - held["fenced0"]
+
+
+# Each scenario's fault: called with the worker fleet once `--at` of the step's results are in.
+FAULTS: dict[str, Callable[[Partition, WorkerFleet], Awaitable[None]]] = {
+    "redis_cut": lambda p, fleet: p.one_worker_fault(fleet, Relay.cut, Relay.restore, p.a.cut_s),
+    "redis_slow": lambda p, fleet: p.one_worker_fault(fleet, lambda r: r.set_latency(p.a.slow_s, p.a.slow_s / 8),
+                                                      lambda r: r.set_latency(0.0, 0.0), p.a.slow_for_s),
+    "redis_half_open": lambda p, fleet: p.one_worker_fault(fleet, lambda r: r.half_open(new_too=True), Relay.restore,
+                                                           p.a.cut_s),
+    "all_unreachable": Partition.all_unreachable,
+    "nats_cut": lambda p, fleet: p.one_worker_fault(fleet, Relay.cut, Relay.restore, p.a.cut_s, link=0),
+    # the connection dies and new ones work: resumed = how soon the worker notices it (its pings)
+    # and reconnects, from the moment it went dead
+    "nats_half_open": lambda p, fleet: p.one_worker_fault(fleet, Relay.half_open, lambda r: None, 0.0, link=0),
+    "trainer_nats_cut": lambda p, fleet: p.trainer_fault(Relay.cut, p.a.cut_s),
+    "trainer_nats_half_open": lambda p, fleet: p.trainer_fault(Relay.half_open, 0.0),
+    "nats_node_isolated": Partition.node_isolated,
+    # the worker's other link stays up; the harness's own links too
+    "netns_redis_cut": lambda p, fleet: p.one_worker_fault(fleet, netns.Link.cut, netns.Link.restore, p.a.cut_s),
+    "netns_nats_cut": lambda p, fleet: p.one_worker_fault(fleet, netns.Link.cut, netns.Link.restore, p.a.cut_s,
+                                                          link=0),
+    "netns_flap": lambda p, fleet: p.one_link_flapped(fleet, link=0 if p.a.flap_link == "nats" else 1),
+}
+
+
+async def run_partition(name: str, a: argparse.Namespace, root: Path) -> dict:
+    """One scenario on fresh servers: its row of figures (`clean` judges it)."""
+    p = Partition(name, a, root)
+    try:
+        await p.setup()
+        out = await p.run()
+        await p.check(out)
         return out
     finally:
-        if not real:  # veth pairs go with their namespaces (srv.close())
-            for n, r in links.values():
-                n.close()
-                r.close()
-        if trainer_relay is not None:
-            trainer_relay.close()
-        srv.close()
+        p.close()
 
 
 def clean(out: dict, a: argparse.Namespace) -> bool:
@@ -602,7 +635,31 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep the servers' data dirs and worker logs")
+    report.add_out(p)
     return p
+
+
+def _print_row(name: str, out: dict) -> None:
+    more = (f" cpu max {out['cpu_pct_max']}% resumed max {out['resumed_s_max']} s"
+            if name == "all_unreachable" else
+            f" isolated {out.get('isolated_node')} ({','.join(out.get('isolated_workers', []))}) cpu max "
+            f"{out.get('cpu_pct_max')}% results during cut {out.get('results_during_cut')} resumed "
+            f"{out.get('isolated_resumed_s')} all in {out.get('all_in_s')} s leader during cut "
+            f"{out.get('leader_during_cut')} (in {out.get('failover_s')} s) after {out.get('leader_after')} "
+            f"taken over {out.get('taken_over')} fenced {out.get('fenced')}"
+            if name == "nats_node_isolated" else
+            f" taken {out['taken']} (lost {out['taken_lost']} dup {out['taken_duplicated']} mismatched "
+            f"{out['taken_mismatched']} wrong-version {out['taken_wrong_version_tokens']}) published during "
+            f"the cut {out.get('results_during_cut')} trainer {out['trainer']}"
+            if name in TRAINER_SCENARIOS else
+            f" victim resumed {out.get('victim_resumed_s')} s taken over {out.get('taken_over')} fenced "
+            f"{out.get('fenced')}")
+    print(f"{name:<16} requests {out['requests']} lost {out['lost']} dup {out['duplicated']} mismatched "
+          f"{out['mismatched']} wrong-version {out['wrong_version_tokens']} stale "
+          f"{out['stale_writes_accepted']} after-takeover {out['writes_after_takeover']} history "
+          f"{out['history_violations']} ({out['history_ops']} ops) regenerated "
+          f"{out['regenerated_tokens']} recovery {out['recovery_s']} s{more}  -> "
+          f"{'OK' if out['ok'] else 'VIOLATED'}", flush=True)
 
 
 def main(argv: list[str], s: Settings) -> int:
@@ -617,29 +674,9 @@ def main(argv: list[str], s: Settings) -> int:
             out = asyncio.run(run_partition(name, a, root))
             out["ok"] = clean(out, a)
             rows.append(out)
-            more = (f" cpu max {out['cpu_pct_max']}% resumed max {out['resumed_s_max']} s"
-                    if name == "all_unreachable" else
-                    f" isolated {out.get('isolated_node')} ({','.join(out.get('isolated_workers', []))}) cpu max "
-                    f"{out.get('cpu_pct_max')}% results during cut {out.get('results_during_cut')} resumed "
-                    f"{out.get('isolated_resumed_s')} all in {out.get('all_in_s')} s leader during cut "
-                    f"{out.get('leader_during_cut')} (in {out.get('failover_s')} s) after {out.get('leader_after')} "
-                    f"taken over {out.get('taken_over')} fenced {out.get('fenced')}"
-                    if name == "nats_node_isolated" else
-                    f" taken {out['taken']} (lost {out['taken_lost']} dup {out['taken_duplicated']} mismatched "
-                    f"{out['taken_mismatched']} wrong-version {out['taken_wrong_version_tokens']}) published during "
-                    f"the cut {out.get('results_during_cut')} trainer {out['trainer']}"
-                    if name in TRAINER_SCENARIOS else
-                    f" victim resumed {out.get('victim_resumed_s')} s taken over {out.get('taken_over')} fenced "
-                    f"{out.get('fenced')}")
-            print(f"{name:<16} requests {out['requests']} lost {out['lost']} dup {out['duplicated']} mismatched "
-                  f"{out['mismatched']} wrong-version {out['wrong_version_tokens']} stale "
-                  f"{out['stale_writes_accepted']} after-takeover {out['writes_after_takeover']} history "
-                  f"{out['history_violations']} ({out['history_ops']} ops) regenerated "
-                  f"{out['regenerated_tokens']} recovery {out['recovery_s']} s{more}  -> "
-                  f"{'OK' if out['ok'] else 'VIOLATED'}", flush=True)
+            _print_row(name, out)
     finally:
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
     ok = all(r["ok"] for r in rows)
-    print_result({"ok": ok, "scenarios": rows})
-    return 0 if ok else 1
+    return report.finish("partitions", {"ok": ok, "scenarios": rows}, report.out_dir(a), ok=ok)

@@ -264,9 +264,9 @@ async def _wait_registered(c, n: int, timeout_s: float) -> float:
 
 async def one_size(a: argparse.Namespace, n: int, preempt: bool, nats_url: str, redis_url: str,
                    monitor_port: int, pids: dict[str, int], workdir: Path) -> dict[str, Any]:
+    """One fleet size on its own servers: the idle, load and drain phases, then their figures."""
     from rlboost import wire
     from rlboost.clients import open_clients
-    from rlboost.pool_client import PoolClient
 
     rate = a.total_rate / n if a.total_rate else a.rate
     hosts = a.hosts or max(2, min(8, math.ceil(n / 64)))
@@ -276,10 +276,10 @@ async def one_size(a: argparse.Namespace, n: int, preempt: bool, nats_url: str, 
     fleet.rate = rate
     out: dict[str, Any] = {"workers": n, "hosts": hosts, "rate_per_worker": round(rate, 2), "slots": a.slots,
                            "chunk": a.chunk, "tokens_per_request": a.tokens}
+    got: dict[str, list] = {}  # request id -> its results, as they arrive
+    arrived: dict[str, float] = {}  # request id -> when its first result did (wall clock)
     async with open_clients(nats_url, redis_url, "rlboost-bench-scale", pools=(POOL,)) as c:
         probe = Probe(monitor_port, redis_url, pids, fleet)
-        got: dict[str, list] = {}
-        arrived: dict[str, float] = {}
         sub = await c.js.subscribe(wire.result_subject(STEP), ordered_consumer=True)
 
         async def collect() -> None:
@@ -290,72 +290,93 @@ async def one_size(a: argparse.Namespace, n: int, preempt: bool, nats_url: str, 
 
         collector = asyncio.create_task(collect())
         try:
-            t_start = time.monotonic()
-            for _ in range(n):
-                fleet.start()
-            out["startup_s"] = round(await _wait_registered(c, n, a.startup_timeout + n * 0.5), 1)
-            await asyncio.sleep(2.0)  # every worker past its first heartbeat and pull
-            # -- idle
-            s0 = probe.snap()
-            await asyncio.sleep(a.idle)
-            s1 = probe.snap()
-            idle = delta(s0, s1)
-            # -- load
-            per_req = a.tokens
-            m = max(n * a.slots, math.ceil(n * rate * (a.warmup + a.seconds) * 1.1 / per_req))
-            reqs = _requests(m, a.tokens, f"scale{n}")
-            t_pub, t_pub_wall = time.monotonic(), time.time()
-            await PoolClient(c, POOL).publish_step(reqs)
-            out["publish_s"] = round(time.monotonic() - t_pub, 2)
-            await asyncio.sleep(max(0.0, a.warmup - (time.monotonic() - t_pub)))
-            s2 = probe.snap()
-            w0 = time.time()
-            done0 = len(got)
-            await asyncio.sleep(a.seconds)
-            s3 = probe.snap()
-            w1 = time.time()
-            load = delta(s2, s3)
-            done1 = len(got)
-            # -- preemption / drain
-            pre: dict[str, Any] = {}
-            if preempt:
-                live = fleet.live()
-                victims = random.Random(n).sample(live, round(0.3 * len(live)))
-                t_pre = time.time()
-                for w in victims:
-                    if a.preempt_mode == "kill":  # no notice; not `fleet.kill`, which waits for each
-                        fleet._send(w.host, f"kill {w.worker_id}")
-                        w.fate = "killed"
-                    else:
-                        fleet.terminate(w)
-                pre = {"preempted": len(victims), "mode": a.preempt_mode, "t": t_pre,
-                       "ids": {w.worker_id for w in victims}}
-            # a request takes tokens x slots / rate at the least: the drain waits for twice that
-            deadline = time.monotonic() + max(a.drain_timeout, 2 * a.tokens * a.slots / rate + 30)
-            while len(got) < len(reqs) and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-            out["drain_s"] = round(time.monotonic() - t_pub - a.warmup - a.seconds, 1)
-            out["total_s"] = round(time.monotonic() - t_start, 1)
-            await asyncio.sleep(0.5)  # a duplicate would come now
+            ph = await _phases(a, n, rate, preempt, c, fleet, probe, got, out)
         finally:
             collector.cancel()
             await sub.unsubscribe()
             await asyncio.to_thread(fleet.stop_all, 30.0)
             probe.close()
         generated = sum(w.counters()["generated"] for w in fleet.workers.values())
+    out.update(_figures(a, n, rate, ph, fleet, got, generated))
+    if ph["pre"]:
+        out["preemption"] = _handoff(ph["pre"], fleet.claims(), arrived,
+                                     {rid: rs[0].worker_id for rid, rs in got.items()})
+    # the points of the CPU fit: (tokens, worker-seconds, cpu-s per server) of each phase
+    out["_fit"] = [(0, n * ph["idle"]["s"], ph["idle"]["cpu"]), (ph["load"]["tokens"], n * ph["load"]["s"],
+                                                                   ph["load"]["cpu"])]
+    return out
+
+
+async def _phases(a: argparse.Namespace, n: int, rate: float, preempt: bool, c, fleet: ScaleFleet, probe: Probe,
+                  got: dict[str, list], out: dict[str, Any]) -> dict[str, Any]:
+    """Start the fleet; the idle phase, the load (a backlog published, the window measured), the
+    preemption and the drain. Their timings go into `out`; their snapshots come back."""
+    from rlboost.pool_client import PoolClient
+
+    t_start = time.monotonic()
+    for _ in range(n):
+        fleet.start()
+    out["startup_s"] = round(await _wait_registered(c, n, a.startup_timeout + n * 0.5), 1)
+    await asyncio.sleep(2.0)  # every worker past its first heartbeat and pull
+    # -- idle
+    s0 = probe.snap()
+    await asyncio.sleep(a.idle)
+    s1 = probe.snap()
+    # -- load
+    m = max(n * a.slots, math.ceil(n * rate * (a.warmup + a.seconds) * 1.1 / a.tokens))
+    reqs = _requests(m, a.tokens, f"scale{n}")
+    t_pub, t_pub_wall = time.monotonic(), time.time()
+    await PoolClient(c, POOL).publish_step(reqs)
+    out["publish_s"] = round(time.monotonic() - t_pub, 2)
+    await asyncio.sleep(max(0.0, a.warmup - (time.monotonic() - t_pub)))
+    s2, w0, done0 = probe.snap(), time.time(), len(got)
+    await asyncio.sleep(a.seconds)
+    s3, w1, done1 = probe.snap(), time.time(), len(got)
+    # -- preemption / drain
+    pre = _preempt(a, n, fleet) if preempt else {}
+    # a request takes tokens x slots / rate at the least: the drain waits for twice that
+    deadline = time.monotonic() + max(a.drain_timeout, 2 * a.tokens * a.slots / rate + 30)
+    while len(got) < len(reqs) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    out["drain_s"] = round(time.monotonic() - t_pub - a.warmup - a.seconds, 1)
+    out["total_s"] = round(time.monotonic() - t_start, 1)
+    await asyncio.sleep(0.5)  # a duplicate would come now
+    return {"reqs": reqs, "idle": delta(s0, s1), "load": delta(s2, s3), "rss_idle": s1["rss"], "rss_load": s3["rss"],
+            "top_usec": _top_usec(s2, s3), "t_pub_wall": t_pub_wall, "w0": w0, "w1": w1,
+            "done": done1 - done0, "pre": pre}
+
+
+def _preempt(a: argparse.Namespace, n: int, fleet: ScaleFleet) -> dict[str, Any]:
+    """30% of the live fleet at once: with notice (`term`) or without (`kill`)."""
+    live = fleet.live()
+    victims = random.Random(n).sample(live, round(0.3 * len(live)))
+    t_pre = time.time()
+    for w in victims:
+        if a.preempt_mode == "kill":  # no notice; not `fleet.kill`, which waits for each
+            fleet._send(w.host, f"kill {w.worker_id}")
+            w.fate = "killed"
+        else:
+            fleet.terminate(w)
+    return {"preempted": len(victims), "mode": a.preempt_mode, "t": t_pre, "ids": {w.worker_id for w in victims}}
+
+
+def _figures(a: argparse.Namespace, n: int, rate: float, ph: dict[str, Any], fleet: ScaleFleet,
+             got: dict[str, list], generated: int) -> dict[str, Any]:
+    """One size's figures from its phases' snapshots and the claims its hosts timed."""
+    reqs, idle, load, w0, w1 = ph["reqs"], ph["idle"], ph["load"], ph["w0"], ph["w1"]
     claims = fleet.claims()
-    lags = [row[3] * 1000 for row in fleet.claims(lag=True) if t_pub_wall <= row[2] < w1]
+    lags = [row[3] * 1000 for row in fleet.claims(lag=True) if ph["t_pub_wall"] <= row[2] < w1]
     # every claim from the publish to the window's end: the step's first burst (N x slots at once)
     # and the steady claims of finished requests' successors
-    window = [cl for cl in claims if t_pub_wall <= cl[2] < w1]
+    window = [cl for cl in claims if ph["t_pub_wall"] <= cl[2] < w1]
     steady = [cl for cl in window if cl[2] >= w0]  # the window's own: no first burst
     secs = load["s"]
     tokens = max(1, load["tokens"])
-    rss_idle, rss_load = s1["rss"], s3["rss"]
+    rss_idle, rss_load = ph["rss_idle"], ph["rss_load"]
     in_flight = n * a.slots
-    out.update({
+    out = {
         "requests": len(reqs),
-        "requests_per_s": round((done1 - done0) / secs, 1),
+        "requests_per_s": round(ph["done"] / secs, 1),
         "tokens_per_s": round(load["tokens"] / secs),
         "target_tokens_per_s": round(n * rate),
         "claim_p50_ms": percentile([cl[3] * 1000 for cl in window], 0.5),
@@ -364,7 +385,7 @@ async def one_size(a: argparse.Namespace, n: int, preempt: bool, nats_url: str, 
         "claim_steady_p50_ms": percentile([cl[3] * 1000 for cl in steady], 0.5),
         "claim_steady_p99_ms": percentile([cl[3] * 1000 for cl in steady], 0.99),
         "host_loop_lag_p50_ms": percentile(lags, 0.5), "host_loop_lag_p99_ms": percentile(lags, 0.99),
-        "redis_usec_per_call": {k: round(v["usec"] / max(1, v["calls"]), 1) for k, v in _top_usec(s2, s3).items()},
+        "redis_usec_per_call": {k: round(v["usec"] / max(1, v["calls"]), 1) for k, v in ph["top_usec"].items()},
         "nats_msgs_per_token": round(load["msgs"] / tokens, 3),
         "nats_bytes_per_token": round(load["bytes"] / tokens, 1),
         "redis_cmds_per_token": round(sum(load["cmds"].values()) / tokens, 3),
@@ -382,15 +403,11 @@ async def one_size(a: argparse.Namespace, n: int, preempt: bool, nats_url: str, 
                                          for k in ("nats-server", "redis-server", "hosts")}},
         "generated_tokens": generated,
         "result_tokens": sum(len(rs[0].token_ids) for rs in got.values()),
-    })
+    }
     # generated and never in a result: regenerated (only once every request is in; until then the
     # unfinished requests' tokens count too)
     out["regenerated_tokens"] = out["generated_tokens"] - out["result_tokens"] if len(got) >= len(reqs) else None
     out.update(check_results(reqs, got))
-    if pre:
-        out["preemption"] = _handoff(pre, claims, arrived, {rid: rs[0].worker_id for rid, rs in got.items()})
-    # the points of the CPU fit: (tokens, worker-seconds, cpu-s per server) of each phase
-    out["_fit"] = [(0, n * idle["s"], idle["cpu"]), (load["tokens"], n * secs, load["cpu"])]
     return out
 
 

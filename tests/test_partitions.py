@@ -46,6 +46,13 @@ def test_the_takeover_check_catches_an_old_lease_writing_past_the_new_ones_start
     assert partitions.taken_over(events, "a") == 1 and partitions.taken_over(events, "b") == 0
 
 
+def test_every_scenario_has_its_fault_and_an_unknown_one_is_refused_before_any_server_starts(tmp_path):
+    assert set(partitions.FAULTS) == set(partitions.SCENARIOS + partitions.NETNS_SCENARIOS)
+    with pytest.raises(ValueError, match="unknown scenario 'redis_cutt'"):
+        asyncio.run(partitions.run_partition("redis_cutt", _args(), tmp_path))
+    assert not any(tmp_path.iterdir()), "servers were started for a scenario that does not exist"
+
+
 @pytest.mark.slow
 def test_a_worker_cut_off_from_redis_with_nats_up_loses_nothing_and_comes_back(tmp_path):
     out = asyncio.run(partitions.run_partition("redis_cut", _args(requests=120, cut_s=6.0, timeout=60.0), tmp_path))
