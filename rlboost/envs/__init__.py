@@ -31,7 +31,10 @@ BUILTIN_ENVS = {
 # `--env SCHEME:TARGET`: another library's environment, loaded by `fn(TARGET, **options)`. A scheme
 # is checked before `module:fn` (a module named `verifiers` would otherwise be imported and asked
 # for a function named TARGET).
-SCHEMES: dict[str, str] = {}
+SCHEMES: dict[str, str] = {
+    "verifiers": "rlboost.envs.verifiers_env:load",
+    "openenv": "rlboost.envs.openenv_env:load",
+}
 
 
 def load_env(ref: str, **options: Any) -> Environment:
