@@ -73,7 +73,7 @@ def cmd_status(args: argparse.Namespace, s: Settings) -> int:
 # The CLI is the composition root: it finds benchmarks and commands of every package by
 # module name. The core modules of rlboost/ never import workers/ or trainer/, and no product
 # module imports the benchmarks wing (tests/test_imports.py).
-BENCH_PACKAGES = ("benchmarks",)
+BENCH_PACKAGES = ("rlboost.benchmarks",)
 
 
 def cmd_bench(args: argparse.Namespace, s: Settings) -> int:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 
 from rlboost import cli
 
 
 def _rlboost(*args: str) -> subprocess.CompletedProcess:
-    """In a process of its own: the CLI configures logging globally (onto its stderr)."""
-    return subprocess.run([sys.executable, "-m", "rlboost.cli", *args], capture_output=True, text=True, timeout=60)
+    """In a process of its own (the CLI configures logging globally, onto its stderr), run from
+    outside the checkout as a user runs it: the repository's folders are not importable from
+    there under their folder names, only as installed (`rlboost.benchmarks`, ...)."""
+    return subprocess.run([sys.executable, "-m", "rlboost.cli", *args], capture_output=True, text=True, timeout=60,
+                          cwd=tempfile.gettempdir())
 
 
 def test_bench_help_lists_runnable_benchmarks():
