@@ -122,6 +122,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # hold no generation slot: the engine takes other requests meanwhile (0: each holds its slot)
     fetch_batch: int = 16  # fresh requests per pull: small pulls interleave between workers, so a
     # step spreads over the pool instead of filling whichever worker asked first (0 = all free slots)
+    idle_pull_s: float = 2.0  # a lane that came back empty waits this long for its next request (one
+    # at a time, returned on arrival) instead of polling every 0.25 / 0.5 s: an idle worker's pulls
+    # were ~16 of its ~23 NATS messages a second (docs/benchmarks/scale.md)
     checkpoint_tokens: int = 16  # K: checkpoint + publish every K tokens ...
     checkpoint_ms: float = 250.0  # ... or every T ms, whichever first
     lease_ttl_s: float = 8.0  # < ack_wait, so a redelivered request's lease has expired
@@ -156,6 +159,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _check(self.lease_ttl_s < self.ack_wait_s, "worker.lease_ttl_s",
                f"{self.lease_ttl_s} must be < worker.ack_wait_s ({self.ack_wait_s})")
         _check(self.slots > 0, "worker.slots", "must be > 0")
+        _check(self.idle_pull_s >= 0, "worker.idle_pull_s", "must be >= 0 (0 = poll at the lanes' lingers)")
         _check(self.checkpoint_tokens > 0, "worker.checkpoint_tokens", "must be > 0")
         _check(self.parked_episodes >= 0, "worker.parked_episodes", "must be >= 0")
 
@@ -491,6 +495,27 @@ class EndpointSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         _check(self.request_timeout_s > 0, "endpoint.request_timeout_s", "must be > 0")
 
 
+class HarnessSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`rlboost run --harness CMD`: an agent harness of the user's own, one process per session,
+    trained through the run's OpenAI-compatible endpoint (rlboost.trainer.harness_task,
+    docs/guides/agent-harnesses.md). Each process gets OPENAI_BASE_URL, OPENAI_API_KEY (its
+    session's key), RLBOOST_SESSION and its row as JSON in RLBOOST_TASK."""
+
+    command: str = ""  # the harness's command line (run by the shell, in the run's working directory); "" = no harness
+    concurrency: int = 0  # harness processes running at once; 0 = every session of a step at once (prompts x samples)
+    session_timeout_s: float = 600.0  # a harness process running longer is killed: its session is lost (harness_lost)
+    kill_grace_s: float = 5.0  # SIGTERM, then this long, then SIGKILL (the process group)
+    host: str = "127.0.0.1"  # where the run's endpoint binds (loopback: the harnesses run on this machine)
+    port: int = 0  # 0 = a free port
+    eval: bool = True  # the held-out rows are evaluated by the harness too (RLBOOST_EVAL=1: it may sample greedily)
+
+    def __post_init__(self) -> None:
+        _check(self.concurrency >= 0, "harness.concurrency", "must be >= 0 (0 = every session at once)")
+        _check(self.session_timeout_s > 0, "harness.session_timeout_s", "must be > 0")
+        _check(self.kill_grace_s >= 0, "harness.kill_grace_s", "must be >= 0")
+        _check(0 <= self.port <= 65535, "harness.port", "must be in [0, 65535]")
+
+
 class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Episodes: which environment a run's requests play in (`rlboost run --env`), and the
     bounds every episode keeps (docs/concepts/environments.md)."""
@@ -564,6 +589,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weights: WeightsSettings = msgspec.field(default_factory=WeightsSettings)
     env: EnvSettings = msgspec.field(default_factory=EnvSettings)
     endpoint: EndpointSettings = msgspec.field(default_factory=EndpointSettings)
+    harness: HarnessSettings = msgspec.field(default_factory=HarnessSettings)
     fleet: FleetSettings = msgspec.field(default_factory=FleetSettings)
     log_json: bool = False
     log_level: str = "info"

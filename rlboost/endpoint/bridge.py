@@ -18,6 +18,7 @@ import hashlib
 import json
 import secrets
 import time
+from dataclasses import dataclass, field
 
 from rlboost import bus, wire
 from rlboost.clients import Clients
@@ -25,6 +26,34 @@ from rlboost.config import EndpointSettings
 from rlboost.endpoint.errors import EndpointError, bad
 from rlboost.endpoint.parse import ChatCall
 from rlboost.pool_client import PoolClient
+
+
+@dataclass
+class Binding:
+    """A session a training run made for one harness process (`rlboost run --harness`,
+    rlboost.trainer.harness_task): its calls are requests of the run's step `step`, in GRPO group
+    `group`, generated under `version` (not the latest pointer: the step's own version, as a
+    native request is), named `<run>-s<step>-p<group>-g<n>` with n counting the session's
+    choices. `recorded`: the requests of its answered calls, in order, for the run to collect."""
+
+    session: str
+    step: int
+    group: int
+    version: int
+    run: str
+    key: str = ""  # the session's API key (OpenAIEndpoint.bind)
+    next_sample: int = 0
+    idem: dict[str, int] = field(default_factory=dict)  # Idempotency-Key digest -> the call's first sample
+    recorded: list[wire.RolloutRequest] = field(default_factory=list)
+
+    def samples(self, n: int, digest: str | None) -> int:
+        """The first sample number of a call of `n` choices (the same for a retried key)."""
+        if digest is not None and digest in self.idem:
+            return self.idem[digest]
+        first, self.next_sample = self.next_sample, self.next_sample + n
+        if digest is not None:
+            self.idem[digest] = first
+        return first
 
 
 def choice_seed(seed: int | None, choice: int) -> int:
@@ -39,9 +68,12 @@ def choice_seed(seed: int | None, choice: int) -> int:
 class Dataflow:
     """Requests out, verified results back, for one endpoint (`run_id`) on `cfg.pool` at `cfg.step`."""
 
-    def __init__(self, clients: Clients, cfg: EndpointSettings, run_id: str, log) -> None:
+    def __init__(self, clients: Clients, cfg: EndpointSettings, run_id: str, log, all_steps: bool = False) -> None:
+        """`all_steps`: follow the results of every step (a run's endpoint, whose bound sessions'
+        calls are requests of the run's steps), not `cfg.step`'s alone."""
         self.c, self.cfg, self.run_id, self.log = clients, cfg, run_id, log
         self.step = cfg.step
+        self.all_steps = all_steps
         self.manager = PoolClient(clients, cfg.pool)
         self._pending: dict[str, tuple[wire.RolloutRequest, asyncio.Future]] = {}
         self._calls = 0
@@ -76,13 +108,12 @@ class Dataflow:
             return 0
 
     def requests(self, session: str, call: ChatCall, prompt_ids: list[int], stops: list[int], version: int,
-                 idem: str | None) -> tuple[str, list[wire.RolloutRequest]]:
+                 idem: str | None, binding: Binding | None = None) -> tuple[str, list[wire.RolloutRequest]]:
         """The call's id and one request per choice. With an Idempotency-Key the ids follow from
         the key, session and call (the same in any life of the endpoint), else from this life's
-        run id and call count."""
-        k = self._calls
-        self._calls += 1
-        run, group, seed = self.run_id, k, call.seed
+        run id and call count; a bound session's from its step, group and choice count."""
+        run, step, group, seed, first = self.run_id, self.step, self._calls, call.seed, 0
+        digest = None
         if idem is not None:
             if not 0 < len(idem) <= 256:
                 raise bad("the Idempotency-Key header must be 1-256 characters")
@@ -91,16 +122,25 @@ class Dataflow:
                 separators=(",", ":")).encode()).hexdigest()
             run, group = "i" + digest[:24], 0
             seed = call.seed if call.seed is not None else int(digest[24:40], 16)
+        if binding is not None:
+            run, step, group = binding.run, binding.step, binding.group
+            first = binding.samples(call.n, digest)
+            if seed is None:  # a session's choices are seeded like a native request's: fresh, once each
+                seed = secrets.randbits(62)
+        else:
+            self._calls += 1
         reqs = [wire.RolloutRequest(
-            request_id=wire.request_id(self.step, group, i, run=run), step=self.step, policy_version=version,
+            request_id=wire.request_id(step, group, first + i, run=run), step=step, policy_version=version,
             prompt_ids=prompt_ids, max_new_tokens=call.max_tokens, seed=choice_seed(seed, i),
             sampling=wire.SamplingParams(temperature=call.temperature, top_p=call.top_p),
             eos_id=stops[0] if stops else -1, stop_ids=stops, group=group) for i in range(call.n)]
-        return f"chatcmpl-{run}-{group}", reqs
+        return f"chatcmpl-{run}-{group}" + (f"-{first}" if binding is not None else ""), reqs
 
-    async def results(self, reqs: list[wire.RolloutRequest], retried: bool) -> list[wire.RolloutResult]:
+    async def results(self, reqs: list[wire.RolloutRequest], retried: bool,
+                      bound: bool = False) -> list[wire.RolloutResult]:
         """The requests' verified results, in order: published (a `retried` call's finished ones
-        read back from their checkpoints instead), then waited for up to `request_timeout_s`."""
+        read back from their checkpoints instead), then waited for up to `request_timeout_s`.
+        `bound`: a bound session's (`_publish_bound`)."""
         finished: dict[str, wire.RolloutResult] = {}
         if retried:
             for r in reqs:
@@ -122,7 +162,9 @@ class Dataflow:
                 mine.append(r)
             futs.append(fut)
         try:
-            if mine:
+            if mine and bound:
+                await self._publish_bound(mine)
+            elif mine:
                 await self.manager.publish_step(mine, deadline_s=30.0, republish=retried)
             try:
                 return await asyncio.wait_for(asyncio.gather(*futs), self.cfg.request_timeout_s)
@@ -135,6 +177,25 @@ class Dataflow:
         finally:
             for r in mine:
                 self._pending.pop(r.request_id, None)
+
+    async def _publish_bound(self, reqs: list[wire.RolloutRequest]) -> None:
+        """A bound session's requests, on the pool's queue under a message id of their own
+        (`<request id>.endpoint`): the run's orchestrator publishes the same requests again when
+        it collects the step (its `publish_step` refuses an id the queue's de-duplication window
+        holds). That second message finds the checkpoint finished, and the worker that takes it
+        publishes the result again (the results stream drops the copy) and acks it."""
+        subject = wire.request_subject(self.cfg.pool)
+        now = time.time()
+        msgs: list[bus.Outgoing] = [(subject, wire.encode(r), {wire.HDR_MSG_ID: f"{r.request_id}.endpoint"})
+                                    for r in reqs]
+        msgs += [(wire.event_subject(r.step, r.request_id),
+                  wire.encode(wire.LeaseEvent(request_id=r.request_id, step=r.step, worker_id="endpoint", epoch=0,
+                                              kind="publish", offset=0, ts=now, detail=subject)),
+                  {wire.HDR_MSG_ID: wire.event_msg_id(r.request_id, "publish", 0, 0)}) for r in reqs]
+        outcomes = await bus.publish_batch(self.c.js, msgs, ack_timeout_s=5.0, deadline_s=30.0)
+        missing = [r.request_id for r, out in zip(reqs, outcomes[:len(reqs)], strict=True) if not out.ok]
+        if missing:
+            raise bus.PublishFailed("requests", missing, f"no ack within 30 s: {outcomes[0].error}")
 
     async def _finished(self, req: wire.RolloutRequest) -> wire.RolloutResult | None:
         """A retried call's request whose checkpoint is finished: its result, read back from the
@@ -161,8 +222,9 @@ class Dataflow:
     async def _subscribe(self, start_seq: int):
         from nats.js.api import ConsumerConfig, DeliverPolicy
 
+        subject = "rb.res.*" if self.all_steps else wire.result_subject(self.step)
         return await self.c.js.subscribe(
-            wire.result_subject(self.step), stream=wire.STREAM_RESULTS, ordered_consumer=True,
+            subject, stream=wire.STREAM_RESULTS, ordered_consumer=True,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq))
 
     async def _follow(self) -> None:
@@ -220,7 +282,7 @@ class Dataflow:
         answer (a restart, a failover); None if it never did."""
         for attempt in range(6):
             try:
-                return await self.manager.verify_result(self.step, r, req)
+                return await self.manager.verify_result(req.step, r, req)
             except Exception as e:
                 self.log.warning("cannot verify a result yet", request_id=r.request_id, error=str(e), attempt=attempt)
                 await asyncio.sleep(0.25 * 2 ** attempt)

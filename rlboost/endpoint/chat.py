@@ -14,7 +14,7 @@ from typing import Any
 
 from rlboost import metrics, wire
 from rlboost.config import EndpointSettings
-from rlboost.endpoint.bridge import Dataflow
+from rlboost.endpoint.bridge import Binding, Dataflow
 from rlboost.endpoint.errors import EndpointError, bad
 from rlboost.endpoint.parse import ChatCall, parse_call, parse_reward, session_id
 from rlboost.endpoint.sessions import RECORD_VERSION, SessionBook, conversation_digest
@@ -32,6 +32,7 @@ class Prepared:
     stops: list[int]
     extends: dict | None
     idem: str | None
+    binding: Binding | None = None  # a session a training run made (`OpenAIEndpoint.bind`)
 
 
 class Chats:
@@ -44,6 +45,7 @@ class Chats:
         self.max_context = max_context
         self.dataflow, self.sessions, self.run_dir, self.log = dataflow, sessions, run_dir, log
         self.inflight = 0
+        self.bindings: dict[str, Binding] = {}  # session -> what a training run bound it to
 
     async def chat(self, body: Any, headers: dict[str, str]) -> dict:
         """One chat-completions call: the OpenAI response, or EndpointError."""
@@ -68,14 +70,15 @@ class Chats:
         if self.inflight >= self.cfg.max_inflight:
             raise EndpointError(f"{self.inflight} calls are waiting already (endpoint.max_inflight); retry later",
                                 429, kind="rate_limit_error")
-        return Prepared(session, call, prompt_ids, stops, extends, headers.get("idempotency-key"))
+        return Prepared(session, call, prompt_ids, stops, extends, headers.get("idempotency-key"),
+                        self.bindings.get(session))
 
     async def answer(self, p: Prepared) -> dict:
         """A prepared call generated, recorded and answered (the whole response)."""
         self.inflight += 1
         metrics.ENDPOINT_INFLIGHT.set(self.inflight)
         try:
-            return await self._generate(p.session, p.call, p.prompt_ids, p.stops, p.extends, p.idem)
+            return await self._generate(p.session, p.call, p.prompt_ids, p.stops, p.extends, p.idem, p.binding)
         finally:
             self.inflight -= 1
             metrics.ENDPOINT_INFLIGHT.set(self.inflight)
@@ -122,12 +125,12 @@ class Chats:
         return self.fmt.prompt_ids(msgs, call.tools), None
 
     async def _generate(self, session: str, call: ChatCall, prompt_ids: list[int], stops: list[int],
-                        extends: dict | None, idem: str | None = None) -> dict:
-        version = await self.dataflow.policy_version()
-        call_id, reqs = self.dataflow.requests(session, call, prompt_ids, stops, version, idem)
+                        extends: dict | None, idem: str | None = None, binding: Binding | None = None) -> dict:
+        version = binding.version if binding is not None else await self.dataflow.policy_version()
+        call_id, reqs = self.dataflow.requests(session, call, prompt_ids, stops, version, idem, binding)
         log = self.log.bind(session=session, call=call_id, request_id=reqs[0].request_id, policy_version=version)
         t0 = time.monotonic()
-        results = await self.dataflow.results(reqs, retried=idem is not None)
+        results = await self.dataflow.results(reqs, retried=idem is not None, bound=binding is not None)
         async with self.sessions.lock(session):  # turns are numbered and written in the order calls finish
             state = self.sessions.state(session)
             turn, written = state.turn_for(reqs[0].request_id)  # a retry of a call answered (and recorded) already
@@ -140,6 +143,8 @@ class Chats:
             for rec in records:
                 rec.update(call_id=call_id, ts=now, session=session, turn=turn, extends=extends)
             await self.sessions.record_turn(session, state, turn, records, written)
+            if binding is not None and not written:  # what the run trains: the calls the engine served
+                binding.recorded += [q for q, r in zip(reqs, results, strict=True) if r.finish_reason != "error"]
         log.info("answered", turn=turn, choices=len(choices), seconds=round(time.monotonic() - t0, 3),
                  tokens=sum(len(r.token_ids) for r in results))
         errors = [r.error for r in results if r.finish_reason == "error"]

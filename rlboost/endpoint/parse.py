@@ -198,6 +198,12 @@ def parse_call(body: Any, cfg: EndpointSettings) -> ChatCall:
                     include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
 
 
+def check_session(session: str) -> str:
+    if not isinstance(session, str) or not NAME.fullmatch(session):
+        raise bad(f"a session id is 1-128 of [A-Za-z0-9_-], got {str(session)[:64]!r}")
+    return session
+
+
 def session_id(headers: dict[str, str], body: Any) -> str:
     """The episode a call belongs to: the X-Session-Id (or X-Episode-Id) header, else the body's
     `user` (hashed when it is not a plain id), else `default`."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import secrets
 import time
 from pathlib import Path
 
@@ -24,8 +25,8 @@ from aiohttp import web
 from rlboost import metrics, wire
 from rlboost.clients import Clients
 from rlboost.config import EndpointSettings
-from rlboost.endpoint import stream
-from rlboost.endpoint.bridge import Dataflow
+from rlboost.endpoint import parse, stream
+from rlboost.endpoint.bridge import Binding, Dataflow
 from rlboost.endpoint.chat import Chats
 from rlboost.endpoint.errors import EndpointError, bad
 from rlboost.endpoint.sessions import SessionBook
@@ -36,6 +37,7 @@ from rlboost.webserver import loopback, start_app
 IDLE_TIMEOUT_S = 120.0  # a keep-alive connection with nothing to say for this long is closed (and a body this slow)
 MAX_CONNECTIONS = 1024  # open HTTP connections; a client past it is answered 503
 CHAT_ROUTE = "/v1/chat/completions"
+PINNED = "rlboost_session"  # a request made with a bound session's key: that session
 
 
 def _json(status: int, payload: dict, close: bool = False) -> web.Response:
@@ -50,17 +52,38 @@ class OpenAIEndpoint:
     """The server. `start()` binds and begins following results; `close()` stops both."""
 
     def __init__(self, clients: Clients, cfg: EndpointSettings, tokenizer, stop_ids: list[int], run_dir: str | Path,
-                 *, token: str = "", max_context: int = 0, fmt: ChatFormat | None = None) -> None:
+                 *, token: str = "", max_context: int = 0, fmt: ChatFormat | None = None,
+                 bindable: bool = False) -> None:
+        """`bindable`: a training run's endpoint (`bind`): it follows the results of every step."""
         self.cfg, self.token = cfg, token
         self.run_dir = Path(run_dir)
         self.run_id = wire.new_run_id()  # request ids of this life never collide with an earlier one's
         self.log = get_logger(component="endpoint", run_id=self.run_id, pool=cfg.pool)
-        self.dataflow = Dataflow(clients, cfg, self.run_id, self.log)
+        self.dataflow = Dataflow(clients, cfg, self.run_id, self.log, all_steps=bindable)
         self.fmt = fmt or chat_format(tokenizer)
         self.chats = Chats(cfg, tokenizer, self.fmt, stop_ids, max_context, self.dataflow, SessionBook(self.run_dir),
                            self.run_dir, self.log)
         self._runner: web.AppRunner | None = None
         self.address: tuple[str, int] = ("", 0)
+        self._keys: dict[str, str] = {}  # a bound session's API key -> the session
+
+    def bind(self, session: str, *, step: int, group: int, version: int, run: str) -> Binding:
+        """A session for one harness process of a training run: its calls become requests of
+        step `step`, group `group`, under `version` (bridge.Binding). Its key (`Binding.key`, the
+        process's OPENAI_API_KEY) is accepted like the endpoint's token, and pins every call made
+        with it to this session: the process needs no session header, and cannot speak for
+        (or report the reward of) another session."""
+        parse.check_session(session)
+        b = Binding(session=session, step=step, group=group, version=version, run=wire.check_name("run", run),
+                    key="rb-" + secrets.token_urlsafe(24))
+        self.chats.bindings[session] = b
+        self._keys[b.key] = session
+        return b
+
+    def unbind(self, session: str) -> None:
+        b = self.chats.bindings.pop(session, None)
+        if b is not None:
+            self._keys.pop(b.key, None)
 
     async def start(self) -> tuple[str, int]:
         if not self.token and not loopback(self.cfg.host):
@@ -102,6 +125,12 @@ class OpenAIEndpoint:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         headers = {k.lower(): v for k, v in request.headers.items()}
+        if (pinned := request.get(PINNED)) is not None:  # a bound session's key names its session
+            named = next((headers[h] for h in parse.SESSION_HEADERS if h in headers), pinned)
+            if named != pinned:
+                raise EndpointError(f"this API key is session {pinned!r}'s; it cannot call as {named[:64]!r}", 403,
+                                    kind="permission_error")
+            headers["x-session-id"] = pinned
         prepared = self.chats.prepare(await self._body(request), headers)  # a bad call: its HTTP error
         if not prepared.call.stream:
             return _json(200, await self.chats.answer(prepared))
@@ -141,7 +170,11 @@ class OpenAIEndpoint:
         return resp
 
     async def _reward(self, request: web.Request) -> web.Response:
-        return _json(200, await self.chats.reward(request.match_info["session"], await self._body(request)))
+        session = request.match_info["session"]
+        if (pinned := request.get(PINNED)) is not None and session != pinned:
+            raise EndpointError(f"this API key is session {pinned!r}'s; it cannot report {session[:64]!r}'s reward",
+                                403, kind="permission_error")
+        return _json(200, await self.chats.reward(session, await self._body(request)))
 
     async def _body(self, request: web.Request):
         """The request's JSON (None when empty), read within `max_body_bytes` and `IDLE_TIMEOUT_S`."""
@@ -178,9 +211,14 @@ class OpenAIEndpoint:
         if not request.path.startswith("/v1/"):
             raise EndpointError(f"no route {request.path}: this is an OpenAI-compatible API under /v1", 404,
                                 kind="not_found_error")
-        if self.token:
+        if self.token or self._keys:
             scheme, _, value = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
+            value = value.strip() if scheme.lower() == "bearer" else ""
+            # a session key is looked up by value (a dict), then compared in constant time too
+            pinned = self._keys.get(value)
+            if pinned is not None and hmac.compare_digest(value.encode(), self.chats.bindings[pinned].key.encode()):
+                request[PINNED] = pinned
+            elif not (self.token and value and hmac.compare_digest(value.encode(), self.token.encode())):
                 raise EndpointError("missing or wrong bearer token (Authorization: Bearer <token>)", 401,
                                     kind="authentication_error")
         return await handler(request)
