@@ -11,7 +11,10 @@ calculator's alphabet (printable ASCII), so the tests' character model reads it.
 
 `--pid-dir` writes `<pid>` there at startup (a test finds the server a worker started and kills
 it); `--steps-file` appends one line per step served (a test waits for steps, not for time);
-`--unseeded` ignores the seed (a non-deterministic environment: a replay diverges).
+`--unseeded` ignores the seed (a non-deterministic environment: a replay diverges);
+`--die-once FILE`: the first server to have served `--die-after` steps SIGKILLs itself in the
+middle of a step of an episode it already served a step of (a client holding that session loses
+it), and creates FILE so that its restarted successors do not.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import os
 import random
 import re
+import signal
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +35,9 @@ from openenv.core.env_server.types import Action, Observation, State
 TOP, TRIES = 8, 4
 UNSEEDED = False
 STEPS_FILE: Path | None = None
+DIE_ONCE: Path | None = None
+DIE_AFTER = 10
+_served = 0
 _steps_lock = threading.Lock()
 
 
@@ -62,9 +69,15 @@ class GuessEnvironment(Environment):
                                         f"You have {TRIES} tries.", reward=0.0, done=False)
 
     def step(self, action: GuessAction, timeout_s: Optional[float] = None, **kwargs: Any) -> GuessObservation:
-        if STEPS_FILE is not None:
-            with _steps_lock, STEPS_FILE.open("a") as f:
-                f.write(f"{os.getpid()} {self._state.episode_id}\n")
+        global _served
+        with _steps_lock:
+            _served += 1
+            if STEPS_FILE is not None:
+                with STEPS_FILE.open("a") as f:
+                    f.write(f"{os.getpid()} {self._state.episode_id}\n")
+            if DIE_ONCE is not None and _served >= DIE_AFTER and self._state.tries >= 1 and not DIE_ONCE.exists():
+                DIE_ONCE.write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGKILL)
         s = self._state
         s.tries += 1
         s.step_count += 1
@@ -83,14 +96,17 @@ class GuessEnvironment(Environment):
 
 
 def main() -> None:
-    global UNSEEDED, STEPS_FILE
+    global UNSEEDED, STEPS_FILE, DIE_ONCE, DIE_AFTER
     p = argparse.ArgumentParser()
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--pid-dir", default="")
     p.add_argument("--steps-file", default="")
     p.add_argument("--unseeded", action="store_true")
+    p.add_argument("--die-once", default="")
+    p.add_argument("--die-after", type=int, default=10)
     args = p.parse_args()
+    DIE_ONCE, DIE_AFTER = (Path(args.die_once) if args.die_once else None), args.die_after
     UNSEEDED = args.unseeded
     STEPS_FILE = Path(args.steps_file) if args.steps_file else None
     if args.pid_dir:

@@ -200,3 +200,75 @@ async def test_the_text_goes_to_the_action_schemas_only_string_field_or_the_name
     state = (await env.start({"seed": 2}, ctx())).state
     r = await env.respond([], ModelTurn(text=str(secret(2))), state, ctx())
     assert r.done
+
+
+# ---------------------------------------------------------------- acceptance: `rlboost run`
+
+
+@pytest.fixture(scope="module")
+def short_turns_model_dir(tmp_path_factory):
+    """The calculator's character model (printable ASCII: the game's texts fit), tuned for a few
+    steps to end a turn with <eos> often: its turns end with a stop token, so the game answers
+    them (a turn cut by its budget ends its episode). As tests/test_episode_training.py's."""
+    import torch
+
+    from rlboost.envs import calculator
+    from rlboost.trainer.model import build_model, build_tokenizer, save
+
+    tok = build_tokenizer(calculator.ALPHABET)
+    model = build_model(len(tok), hidden=64, layers=2, heads=2, mlp=128, max_positions=512, seed=0,
+                        pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for i in range(5):
+        x = torch.randint(2, len(tok), (8, 64), generator=torch.Generator().manual_seed(i))
+        loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, len(tok)),
+                                                 torch.full((8 * 64,), tok.eos_token_id))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return save(model, tok, tmp_path_factory.mktemp("m") / "short", meta={"trained": True})
+
+
+@pytest.mark.slow
+def test_rlboost_run_trains_on_an_openenv_server_that_is_sigkilled_mid_run(services, tmp_path,
+                                                                           short_turns_model_dir):
+    """`rlboost run --env openenv:guess`: every process that plays turns (the trainer, its
+    worker) starts its own server from `[env.options] command`. Once a server has served 10
+    steps it SIGKILLs itself in the middle of a step of an episode it holds a session of (the
+    server's `--die-once`: a kill from outside would often land between episodes, with no
+    session open to lose): its supervisor restarts it, the episodes it had open are re-opened
+    by reset + replay and counted in the step rows, and the run trains all its steps."""
+    nats_url, redis_url = services
+    run_dir, pids, steps_file, died = tmp_path / "run", tmp_path / "pids", tmp_path / "steps.txt", tmp_path / "died"
+    pids.mkdir()
+    config = tmp_path / "openenv.toml"
+    config.write_text(
+        "[env]\nref = \"openenv:guess\"\nmax_turns = 4\ntool_timeout_s = 120.0\n\n[env.options]\n"
+        f"command = \"python {SERVER} --port {{port}} --pid-dir {pids} --steps-file {steps_file} "
+        f"--die-once {died}\"\nretry_s = 90.0\n")
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    steps = 6
+    p = subprocess.run(
+        [sys.executable, "-m", "rlboost.cli", "--config", str(config), "run", "--model-dir",
+         str(short_turns_model_dir), "--run-dir", str(run_dir), "--steps", str(steps), "--prompts", "2",
+         "--samples", "2", "--workers", "1", "--eval-every", "100", "--eval-size", "2",
+         "--max-response-tokens", "24", "--t-seed", "0.5", "--t-seed-floor", "0.5"],
+        capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert result["steps"] == steps and len(rows) == steps, result
+    killed = died.read_text()  # the kill happened, and its server was replaced
+    assert killed in {q.name for q in pids.iterdir()} and len(list(pids.iterdir())) >= 2
+    assert "openenv server down, restarting" in p.stderr + "".join(
+        f.read_text(errors="replace") for f in run_dir.rglob("*.log")), "no restart logged"
+    ends: dict[str, int] = {}
+    for r in rows:
+        for reason, n in r["episode_ends"].items():
+            ends[reason] = ends.get(reason, 0) + n
+    losses = sum(r.get("env/server_losses", 0.0) * r["episodes"] for r in rows)
+    reopens = sum(r.get("env/reopens", 0.0) * r["episodes"] for r in rows)
+    print(f"episode ends {ends}, server losses {losses:.0f}, re-opens {reopens:.0f}, "
+          f"steps served {len(steps_file.read_text().splitlines())}")
+    assert losses >= 1 and reopens >= losses, (losses, reopens, rows)
+    assert ends.get("env_error", 0) == 0, ends  # the lost episode was re-opened, not ended
