@@ -191,6 +191,11 @@ class ManagedServer:
     def describe(self) -> str:
         return f"{self.name} ({shlex.join(self.argv)}; its output: {self.log_path})"
 
+    @property
+    def pid(self) -> int | None:
+        """The running server's process id (None before the first start)."""
+        return None if self._proc is None else self._proc.pid
+
     async def ready(self, timeout: float) -> str:
         """The server's URL once it answers, waiting at most `timeout` (ServerLost after)."""
         with self._lock:
@@ -243,7 +248,8 @@ class ManagedServer:
                 if self._wait_healthy(proc, url):
                     self.url, self.last_error = url, ""
                     self._ready.set()
-                    log.info("openenv server up", server=self.name, url=url, pid=proc.pid, restarts=self.restarts)
+                    if not self.restarts:  # a restart's one line is the warning below
+                        log.info("openenv server up", server=self.name, url=url, pid=proc.pid)
                     rc = proc.wait()
                     self._ready.clear()
                     self.last_error = f"the server exited with {rc}"
