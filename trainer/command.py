@@ -36,7 +36,7 @@ from rlboost.services import running_services
 from rlboost.trainer import distributed
 from rlboost.trainer.data import DataError, FileData, PromptBudget, encode_prompt
 from rlboost.envs import load_env
-from rlboost.trainer.data_task import make_data
+from rlboost.trainer.data_task import make_data, read_data
 from rlboost.trainer.env_warm_start import DEMO_ENV_CONTEXT, demo_model_dir, ensure_demo_model
 from rlboost.trainer.episode_data import make_episode_data
 from rlboost.trainer.episode_runner import max_turn_tokens
@@ -63,6 +63,13 @@ def preflight(inv: Invocation, s: Settings | None = None) -> tuple:
     s = s or inv.settings
     if inv.resume and not (Path(rs.run_dir) / "run.json").exists():
         raise ConfigError(f"--resume {rs.run_dir}: no run.json there (not a run folder)")
+    if inv.settings.harness.command:  # `--harness`: rows to start sessions from; the harness reports rewards
+        if rs.policy == "colocated":
+            raise ConfigError("--harness with --policy colocated: a harness's calls go to the preemptible pool, which "
+                              "a colocated run does not serve; use hybrid or disaggregated (with --workers)")
+        if rs.model_dir and not rs.init_model:
+            check_model_dir(rs.model_dir)
+        return read_data(inv.settings)
     if inv.settings.env.ref:  # `--env`: the environment loads and has rows (its own or --data's); no reward function
         data = make_episode_data(inv.settings.env, ds, rs.seed)
         model = episode_model(rs, s, inv.settings.env)
@@ -170,7 +177,7 @@ FLAGS = {"policy": "run.policy", "steps": "run.steps", "max_minutes": "run.max_m
          "task": "data.task", "data": "data.train", "eval_data": "data.eval", "reward": "data.reward",
          "max_prompt_tokens": "data.max_prompt_tokens", "max_response_tokens": "data.max_response_tokens",
          "eval_size": "data.eval_size", "epochs": "data.epochs", "reward_timeout": "data.reward_timeout_s",
-         "env": "env.ref"}
+         "env": "env.ref", "harness": "harness.command"}
 
 
 DEMO_STEPS = 20  # from the warm start's 0.44, GRPO reached 0.71 by step 15 and 0.75 by step 20
@@ -220,6 +227,9 @@ def parse(argv: list[str], demo: bool = False, s: Settings | None = None) -> Inv
     g.add_argument("--reward-timeout", type=float, help="seconds per reward call")
     g.add_argument("--env", help="train on episodes of this environment: calculator | reasoning-gym | textarena | "
                    "gymnasium | module:fn | path/to/file.py:fn (settings [env]; docs/concepts/environments.md)")
+    g.add_argument("--harness", metavar="CMD", help="train on sessions of your own agent harness: CMD runs once per "
+                   "session against the run's OpenAI-compatible endpoint (settings [harness]; "
+                   "docs/guides/agent-harnesses.md)")
     a, rest = p.parse_known_args(argv)
     overrides = parse_overrides(rest)
     for name, key in FLAGS.items():

@@ -27,6 +27,7 @@ from rlboost.trainer.episode_runner import episode_runner
 from rlboost.trainer.episode_scoring import EpisodeScorer
 from rlboost.trainer.episode_source import EpisodeSource
 from rlboost.trainer.evaluation import Evaluation
+from rlboost.trainer.harness_task import harness_parts, harness_rows
 from rlboost.trainer.model import pad_id
 from rlboost.trainer.request_source import PromptSource, RequestSource
 from rlboost.trainer.rewards import RewardError
@@ -121,20 +122,39 @@ def episode_task(s: Settings, data, tokenizer, stops: list[int], context: int, o
                     EpisodeEvaluation(data.eval_samples(), runner, ops, pad_id(tokenizer, stops)))
 
 
+def harness_task(s: Settings, data, tokenizer, stops: list[int], context: int, *, clients, run_dir, pool: str,
+                 run_id: str, life: str) -> DataTask:
+    """Sessions of the user's agent harness (`[harness] command`) through the run's endpoint:
+    the requests are the calls of a step's sessions, each scored with its session's reward,
+    held-out the mean reward of greedy sessions (`rlboost.trainer.harness_task`)."""
+    return DataTask(*harness_parts(s, data, tokenizer, stops, context, clients=clients, run_dir=run_dir, pool=pool,
+                                   run_id=run_id, life=life))
+
+
 def make_task(s: Settings, prepared: tuple | None, tokenizer, stops: list[int], context: int, ops, *, run_id: str,
-              life: str) -> DataTask:
-    """The run's task from its settings: episodes where `[env] ref` names an environment, else
-    single-turn prompts. `prepared`: `read_data`'s answer if a preflight read it already (it is
-    not read twice)."""
+              life: str, clients=None, run_dir=None, pool: str = "spot") -> DataTask:
+    """The run's task from its settings: a harness's sessions where `[harness] command` names one,
+    episodes where `[env] ref` names an environment, else single-turn prompts. `prepared`:
+    `read_data`'s answer if a preflight read it already (it is not read twice). `clients`,
+    `run_dir`, `pool`: the run's servers, folder and preemptible pool (a harness's endpoint
+    publishes there and records its sessions here)."""
     data, reward_spec, task_tokens = prepared or read_data(s)
+    if s.harness.command:
+        if clients is None or run_dir is None:
+            raise DataError("--harness needs the run's servers and folder (make_task's clients and run_dir)")
+        return harness_task(s, data, tokenizer, stops, context, clients=clients, run_dir=run_dir, pool=pool,
+                            run_id=run_id, life=life)
     if s.env.ref:
         return episode_task(s, data, tokenizer, stops, context, ops, run_id=run_id, life=life)
     return prompt_task(s, data, reward_spec, task_tokens, tokenizer, stops, context, ops, run_id=run_id, life=life)
 
 
 def read_data(s: Settings) -> tuple:
-    """(rows, reward spec, the task's response budget) of the run's task: an environment's rows
-    (no reward function: the environment scores), or `make_data`'s."""
+    """(rows, reward spec, the task's response budget) of the run's task: a harness's or an
+    environment's rows (no reward function: the harness reports it, the environment scores), or
+    `make_data`'s."""
+    if s.harness.command:
+        return harness_rows(s), "", 0
     if s.env.ref:
         return make_episode_data(s.env, s.data, s.run.seed), "", 0
     return make_data(s.data, s.run.seed)

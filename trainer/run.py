@@ -153,7 +153,7 @@ async def setup(launch: Launch, stack: contextlib.AsyncExitStack) -> Run:
     tokenizer = trainer.tokenizer
     stops = stop_ids(model_dir, tokenizer)
     task = make_task(s, prepared, tokenizer, stops, check_model_dir(model_dir).max_context, ops, run_id=run_id,
-                     life=fleet.life)
+                     life=fleet.life, clients=c, run_dir=run_dir, pool=POOL)  # a harness's endpoint: the run's
     stack.callback(task.close)
     # policy versions (the reserved engine pulls what the trainer publishes)
     ledger = await VersionLedger.open(c.js, s.weights.store_options(), s.weights.publisher_options(),

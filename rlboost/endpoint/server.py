@@ -37,7 +37,7 @@ from rlboost.webserver import loopback, start_app
 IDLE_TIMEOUT_S = 120.0  # a keep-alive connection with nothing to say for this long is closed (and a body this slow)
 MAX_CONNECTIONS = 1024  # open HTTP connections; a client past it is answered 503
 CHAT_ROUTE = "/v1/chat/completions"
-PINNED = "rlboost_session"  # a request made with a bound session's key: that session
+PINNED = web.RequestKey("rlboost_session", str)  # a request made with a bound session's key: that session
 
 
 def _json(status: int, payload: dict, close: bool = False) -> web.Response:
@@ -73,6 +73,8 @@ class OpenAIEndpoint:
         process's OPENAI_API_KEY) is accepted like the endpoint's token, and pins every call made
         with it to this session: the process needs no session header, and cannot speak for
         (or report the reward of) another session."""
+        if not self.dataflow.all_steps:
+            raise EndpointError("this endpoint follows its own step's results only: make it with bindable=True")
         parse.check_session(session)
         b = Binding(session=session, step=step, group=group, version=version, run=wire.check_name("run", run),
                     key="rb-" + secrets.token_urlsafe(24))
