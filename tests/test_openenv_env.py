@@ -156,7 +156,14 @@ async def test_a_url_server_that_stays_down_ends_the_call_with_a_clear_error():
     t0 = time.monotonic()
     with pytest.raises(EnvError, match="unreachable for retry_s = 1.0 s") as e:
         await env.start({"seed": 1}, ctx())
-    assert time.monotonic() - t0 < 10 and "\n" not in str(e.value)
+    assert 1.0 <= time.monotonic() - t0 < 10 and "\n" not in str(e.value)
+    # the next episodes do not wait retry_s each: one try, then the same reason (a run's rows
+    # against a dead server fail fast, and the run's own limits stop it)
+    t0 = time.monotonic()
+    for i in range(5):
+        with pytest.raises(EnvError, match="still unreachable after retry_s = 1.0 s"):
+            await env.start({"seed": 2 + i}, ctx())
+    assert time.monotonic() - t0 < 1.0
 
 
 async def test_a_non_deterministic_environment_cannot_be_replayed(tmp_path):
@@ -272,3 +279,22 @@ def test_rlboost_run_trains_on_an_openenv_server_that_is_sigkilled_mid_run(servi
           f"steps served {len(steps_file.read_text().splitlines())}")
     assert losses >= 1 and reopens >= losses, (losses, reopens, rows)
     assert ends.get("env_error", 0) == 0, ends  # the lost episode was re-opened, not ended
+
+
+@pytest.mark.slow
+def test_rlboost_run_against_a_url_server_that_is_down_stops_with_one_line(services, tmp_path,
+                                                                           short_turns_model_dir):
+    """Nothing listens at the URL: the run's preflight waits `retry_s` for the first row, fails
+    the next ones at once, and stops before any worker starts, naming the server."""
+    nats_url, redis_url = services
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "run", "--env", f"openenv:{url}", "--model-dir",
+                        str(short_turns_model_dir), "--run-dir", str(tmp_path / "run"), "--steps", "2",
+                        "--workers", "1", "--env.options.retry_s", "2"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    last = p.stderr.strip().splitlines()[-1]
+    assert "unreachable for retry_s = 2.0 s" in last and url in last, p.stderr[-3000:]
+    print(f"stopped in {time.monotonic() - t0:.1f} s: {last}")

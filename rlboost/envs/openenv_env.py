@@ -362,6 +362,7 @@ class OpenEnvEnv(Env):
         self.name, self.server, self.o = f"openenv/{name}", server, options
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._field = options.action_field
+        self._gave_up_at = float("-inf")  # when a call last waited retry_s for the server in vain
 
     # -------------------------------------------------------- protocol
 
@@ -420,12 +421,20 @@ class OpenEnvEnv(Env):
         deadline, pause = time.monotonic() + self.o.retry_s, 0.2
         while True:
             try:
-                return await fn(*args)
+                out = await fn(*args)
+                self._gave_up_at = float("-inf")
+                return out
             except ServerLost as e:
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    raise EnvError(f"openenv server {self.server.describe()} unreachable for retry_s = "
-                                   f"{self.o.retry_s} s: {e}") from None
+                # a server found down by a call that waited it out is not waited for again by the
+                # next one for retry_s (one try each): a run of rows against a dead server fails
+                # row by row in milliseconds, not retry_s each
+                recent = time.monotonic() - self._gave_up_at < self.o.retry_s
+                if left <= 0 or recent:
+                    if not recent:
+                        self._gave_up_at = time.monotonic()
+                    raise EnvError(f"openenv server {self.server.describe()} {'still ' if recent else ''}unreachable "
+                                   f"{'after' if recent else 'for'} retry_s = {self.o.retry_s} s: {e}") from None
                 if self.server.managed:
                     try:
                         await self.server.ready(left)
