@@ -31,6 +31,7 @@ class CalcToolsConfig(vf.ToolsetConfig):
 
 class CalcState(vf.State):
     calls: int = 0
+    notes: list[str] = []
 
 
 class Calc(vf.Toolset[CalcToolsConfig, CalcState]):
@@ -44,6 +45,12 @@ class Calc(vf.Toolset[CalcToolsConfig, CalcState]):
                 f.write(call_key() + "\n")
         self.state.calls += 1
         return calculator.evaluate(expression)
+
+    @vf.tool
+    async def note(self, text: str) -> str:
+        """Keep a note for later in this episode; answers how many are kept."""
+        self.state.notes = [*self.state.notes, text]
+        return str(len(self.state.notes))
 
 
 class CalcTaskConfig(vf.TaskConfig):
