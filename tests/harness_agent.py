@@ -9,7 +9,7 @@ user turn asking for more, until `turns` model turns are done. The reward is the
 expected answer's digits the model's text holds, so a group's sessions differ and GRPO has a
 signal.
 
-Test hook: with $HARNESS_VICTIM_DIR set, the first session to claim `victim` there (after its
+Test hook: with $HARNESS_VICTIM_DIR set, the first training session to claim `victim` there (after its
 first answered call) writes its pid into it and waits to be killed (by tests/test_harness_run.py,
 with SIGKILL), up to 120 s, after which it exits 1: either way its session is lost.
 """
@@ -63,7 +63,7 @@ def streamed(client: openai.OpenAI, messages: list[dict], greedy: bool) -> tuple
 
 def be_the_victim() -> None:
     where = os.environ.get("HARNESS_VICTIM_DIR")
-    if not where:
+    if not where or os.environ.get("RLBOOST_EVAL") == "1":  # a training session: its loss is the step's
         return
     try:
         fd = os.open(os.path.join(where, "victim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)

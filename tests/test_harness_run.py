@@ -241,6 +241,8 @@ def test_rlboost_run_harness_trains_five_steps_and_a_killed_harness_loses_only_i
     # each step trained the calls of its kept sessions (3 model turns each), grouped by row
     assert all(r["harness_calls_mean"] == 3.0 for r in steps)
     assert result["eval_first"] is not None and result["eval_last"] is not None
+    assert all(r.get("eval_harness_lost", 0) == 0 for r in steps)
+    assert len({r["version"] for r in steps}) == 5  # the endpoint served each step's own, new version
     # every session's calls are in its file, with the run's step and the row's group in their ids
     sessions = sorted((run_dir / "sessions").glob("*.jsonl"))
     assert len(sessions) >= 30
