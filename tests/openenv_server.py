@@ -12,6 +12,8 @@ calculator's alphabet (printable ASCII), so the tests' character model reads it.
 `--pid-dir` writes `<pid>` there at startup (a test finds the server a worker started and kills
 it); `--steps-file` appends one line per step served (a test waits for steps, not for time);
 `--unseeded` ignores the seed (a non-deterministic environment: a replay diverges);
+`--mcp` serves a game with MCP tools instead (`CounterEnvironment`: reach a seeded target with
+`add(n)` calls; reward 1.0 and done when the counter reaches it exactly, done past it);
 `--die-once FILE`: the first server to have served `--die-after` steps SIGKILLs itself in the
 middle of a step of an episode it already served a step of (a client holding that session loses
 it), and creates FILE so that its restarted successors do not.
@@ -95,6 +97,56 @@ class GuessEnvironment(Environment):
         return self._state
 
 
+class CounterObservation(Observation):
+    message: str = ""
+
+
+def counter_environment():
+    """An OpenEnv MCP environment (openenv's `MCPEnvironment`, tools from a FastMCP server):
+    its tool calls are steps (`{"type": "call_tool", ...}`) with the reward and done set here."""
+    from fastmcp import FastMCP
+    from openenv.core.env_server.mcp_environment import MCPEnvironment
+    from openenv.core.env_server.mcp_types import CallToolAction
+
+    class CounterEnvironment(MCPEnvironment):
+        SUPPORTS_CONCURRENT_SESSIONS = True
+
+        def __init__(self) -> None:
+            mcp = FastMCP("counter")
+            self.total, self.target = 0, 0
+
+            @mcp.tool
+            def add(n: int) -> int:
+                """Add n to the counter; answers the new total."""
+                self.total += n
+                return self.total
+
+            super().__init__(mcp)
+            self._state = State()
+
+        def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None,
+                  **kwargs: Any) -> CounterObservation:
+            self.total, self.target = 0, random.Random(seed).randint(3, 9)
+            self._state = State(episode_id=episode_id)
+            return CounterObservation(message=f"Reach {self.target} with add.", reward=0.0)
+
+        async def step_async(self, action: Action, timeout_s: Optional[float] = None, **kwargs: Any) -> Observation:
+            obs = await super().step_async(action, timeout_s=timeout_s, **kwargs)
+            if isinstance(action, CallToolAction):
+                obs.reward = float(self.total == self.target)
+                obs.done = self.total >= self.target
+            return obs
+
+        def _step_impl(self, action: Action, timeout_s: Optional[float] = None, **kwargs: Any) -> Observation:
+            return CounterObservation(message="use the add tool", reward=0.0)
+
+        @property
+        def state(self) -> State:
+            return self._state
+
+    return CounterEnvironment, CallToolAction
+
+
 def main() -> None:
     global UNSEEDED, STEPS_FILE, DIE_ONCE, DIE_AFTER
     p = argparse.ArgumentParser()
@@ -105,13 +157,18 @@ def main() -> None:
     p.add_argument("--unseeded", action="store_true")
     p.add_argument("--die-once", default="")
     p.add_argument("--die-after", type=int, default=10)
+    p.add_argument("--mcp", action="store_true")
     args = p.parse_args()
     DIE_ONCE, DIE_AFTER = (Path(args.die_once) if args.die_once else None), args.die_after
     UNSEEDED = args.unseeded
     STEPS_FILE = Path(args.steps_file) if args.steps_file else None
     if args.pid_dir:
         Path(args.pid_dir, str(os.getpid())).write_text(str(args.port))
-    app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=512)
+    if args.mcp:
+        env_cls, action_cls = counter_environment()
+        app = create_app(env_cls, action_cls, CounterObservation, env_name="counter", max_concurrent_envs=512)
+    else:
+        app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=512)
     import uvicorn
 
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", ws_max_size=1 << 20)

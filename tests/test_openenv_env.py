@@ -184,6 +184,39 @@ async def test_a_non_deterministic_environment_cannot_be_replayed(tmp_path):
     assert lenient.server is strict.server  # one started server per command in a process
 
 
+async def test_an_mcp_environments_tools_are_the_models_and_each_call_a_replayed_step():
+    """`tools = true`: an MCP environment (openenv's MCPEnvironment, a FastMCP server's tools):
+    the opening lists its tools, a call is a `call_tool` step (recorded, replayed elsewhere), a
+    turn's calls' rewards are its reward, and a turn without calls ends the episode."""
+    from rlboost.envs.protocol import ToolCall
+
+    command = f"python {SERVER} --port {{port}} --mcp"
+    first = load_env("openenv:counter", command=command, tools=True, retry_s=120)
+    second = load_env("openenv:counter", command=command, tools=True, retry_s=120)
+    try:
+        opening = await first.start({"seed": 4}, ctx())
+        target = random.Random(4).randint(3, 9)
+        assert opening.messages[-1].content == f"Reach {target} with add."
+        assert [t.name for t in opening.tools] == ["add"] and opening.tools[0].parameters["required"] == ["n"]
+        r = await first.call_tool(ToolCall(key="ep-1/0/0", name="add", arguments={"n": 2}), opening.state, ctx())
+        assert r.content == "2" and not r.error and not r.end
+        bad = await first.call_tool(ToolCall(key="ep-1/0/1", name="add", arguments={"n": "x"}), r.state, ctx())
+        assert bad.error and bad.content.startswith("error: ") and "integer" in bad.content
+        turn0 = await first.respond([], ModelTurn(tool_calls=[ToolCall(key="ep-1/0/0", name="add")]), r.state,
+                                    ctx())
+        assert not turn0.done and turn0.turn_reward == 0.0
+        # the next turn in another process: the add of 2 (and the refused call) replayed first
+        last = await second.call_tool(ToolCall(key="ep-1/1/0", name="add", arguments={"n": target - 2}),
+                                      turn0.state, ctx(1))
+        assert last.content == str(target) and last.end and last.state["reopens"] == 1, last
+        turn1 = await second.respond([], ModelTurn(tool_calls=[ToolCall(key="ep-1/1/0", name="add")]), last.state,
+                                     ctx(1))
+        assert turn1.done and turn1.turn_reward == 1.0
+        assert second.score([], turn1.state, ctx()).reward == 1.0
+    finally:
+        first.server.close()
+
+
 @pytest.mark.parametrize("ref, options, message", [
     ("openenv:guess", {}, "name the server to start"),
     ("openenv:guess", {"command": "python x.py", "colour": "red"}, "unknown field `colour`"),

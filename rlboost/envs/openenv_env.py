@@ -28,6 +28,9 @@ textarena / gymnasium adapters do (rlboost/envs/adapters.py), with the server as
   object it wrote (`action = "json"`). An action the server refuses (VALIDATION_ERROR) is the
   model's mistake: it reads an `error: ...` message and may try again (`invalid_actions`);
   an exception in the environment's `step` is the environment's: `env_error`.
+- `tools = true`: an MCP environment's tools (a `list_tools` step at the opening) are the
+  model's; each call is a `call_tool` step, recorded and replayed like any action, and a turn
+  without calls ends the episode.
 - The reward: each step's `reward` is the turn's reward (`Reply.turn_reward`); the episode's
   is their sum (`reward = "sum"`) or the last one (`"last"`). `score` reads state only, so the
   trainer scores without a server.
@@ -60,8 +63,8 @@ from typing import Any
 
 import msgspec
 
-from rlboost.envs.protocol import (Context, Env, EnvError, Message, ModelTurn, Opening, Reply, Score, in_thread,
-                                   system, user)
+from rlboost.envs.protocol import (Context, Env, EnvError, Message, ModelTurn, Opening, Reply, Score, ToolCall,
+                                   ToolResult, ToolSpec, in_thread, system, user)
 from rlboost.logs import get_logger
 
 log = get_logger(component="openenv")
@@ -86,6 +89,7 @@ class OpenEnvOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     action_field: str = ""  # the action's field for text ("" = the action schema's only string field)
     observation_field: str = ""  # the observation's field shown to the model ("" = its only string field, else JSON)
     instructions: str = ""  # a system message before the first observation
+    tools: bool = False  # an MCP environment: its tools (list_tools) are the model's, each call a step (call_tool)
     reward: str = "sum"  # the episode's reward: sum of the step rewards | last (the final step's)
     on_diverge: str = "error"  # a replay that does not reproduce the recorded observation: error (env_error) | continue
     max_message_mb: float = 16.0  # the largest message accepted from the server
@@ -381,16 +385,53 @@ class OpenEnvEnv(Env):
         seed = int(row["seed"]) if "seed" in row else int(hashlib.sha256(
             json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()[:8], 16)
         state = {"seed": seed % (1 << 31), "reset": reset, "actions": [], "rewards": [], "done": False, "digest": "",
-                 "reopens": 0, "server_losses": 0, "invalid_actions": 0, "diverged": 0}
+                 "reopens": 0, "server_losses": 0, "invalid_actions": 0, "diverged": 0,
+                 "mark": 0}  # with tools: the steps before the current model turn's
         # the episode's turns are played wherever a worker takes them: this session only reads the opening
-        sess, obs = await self._retrying(ctx.episode_id, state, self._open, ctx.episode_id, state)
-        await sess.close()
+        obs, tools = await self._retrying(ctx.episode_id, state, self._opening, ctx.episode_id, state)
         messages = ([system(self.o.instructions)] if self.o.instructions else []) + [user(self._text(obs))]
-        return Opening(messages=messages, state=state)
+        return Opening(messages=messages, tools=tools, state=state)
+
+    async def _opening(self, episode_id: str, state: dict[str, Any]) -> tuple[dict[str, Any], list[ToolSpec]]:
+        sess, obs = await self._open(episode_id, state)
+        try:
+            if not self.o.tools:
+                return obs, []
+            try:  # MCP's tools/list as a step: it reads, the episode's replay does not need it
+                listed = _result(await sess.request({"type": "step", "data": {"type": "list_tools"}}))[0]
+            except ServerRefused as e:
+                raise EnvError(f"openenv: tools = true, but the server lists no tools ({e})") from None
+            try:
+                return obs, [ToolSpec(name=str(t["name"]), description=str(t.get("description") or ""),
+                                      parameters=t.get("input_schema") or {"type": "object", "properties": {}})
+                             for t in listed["tools"]]
+            except (KeyError, TypeError) as e:
+                raise EnvError(f"openenv: the server's tool list is malformed ({e!r})") from None
+        finally:
+            await sess.close()
+
+    async def call_tool(self, call: ToolCall, state: Any, ctx: Context) -> ToolResult:
+        """A tool call is a step (`call_tool`): recorded and replayed like any action."""
+        new = {**state}
+        action = {"type": "call_tool", "tool_name": call.name, "arguments": call.arguments}
+        try:
+            obs, _, done = await self._retrying(ctx.episode_id, new, self._step, ctx.episode_id, new, action)
+        except ServerRefused as e:
+            return ToolResult(content=f"error: the environment refused the call: {e}", error=True)
+        error = obs.get("error")
+        if error:
+            message = error.get("message", error) if isinstance(error, dict) else error
+            return ToolResult(content=f"error: {message}", error=True, state=new, set_state=True, end=done)
+        return ToolResult(content=_tool_text(obs.get("result")), state=new, set_state=True, end=done)
 
     async def respond(self, transcript: list[Message], turn: ModelTurn, state: Any, ctx: Context) -> Reply:
         new = {**state}
-        if state.get("done"):
+        if self.o.tools:  # the turn's tool calls were its steps: their rewards are its reward
+            rewards = [r for r in state["rewards"][state["mark"]:] if r is not None]
+            new["mark"] = len(state["rewards"])
+            return Reply(done=state["done"] or not (turn.tool_calls or turn.errors),
+                         turn_reward=sum(rewards) if rewards else None, state=new, set_state=True)
+        if state["done"]:
             return Reply(done=True)
         action, problem = await self._action(turn.text or turn.raw)
         if problem:
@@ -600,6 +641,20 @@ class OpenEnvEnv(Env):
         if len(shown) == 1 and isinstance(next(iter(shown.values())), str):
             return next(iter(shown.values()))
         return json.dumps(shown, sort_keys=True, default=str)
+
+
+def _tool_text(result: Any) -> str:
+    """An MCP tool result as the model reads it: its text contents, else its data, else JSON."""
+    if isinstance(result, str):
+        return result
+    if isinstance(result, dict):
+        texts = [c.get("text", "") for c in result.get("content") or [] if isinstance(c, dict) and c.get("type") == "text"]
+        if texts:
+            return "\n".join(texts)
+        if result.get("data") is not None:
+            data = result["data"]
+            return data if isinstance(data, str) else json.dumps(data, sort_keys=True, default=str)
+    return json.dumps(result, sort_keys=True, default=str)
 
 
 def _command(command: str | list[str]) -> list[str]:
