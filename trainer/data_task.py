@@ -7,10 +7,10 @@
   `rlboost.trainer.episode_scoring`);
 - a held-out evaluation (`rlboost.trainer.evaluation`, `rlboost.trainer.episode_evaluation`).
 
-Single-turn prompts (`prompt_task`) and episodes (`episode_task`) are the same task with other
-parts, so the step (`rlboost.trainer.run.step`) never asks which; `make_task` picks them from the
-settings (`[env] ref`: episodes). Another kind of work (an outside environment's sessions) is
-another source, scorer and evaluation, or another `RolloutTask` altogether.
+Single-turn prompts (`prompt_task`), episodes (`episode_task`) and an agent harness's sessions
+(`harness_task`, `rlboost.trainer.harness_task`) are the same task with other parts, so the step
+(`rlboost.trainer.run.step`) never asks which; `make_task` picks them from the settings
+(`[harness] command`: a harness's sessions; `[env] ref`: episodes).
 """
 
 from __future__ import annotations
