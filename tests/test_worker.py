@@ -572,3 +572,24 @@ async def test_an_async_worker_carries_its_unfinished_requests_to_the_next_versi
     assert long.token_ids[at:] == reference_tokens(11, tail.request_id, at, 700 - at, policy_version=1)[0]
     assert all(got[r.request_id].segments[0].weights == "emulated-v1" for r in nxt)
     assert w.counters.get("carried") == 1 and w.counters.get("wrong_weights") == 0
+
+
+async def test_control_reaches_a_worker_between_its_heartbeats(clients):
+    """The control keys are watched, not read at the heartbeat: with a 60 s heartbeat an idle
+    worker still takes a new version floor and a drain as they are written (before, each key
+    was read every tick: ~6 of an idle worker's ~23 NATS messages a second)."""
+    settings = WorkerSettings(pool="watched", slots=2, ack_wait_s=3.0, lease_ttl_s=2.0, heartbeat_s=60.0)
+    w = RolloutWorker(settings, EmulatedEngine(), clients, worker_id="watched-w", counters=Counters())
+    task = asyncio.create_task(w.run())
+    kv = await clients.js.key_value(wire.BUCKET_CONTROL)
+    deadline = time.monotonic() + 10
+    while not (w.liveness is not None and w.liveness.watching) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert w.liveness.watching
+    await kv.put(wire.version_floor_key("watched"), wire.encode(wire.VersionFloor(version=7, ts=time.time())))
+    while w.st.floor != 7 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert w.st.floor == 7 and w.liveness.ticks == 0  # no heartbeat tick has run
+    await kv.put(w.worker_id, wire.encode(wire.control("drain", w.worker_id, "watched")))
+    await asyncio.wait_for(task, timeout=10.0)
+    assert w.st.drain_reason == "control drain: watched" and w.liveness.ticks == 0

@@ -47,13 +47,19 @@ class Admission:
         self.phase = phase
         self.tasks: set[asyncio.Task] = set()  # admissions under way
 
-    async def feed(self, psub, capacity: int, max_batch: int, linger_s: float) -> None:
+    async def feed(self, psub, capacity: int, max_batch: int, linger_s: float, idle_s: float = 0.0) -> None:
         """Keep up to `capacity` requests in flight from one lane (fresh or resume).
 
         nats-py's `fetch(n)` returns at once with whatever is queued, but when nothing is, its
         lingering pull waits until all n arrived or `linger_s` passed. Hand-offs trickle in a
-        few at a time, so the resume lane pulls one at a time: each returns on arrival."""
+        few at a time, so the resume lane pulls one at a time: each returns on arrival.
+
+        A lane that came back empty is idle: its next pull asks for one request and waits up to
+        `idle_s` (> linger_s) for it, returned on arrival, so an idle worker sends a pull every
+        `idle_s` instead of every `linger_s`; the first request back makes the lane busy again
+        (batched pulls that return at once with what is queued)."""
         st = self.st
+        idle = False
         slot_freed = asyncio.Event()
         st.slot_events.append(slot_freed)
         while not st.draining.is_set():
@@ -70,7 +76,9 @@ class Admission:
             # pull holds its first requests while it waits for the rest of its batch), left
             # unacknowledged until ack_wait. The fetch finishes within its linger instead, and
             # what it brings is nak'ed back to the pool at once (`_nak_when_fetched`).
-            fetch = asyncio.ensure_future(psub.fetch(batch=min(free, max_batch), timeout=linger_s))
+            waiting = idle and idle_s > linger_s
+            fetch = asyncio.ensure_future(psub.fetch(batch=1 if waiting else min(free, max_batch),
+                                                     timeout=idle_s if waiting else linger_s))
             try:
                 msgs = await asyncio.shield(fetch)
             except asyncio.CancelledError:
@@ -78,11 +86,13 @@ class Admission:
                 orphan.add_done_callback(_ORPHANS.discard)
                 raise
             except (TimeoutError, asyncio.TimeoutError):
+                idle = True
                 continue
             except Exception as e:  # server gone for a moment: back off, do not crash
                 st.log.warning("fetch failed", error=str(e))
                 await asyncio.sleep(0.5)
                 continue
+            idle = not msgs
             for msg in msgs:
                 if st.draining.is_set():
                     await msg.nak()  # arrived after the notice: straight back to the pool

@@ -1,9 +1,15 @@
 """How a rollout worker shows it is alive, and what it is told: one tick per `heartbeat_s`.
 
-Each tick extends its requests' messages (in_progress), renews the leases of requests that have
-not written for a while, publishes its heartbeat (the workers bucket, metrics), and reads the
-control bucket: the pool's version floor, and a drain or abort for this worker or the whole
-fleet. A stalled worker (no engine step, no flush for `stall_s`) skips the tick: keeping its
+Each tick extends its requests' messages (in_progress, at most every third of ack_wait: the
+server needs no more, and one per request in flight per second was a third of the NATS
+messages per token under load), renews the leases of requests that have
+not written for a while and publishes its heartbeat (the workers bucket, metrics). The control
+bucket's three keys of a worker (the pool's version floor, a drain or abort for this worker or
+for the whole fleet) are watched (`watch_control`): what is written there arrives when it is
+written, and an idle worker sends nothing for it (reading them every tick was ~6 of its ~23
+NATS messages a second, docs/benchmarks/scale.md). Every `CONTROL_POLL_TICKS` ticks, and every
+tick while a watch is down, the keys are read as well: a watch that broke without a word costs
+a delay, never a missed drain. A stalled worker (no engine step, no flush for `stall_s`) skips the tick: keeping its
 requests alive while making no progress would hold them forever; they are redelivered instead.
 """
 
@@ -16,9 +22,14 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
+import nats.errors
+
 from rlboost import metrics, wire
 from rlboost.checkpoint import AlreadyFinished, LeaseLost
 from rlboost.workers.inflight import InFlight
+
+
+CONTROL_POLL_TICKS = 15  # read the control keys this often even while they are watched
 
 
 class Liveness:
@@ -29,6 +40,9 @@ class Liveness:
         self.control = control  # the control bucket (key-value)
         self.metrics_sync = metrics_sync
         self.started_at = started_at  # a fleet-wide drain from before this is not ours
+        self.watching = False  # the control keys' watches are up (`watch_control`)
+        self.ticks = 0
+        self.extended_at = 0.0  # monotonic time of the last in_progress round
 
     async def loop(self, stop: asyncio.Event, tick: Callable[[], Awaitable[None]]) -> None:
         st = self.st
@@ -51,10 +65,14 @@ class Liveness:
 
     async def beat(self) -> None:
         st = self.st
-        await asyncio.gather(*(a.msg.in_progress() for a in list(st.active.values())))
+        if time.monotonic() - self.extended_at >= st.cfg.ack_wait_s / 3:
+            self.extended_at = time.monotonic()
+            await asyncio.gather(*(a.msg.in_progress() for a in list(st.active.values())))
         await self.renew_quiet_leases()
         await self.heartbeat("draining" if st.draining.is_set() else "running")
-        await self.check_control()
+        self.ticks += 1
+        if not self.watching or self.ticks % CONTROL_POLL_TICKS == 0:
+            await self.check_control()
 
     async def renew_quiet_leases(self) -> None:
         """Appends renew leases; a request that has not written for a while renews here."""
@@ -85,38 +103,69 @@ class Liveness:
         metrics.observe_worker(st.pool, inflight=len(st.active), slots=st.cfg.slots,
                                policy_version=engine.policy_version, draining=state == "draining")
 
-    async def check_floor(self) -> None:
-        """Read the pool's version floor; a request generated with an older version is to move
-        on to the floor's version at the next engine call's end (interrupted for it)."""
-        st = self.st
+    def control_keys(self) -> tuple[str, str, str]:
+        return wire.version_floor_key(self.st.pool), self.st.worker_id, wire.CONTROL_ALL
+
+    async def watch_control(self, stop: asyncio.Event) -> None:
+        """Follow the control keys until `stop`. A watch that cannot start or dies leaves
+        `watching` false: the tick reads the keys instead."""
+        watchers = []
         try:
-            entry = await self.control.get(wire.version_floor_key(st.pool))
-            floor = wire.decode(wire.VersionFloor, entry.value).version if entry is not None and entry.value else 0
-        except Exception:  # no floor set (sync rollout), or unreadable: keep the last one
-            return
-        if floor > st.floor:
-            st.floor = floor
-            if any(a.req.policy_version < floor for a in st.active.values()):
-                st.stop_engine.set()
+            for key in self.control_keys():
+                watchers.append(await self.control.watch(key))
+            self.watching = True
+            await asyncio.gather(*(self._follow(key, w, stop) for key, w in zip(self.control_keys(), watchers)))
+        except Exception as e:
+            self.st.log.warning("control watch down; reading the control keys every tick", error=str(e))
+        finally:
+            self.watching = False
+            for w in watchers:
+                with contextlib.suppress(Exception):
+                    await w.stop()
+
+    async def _follow(self, key: str, watcher, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                entry = await watcher.updates(timeout=0.5)  # local: the server pushes
+            except nats.errors.TimeoutError:
+                continue
+            if entry is not None and entry.value and entry.operation not in ("DEL", "PURGE"):
+                self.apply(key, entry.value)
 
     async def check_control(self) -> None:
-        st = self.st
-        await self.check_floor()
-        for key in (st.worker_id, wire.CONTROL_ALL):
+        """Read the control keys (a missing key: nothing to do; unreadable: the last floor stays)."""
+        for key in self.control_keys():
             try:
                 entry = await self.control.get(key)
-            except Exception:
+            except Exception:  # no such key, or the server is away for a moment
                 continue
-            if entry is None or not entry.value:
-                continue
+            if entry is not None and entry.value:
+                self.apply(key, entry.value)
+
+    def apply(self, key: str, value: bytes) -> None:
+        """What a control key says, acted on: a higher version floor (a request generated with an
+        older version moves on to the floor's version at the next engine call's end, interrupted
+        for it), or a drain / abort for this worker or the fleet."""
+        st = self.st
+        if key == wire.version_floor_key(st.pool):
             try:
-                ctl = wire.decode(wire.Control, entry.value)
+                floor = wire.decode(wire.VersionFloor, value).version
             except wire.WireError as e:
-                st.log.warning("ignoring malformed control message", key=key, error=str(e))
-                continue
-            if ctl.target != key or ctl.deadline <= time.time():
-                continue  # bounded control: it names this key and has not expired (wire.control)
-            if key == wire.CONTROL_ALL and ctl.ts < self.started_at:
-                continue  # a fleet-wide drain from before this worker started
-            if ctl.command in ("drain", "abort"):
-                st.drain(f"control {ctl.command}: {ctl.reason}")
+                st.log.warning("ignoring malformed version floor", key=key, error=str(e))
+                return
+            if floor > st.floor:
+                st.floor = floor
+                if any(a.req.policy_version < floor for a in st.active.values()):
+                    st.stop_engine.set()
+            return
+        try:
+            ctl = wire.decode(wire.Control, value)
+        except wire.WireError as e:
+            st.log.warning("ignoring malformed control message", key=key, error=str(e))
+            return
+        if ctl.target != key or ctl.deadline <= time.time():
+            return  # bounded control: it names this key and has not expired (wire.control)
+        if key == wire.CONTROL_ALL and ctl.ts < self.started_at:
+            return  # a fleet-wide drain from before this worker started
+        if ctl.command in ("drain", "abort") and not st.draining.is_set():
+            st.drain(f"control {ctl.command}: {ctl.reason}")

@@ -178,11 +178,13 @@ class RolloutWorker:
                       checkpoint_tokens=self.cfg.checkpoint_tokens)
         stop_aux = asyncio.Event()
         feed = self.admission.feed
-        feeder = asyncio.gather(feed(fresh, self.cfg.slots, self.cfg.fetch_batch or self.cfg.slots, 0.25),
-                                feed(resume, self.cfg.slots + reserve, 1, 0.5))
+        idle_s = self.cfg.idle_pull_s
+        feeder = asyncio.gather(feed(fresh, self.cfg.slots, self.cfg.fetch_batch or self.cfg.slots, 0.25, idle_s),
+                                feed(resume, self.cfg.slots + reserve, 1, 0.5, idle_s))
         # (poison messages past max_deliver are moved to the DLQ by the trainer's manager: the
         # worker identity may not delete stream messages, rlboost/auth.py)
-        aux = [asyncio.create_task(self.liveness.loop(stop_aux, self._beat))]
+        aux = [asyncio.create_task(self.liveness.loop(stop_aux, self._beat)),
+               asyncio.create_task(self.liveness.watch_control(stop_aux))]
         try:
             await self.generation.loop()
             # Stop pulling before handing back, or our own parked pull requests would be
