@@ -502,7 +502,7 @@ class HarnessSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     session's key), RLBOOST_SESSION and its row as JSON in RLBOOST_TASK."""
 
     command: str = ""  # the harness's command line (run by the shell, in the run's working directory); "" = no harness
-    concurrency: int = 0  # harness processes running at once; 0 = every session of a step at once (prompts x samples)
+    concurrency: int = 0  # harness processes running at once; 0 = a step's sessions (rollout.prompts x rollout.samples), the held-out ones as many at a time
     session_timeout_s: float = 600.0  # a harness process running longer is killed: its session is lost (harness_lost)
     kill_grace_s: float = 5.0  # SIGTERM, then this long, then SIGKILL (the process group)
     host: str = "127.0.0.1"  # where the run's endpoint binds (loopback: the harnesses run on this machine)
@@ -510,7 +510,7 @@ class HarnessSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     eval: bool = True  # the held-out rows are evaluated by the harness too (RLBOOST_EVAL=1: it may sample greedily)
 
     def __post_init__(self) -> None:
-        _check(self.concurrency >= 0, "harness.concurrency", "must be >= 0 (0 = every session at once)")
+        _check(self.concurrency >= 0, "harness.concurrency", "must be >= 0 (0 = a step's sessions)")
         _check(self.session_timeout_s > 0, "harness.session_timeout_s", "must be > 0")
         _check(self.kill_grace_s >= 0, "harness.kill_grace_s", "must be >= 0")
         _check(0 <= self.port <= 65535, "harness.port", "must be in [0, 65535]")

@@ -98,7 +98,9 @@ class HarnessRunner:
                                            run_dir=str(self.run_dir))
         self.fmt = chat_format(tokenizer)
         self.token = secrets.token_urlsafe(24)  # the endpoint's own; each harness gets its session's key
-        self.launcher = Launcher(self.h.command, self.run_dir / "harness", concurrency=self.h.concurrency,
+        # 0: as many as a step has sessions (a held-out set larger than that waits its turn)
+        at_once = self.h.concurrency or hs.rollout.prompts * hs.rollout.samples
+        self.launcher = Launcher(self.h.command, self.run_dir / "harness", concurrency=at_once,
                                  timeout_s=self.h.session_timeout_s, grace_s=self.h.kill_grace_s)
         self.log = get_logger(component="harness")
 
