@@ -14,6 +14,7 @@ it); `--steps-file` appends one line per step served (a test waits for steps, no
 `--unseeded` ignores the seed (a non-deterministic environment: a replay diverges);
 `--mcp` serves a game with MCP tools instead (`CounterEnvironment`: reach a seeded target with
 `add(n)` calls; reward 1.0 and done when the counter reaches it exactly, done past it);
+`--capacity N` is openenv's max_concurrent_envs (512 here; 1 in openenv's template);
 `--die-once FILE`: the first server to have served `--die-after` steps SIGKILLs itself in the
 middle of a step of an episode it already served a step of (a client holding that session loses
 it), and creates FILE so that its restarted successors do not.
@@ -158,6 +159,7 @@ def main() -> None:
     p.add_argument("--die-once", default="")
     p.add_argument("--die-after", type=int, default=10)
     p.add_argument("--mcp", action="store_true")
+    p.add_argument("--capacity", type=int, default=512, help="sessions at once (max_concurrent_envs)")
     args = p.parse_args()
     DIE_ONCE, DIE_AFTER = (Path(args.die_once) if args.die_once else None), args.die_after
     UNSEEDED = args.unseeded
@@ -166,9 +168,11 @@ def main() -> None:
         Path(args.pid_dir, str(os.getpid())).write_text(str(args.port))
     if args.mcp:
         env_cls, action_cls = counter_environment()
-        app = create_app(env_cls, action_cls, CounterObservation, env_name="counter", max_concurrent_envs=512)
+        app = create_app(env_cls, action_cls, CounterObservation, env_name="counter",
+                         max_concurrent_envs=args.capacity)
     else:
-        app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=512)
+        app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess",
+                         max_concurrent_envs=args.capacity)
     import uvicorn
 
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", ws_max_size=1 << 20)

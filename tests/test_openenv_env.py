@@ -217,6 +217,33 @@ async def test_an_mcp_environments_tools_are_the_models_and_each_call_a_replayed
         first.server.close()
 
 
+async def test_a_server_at_capacity_gets_a_session_back_from_this_process():
+    """openenv's template serves one session at a time: a second episode's open is refused
+    (CAPACITY_REACHED), the process closes its least recently used session and retries; the
+    first episode re-opens by replay when its turn comes (counted). With no session of ours to
+    give back, the call ends after retry_s with a line that says what to change."""
+    command = f"python {SERVER} --port {{port}} --capacity 1"
+    env = load_env("openenv:one-seat", command=command, retry_s=120)
+    try:
+        a = await env.start({"seed": 21}, Context(episode_id="a"))
+        b = await env.start({"seed": 22}, Context(episode_id="b"))
+        wrong = {s: next(g for g in range(1, 9) if g != secret(s)) for s in (21, 22)}
+        ra = await env.respond([], ModelTurn(text=str(wrong[21])), a.state, Context(episode_id="a"))
+        assert list(env._sessions) == ["a"]  # a holds the server's one seat
+        rb = await env.respond([], ModelTurn(text=str(wrong[22])), b.state, Context(episode_id="b"))
+        assert list(env._sessions) == ["b"] and rb.state["reopens"] == 0
+        ra2 = await env.respond([], ModelTurn(text=str(secret(21))), ra.state, Context(episode_id="a", turn=1))
+        assert ra2.done and ra2.state["reopens"] == 1 and ra2.state["server_losses"] == 0
+        # another process holds the seat: with nothing of its own to close, a third waits retry_s
+        url = env.server.url
+        await load_env(f"openenv:{url}").respond([], ModelTurn(text=str(wrong[21])), a.state,
+                                                 Context(episode_id="c"))
+        with pytest.raises(EnvError, match="gave no session for retry_s = 1.0 s: the server is at capacity"):
+            await load_env(f"openenv:{url}", retry_s=1.0).start({"seed": 23}, Context(episode_id="d"))
+    finally:
+        env.server.close()
+
+
 @pytest.mark.parametrize("ref, options, message", [
     ("openenv:guess", {}, "name the server to start"),
     ("openenv:guess", {"command": "python x.py", "colour": "red"}, "unknown field `colour`"),

@@ -111,6 +111,10 @@ class ServerLost(Exception):
     """The server did not answer: refused, closed, timed out. The episode re-opens elsewhere."""
 
 
+class ServerBusy(ServerLost):
+    """The server refused a new session: it is at capacity (openenv's max_concurrent_envs)."""
+
+
 class ServerRefused(Exception):
     """The server answered an error message (`{"type": "error"}`), with openenv's code."""
 
@@ -474,16 +478,17 @@ class OpenEnvEnv(Env):
                 if left <= 0 or recent:
                     if not recent:
                         self._gave_up_at = time.monotonic()
-                    raise EnvError(f"openenv server {self.server.describe()} {'still ' if recent else ''}unreachable "
+                    what = "gave no session" if isinstance(e, ServerBusy) else "unreachable"
+                    raise EnvError(f"openenv server {self.server.describe()} {'still ' if recent else ''}{what} "
                                    f"{'after' if recent else 'for'} retry_s = {self.o.retry_s} s: {e}") from None
                 if self.server.managed:
                     try:
                         await self.server.ready(left)
                     except ServerLost:
                         continue  # the deadline says when to stop
-                else:
-                    await asyncio.sleep(min(pause, left))  # a server someone else runs: back off
-                    pause = min(2 * pause, 2.0)
+                # a server that answers but refused (at capacity) or one someone else runs: back off
+                await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(2 * pause, 2.0)
 
     async def _connect(self) -> Session:
         url = await self.server.ready(self.o.call_timeout_s)
@@ -501,21 +506,19 @@ class OpenEnvEnv(Env):
     async def _open(self, episode_id: str, state: dict[str, Any]) -> tuple[Session, dict[str, Any]]:
         """A new session at `state`'s position: reset(seed) then the actions so far, replayed;
         the last observation must be the one recorded (`on_diverge`). Counts `reopens`."""
-        for _ in range(max(1, len(self._sessions)) + 1):
-            sess = await self._connect()
-            try:
-                data = await sess.request({"type": "reset", "data": {**state["reset"], "seed": state["seed"]}})
-                break
-            except ServerRefused as e:
-                await sess.close()
-                if e.code != "CAPACITY_REACHED" or not self._sessions:
-                    raise EnvError(f"openenv reset refused: {e}") from None
-                await self._evict(1)  # room on the server: our least recently used session goes
-            except BaseException:
-                await sess.close()
-                raise
-        else:
-            raise EnvError("openenv reset refused: the server stays at capacity (raise its max_concurrent_envs)")
+        sess = await self._connect()
+        try:
+            data = await sess.request({"type": "reset", "data": {**state["reset"], "seed": state["seed"]}})
+        except ServerRefused as e:
+            await sess.close()
+            if e.code != "CAPACITY_REACHED":
+                raise EnvError(f"openenv reset refused: {e}") from None
+            await self._evict(1)  # room on the server: our least recently used session goes, if we hold one
+            raise ServerBusy(f"the server is at capacity ({e}): raise its max_concurrent_envs, or lower "
+                             "[env.options] max_sessions") from None
+        except BaseException:
+            await sess.close()
+            raise
         try:
             obs, reward, done = _result(data)
             for action in state["actions"]:
