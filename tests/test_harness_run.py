@@ -83,7 +83,7 @@ class PlayedRunner:
             k = int(sp.session.split("-k")[1].split("-")[0])
             o = Outcome(sp)
             if (sp.group, k) in self.lose:
-                o.lost = "it exited with -9 (killed by a signal)"
+                o.lost = "it exited with -9 (killed by signal 9)"
             else:
                 o.reward = float(k)
                 o.requests = [wire.RolloutRequest(
@@ -134,7 +134,7 @@ def test_sessions_group_by_row_and_a_lost_session_is_counted_not_trained():
     # a step that loses every session fails with why, instead of training on nothing
     every = HarnessSource(Rows([{"q": 1}]), PlayedRunner(lose={(0, 0), (0, 1)}), run_id="rh", seed=0, samples=2,
                           temperature=1.0)
-    with pytest.raises(HarnessError, match="every one of its 2 harness sessions was lost.*killed by a signal"):
+    with pytest.raises(HarnessError, match="every one of its 2 harness sessions was lost.*killed by signal 9"):
         asyncio.run(every.requests(0, 0, 1))
 
 

@@ -142,7 +142,8 @@ class HarnessRunner:
         elif x.timed_out:
             out.lost = f"it ran past harness.session_timeout_s ({self.h.session_timeout_s:g} s) and was killed"
         elif x.returncode != 0:
-            out.lost = f"it exited with {x.returncode}" + (" (killed by a signal)" if x.returncode < 0 else "")
+            signalled = -x.returncode if x.returncode < 0 else x.returncode - 128 if x.returncode > 128 else 0
+            out.lost = f"it exited with {x.returncode}" + (f" (killed by signal {signalled})" if signalled else "")
         elif out.reward is None:
             out.lost = "it exited without reporting a reward (POST $RLBOOST_REWARD_URL)"
         elif not recorded:
