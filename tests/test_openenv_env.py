@@ -166,6 +166,7 @@ async def test_a_url_server_that_stays_down_ends_the_call_with_a_clear_error():
     assert time.monotonic() - t0 < 1.0
 
 
+@pytest.mark.slow  # a server of its own: ~15 s of openenv-core's imports
 async def test_a_non_deterministic_environment_cannot_be_replayed(tmp_path):
     """An unseeded server deals another game on every reset: the worker's re-open does not
     reproduce the opening the trainer read, and the episode ends (env_error) instead of
@@ -184,6 +185,7 @@ async def test_a_non_deterministic_environment_cannot_be_replayed(tmp_path):
     assert lenient.server is strict.server  # one started server per command in a process
 
 
+@pytest.mark.slow  # a server of its own: ~15 s of openenv-core's imports
 async def test_an_mcp_environments_tools_are_the_models_and_each_call_a_replayed_step():
     """`tools = true`: an MCP environment (openenv's MCPEnvironment, a FastMCP server's tools):
     the opening lists its tools, a call is a `call_tool` step (recorded, replayed elsewhere), a
@@ -217,6 +219,7 @@ async def test_an_mcp_environments_tools_are_the_models_and_each_call_a_replayed
         first.server.close()
 
 
+@pytest.mark.slow  # a server of its own: ~15 s of openenv-core's imports
 async def test_a_server_at_capacity_gets_a_session_back_from_this_process():
     """openenv's template serves one session at a time: a second episode's open is refused
     (CAPACITY_REACHED), the process closes its least recently used session and retries; the

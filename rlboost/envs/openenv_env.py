@@ -317,7 +317,10 @@ class Session:
         import websockets.exceptions as wse
 
         try:
-            await asyncio.wait_for(self.ws.send(json.dumps(message)), self.timeout)
+            try:
+                await asyncio.wait_for(self.ws.send(json.dumps(message)), self.timeout)
+            except wse.ConnectionClosed:
+                pass  # the server may have said why before it closed (at capacity): its message is read below
             raw = await asyncio.wait_for(self.ws.recv(), self.timeout)
         except (asyncio.TimeoutError, TimeoutError):
             raise ServerLost(f"no answer to {message['type']} within call_timeout_s = {self.timeout} s") from None
