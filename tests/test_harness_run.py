@@ -86,6 +86,7 @@ class PlayedRunner:
                 o.lost = "it exited with -9 (killed by signal 9)"
             else:
                 o.reward = float(k)
+                o.metrics = {"turns": k + 1, "note": "not a number", "flag": True}  # only numbers are averaged
                 o.requests = [wire.RolloutRequest(
                     request_id=wire.request_id(sp.step, sp.group, c, run=sp.run), step=sp.step, policy_version=version,
                     prompt_ids=[1, 2], max_new_tokens=4, seed=0, group=sp.group) for c in range(self.calls)]
@@ -129,7 +130,8 @@ def test_sessions_group_by_row_and_a_lost_session_is_counted_not_trained():
     scores = {g: asyncio.run(scorer.group(source.sample((3, g)), rs)).rewards for g, rs in by_group.items()}
     assert scores == {0: [0.0, 0.0], 1: [0.0, 0.0, 1.0, 1.0]}  # each call its session's reward
     trained = [((3, g), rs) for g, rs in by_group.items()]
-    assert scorer.step_fields(trained) == {"harness_sessions": 6, "harness_lost": 3, "harness_calls_mean": 2.0}
+    assert scorer.step_fields(trained) == {"harness_sessions": 6, "harness_lost": 3, "harness_calls_mean": 2.0,
+                                           "harness/turns": round(4 / 3, 4)}
     assert scorer.step_fields(trained) == {"harness_sessions": 0, "harness_lost": 0, "harness_calls_mean": 0.0}
     # a step that loses every session fails with why, instead of training on nothing
     every = HarnessSource(Rows([{"q": 1}]), PlayedRunner(lose={(0, 0), (0, 1)}), run_id="rh", seed=0, samples=2,
@@ -240,6 +242,7 @@ def test_rlboost_run_harness_trains_five_steps_and_a_killed_harness_loses_only_i
     assert all(r["harness_sessions"] == 6 for r in steps)
     # each step trained the calls of its kept sessions (3 model turns each), grouped by row
     assert all(r["harness_calls_mean"] == 3.0 for r in steps)
+    assert all(r["harness/turns"] == 3.0 and "harness/tool_calls" in r for r in steps)  # the harness's own metrics
     assert result["eval_first"] is not None and result["eval_last"] is not None
     assert all(r.get("eval_harness_lost", 0) == 0 for r in steps)
     assert len({r["version"] for r in steps}) == 5  # the endpoint served each step's own, new version

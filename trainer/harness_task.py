@@ -38,6 +38,7 @@ never the step, and the run starts no second copy of it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -81,6 +82,7 @@ class Outcome:
 
     spec: Spec
     reward: float | None = None
+    metrics: dict = field(default_factory=dict)  # what the harness reported beside its reward
     requests: list[wire.RolloutRequest] = field(default_factory=list)
     lost: str = ""  # why it is not trained ("" = kept)
 
@@ -132,7 +134,9 @@ class HarnessRunner:
         out = Outcome(sp)
         path = self.run_dir / "sessions" / f"{sp.session}.jsonl"
         try:
-            out.reward = read_session(path).reward if path.exists() else None
+            if path.exists():
+                session = read_session(path)
+                out.reward, out.metrics = session.reward, session.metrics
         except Exception as e:  # a file the endpoint wrote cannot be bad; say so if it is
             out.lost = f"its session file does not read: {e}"
         if out.lost:
@@ -158,16 +162,40 @@ class HarnessRunner:
 
 @dataclass
 class StepSessions:
-    """A step's sessions: played, lost, the calls of the kept ones."""
+    """A step's sessions: played, lost, the calls of the kept ones and the numeric metrics their
+    harness reported with their rewards (summed, with how many reported each)."""
 
     sessions: int = 0
     lost: int = 0
     calls: int = 0
+    metrics: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum, count]
+
+    def add(self, o: Outcome) -> None:
+        self.sessions += 1
+        if o.lost:
+            self.lost += 1
+            return
+        self.calls += len(o.requests)
+        for k, v in o.metrics.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and len(self.metrics) < 64:
+                acc = self.metrics.setdefault(str(k)[:64], [0.0, 0])
+                acc[0] += v
+                acc[1] += 1
+
+    def merge(self, other: StepSessions) -> None:
+        self.sessions, self.lost, self.calls = (self.sessions + other.sessions, self.lost + other.lost,
+                                                self.calls + other.calls)
+        for k, (total, n) in other.metrics.items():
+            acc = self.metrics.setdefault(k, [0.0, 0])
+            acc[0] += total
+            acc[1] += n
 
     def row(self) -> dict:
+        """The step row's fields; a harness's own metrics as `harness/<name>` (their mean)."""
         kept = self.sessions - self.lost
         return {"harness_sessions": self.sessions, "harness_lost": self.lost,
-                "harness_calls_mean": round(self.calls / kept, 3) if kept else 0.0}
+                "harness_calls_mean": round(self.calls / kept, 3) if kept else 0.0,
+                **{f"harness/{k}": round(total / n, 4) for k, (total, n) in sorted(self.metrics.items())}}
 
 
 class HarnessSource(RequestSource):
@@ -200,14 +228,12 @@ class HarnessSource(RequestSource):
         self.log.info("harness sessions", step=step, rows=len(rows), sessions=len(specs), policy_version=version)
         outcomes = await self.runner.play(specs, version)
         stats = self.steps.setdefault(step, StepSessions())
-        stats.sessions += len(outcomes)
         out: list[wire.RolloutRequest] = []
         for o in outcomes:
+            stats.add(o)
             if o.lost:
-                stats.lost += 1
                 continue
             out += o.requests
-            stats.calls += len(o.requests)
             self.rewards.update((q.request_id, float(o.reward)) for q in o.requests)
         for p in set(range(len(rows))) - {q.group for q in out}:
             self._samples.pop((step, p), None)  # every session of the row was lost: no group to score
@@ -239,8 +265,7 @@ class HarnessScorer:
         for step in sorted({key[0] for key, _ in trained}):
             got = self.source.steps.pop(step, None)
             if got is not None:
-                total.sessions, total.lost, total.calls = (total.sessions + got.sessions, total.lost + got.lost,
-                                                           total.calls + got.calls)
+                total.merge(got)
         return total.row()
 
     def close(self) -> None:
