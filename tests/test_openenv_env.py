@@ -361,3 +361,14 @@ def test_rlboost_run_against_a_url_server_that_is_down_stops_with_one_line(servi
     last = p.stderr.strip().splitlines()[-1]
     assert "unreachable for retry_s = 2.0 s" in last and url in last, p.stderr[-3000:]
     print(f"stopped in {time.monotonic() - t0:.1f} s: {last}")
+
+
+@pytest.mark.slow
+def test_the_openenv_bench_plays_every_arm_and_survives_the_kill():
+    from rlboost.benchmarks import agent_openenv
+
+    out = agent_openenv.run(episodes=8, concurrency=4)
+    for arm in ("held", "handover", "kill"):
+        assert out[arm]["solved"] == out[arm]["episodes"] == 8 and out[arm]["errors"] == 0, out[arm]
+    assert out["held"]["reopens"] == 0 and out["handover"]["reopens"] > 0
+    assert out["kill"]["restarts"] >= 1 and out["kill"]["server_losses"] >= 1 and out["kill"]["recovery_s"] > 0
