@@ -12,7 +12,15 @@ like any other:
    line per choice in `<run dir>/sessions/<session>.jsonl`, fsynced before the answer goes out
    (sessions.py, which also reads them back for a trainer: `read_sessions`);
 4. the answer is the OpenAI response shape plus an `rlboost` field with the request ids, token
-   ids, logprobs and policy versions (chat.py), served over aiohttp (server.py).
+   ids, logprobs and policy versions (chat.py), served over aiohttp (server.py); with
+   `stream: true`, as server-sent `chat.completion.chunk` events cut from the recorded answer
+   (stream.py: the stream starts once the turn is durable and recorded, keep-alive comments
+   before).
+
+A training run (`rlboost run --harness`, rlboost.trainer.harness_task) makes its endpoint
+`bindable` and binds one session per harness process (`OpenAIEndpoint.bind`): that session's
+calls are requests of the run's step, in its row's GRPO group, under the step's version, and its
+own API key pins its calls and its reward report to it.
 
 Guarantees (docs/guides/agent-harnesses.md): a model turn is durable (checkpointed tokens,
 resumed on any worker); the harness's own state (its loop, its tools' side effects, the
