@@ -34,7 +34,7 @@ from rlboost.endpoint import OpenAIEndpoint
 from rlboost.modeldir import load_tokenizer, stop_ids
 from rlboost.trainer.data_task import make_task
 from rlboost.trainer.harness_launcher import Launch, Launcher
-from rlboost.trainer.harness_task import HarnessError, HarnessScorer, HarnessSource, Outcome, harness_rows
+from rlboost.trainer.harness_task import HarnessError, HarnessScorer, HarnessSource, Outcome, Spec, harness_rows
 from rlboost.workers.worker import RolloutWorker
 
 TESTS = Path(__file__).resolve().parent
@@ -140,7 +140,7 @@ def test_sessions_group_by_row_and_a_lost_session_is_counted_not_trained():
         asyncio.run(every.requests(0, 0, 1))
 
 
-def test_the_task_is_chosen_from_settings_and_rows_come_from_data(tmp_path, model_dir):
+def test_the_task_is_chosen_from_settings_and_rows_come_from_data(tmp_path, model_dir, monkeypatch):
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"question": str(i)}) + "\n" for i in range(20)))
     s = Settings()
     s.harness.command = "true"
@@ -150,6 +150,15 @@ def test_the_task_is_chosen_from_settings_and_rows_come_from_data(tmp_path, mode
     task = make_task(s, (data, "", 0), load_tokenizer(model_dir), [0], 256, None, run_id="rh", life="", clients=object(),
                      run_dir=tmp_path, pool="spot")
     assert isinstance(task.source, HarnessSource)
+    # a harness gets its session and its row, never the run's own settings (the servers' passwords)
+    monkeypatch.setenv("RLBOOST_SERVICES__AUTH__TRAINER_PASSWORD", "secret")
+    sp = task.source.runner
+    env = sp._env(Spec(session="s1", row={"question": "é"}, step=2, group=0, run="rh"), "rb-key", "http://h/v1", False)
+    assert not any(k.startswith("RLBOOST_") and k not in {"RLBOOST_SESSION", "RLBOOST_TASK", "RLBOOST_REWARD_URL",
+                                                          "RLBOOST_STEP", "RLBOOST_EVAL"} for k in env)
+    assert (env["OPENAI_API_KEY"], json.loads(env["RLBOOST_TASK"]), env["RLBOOST_EVAL"]) == \
+        ("rb-key", {"question": "é"}, "0")
+    assert env["RLBOOST_REWARD_URL"] == "http://h/v1/rlboost/sessions/s1/reward"
     s.data.train = ""
     with pytest.raises(Exception, match="--harness needs rows"):
         harness_rows(s)

@@ -125,7 +125,10 @@ class HarnessRunner:
         return [self._outcome(sp, b.recorded, x) for sp, b, x in zip(specs, bindings, exits, strict=True)]
 
     def _env(self, sp: Spec, key: str, base: str, evaluation: bool) -> dict[str, str]:
-        return {**os.environ, "OPENAI_BASE_URL": base, "OPENAI_API_KEY": key, "RLBOOST_SESSION": sp.session,
+        """The run's environment without rlboost's own settings (RLBOOST_*: the servers' addresses,
+        their passwords, tokens: a harness talks to the endpoint only), and the session's."""
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("RLBOOST_")}
+        return {**inherited, "OPENAI_BASE_URL": base, "OPENAI_API_KEY": key, "RLBOOST_SESSION": sp.session,
                 "RLBOOST_REWARD_URL": f"{base}/rlboost/sessions/{sp.session}/reward",
                 "RLBOOST_TASK": json.dumps(sp.row, ensure_ascii=False, default=str),
                 "RLBOOST_STEP": str(sp.step), "RLBOOST_EVAL": "1" if evaluation else "0"}
