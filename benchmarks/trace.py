@@ -108,11 +108,12 @@ from rlboost.benchmarks.spot import (Interval, TraceError, instance_seconds, int
                           sample_nodes, static_intervals)
 from rlboost.benchmarks import percentile, report
 from rlboost.benchmarks.fleet_host import HostedFleet
+from rlboost.benchmarks.trace_family import run_family
 from rlboost.benchmarks.trace_report import plot, print_table, rented_of
 from rlboost.benchmarks.trace_model import (INSTANCE_GPUS, MAX_NEW_TOKENS, PROMPT_TOKENS, PUBLISHED, RESERVED_GPUS,
                                             SLOTS_PER_GPU, TRAIN_S_PER_TOKEN, balanced_split, generation_gpu_s,
-                                            model_hybrid_throughput, model_step_s, modelled_lengths, seed_of,
-                                            throughput_bound)
+                                            availability_bound, model_hybrid_throughput, model_step_s,
+                                            modelled_lengths, seed_of, throughput_bound)
 from rlboost.workers.counters import Counters
 from rlboost.workers.engines.emulated import EmulatedEngine, LengthModel, TimingModel
 from rlboost.workers.fleet import WorkerFleet
@@ -557,6 +558,7 @@ class Emulation:
                 "fleet": self.fleet_policy.policy + (f":{self.fleet_policy.fixed}" if self.fleet_policy.policy == "fixed" else ""),
                 "avg_instances_rented": round(inst_s / elapsed, 2) if elapsed else 0.0,
                 **{k: round(v, 1) for k, v in bound.items()}, "overlap_tokens": self.overlap_tokens,
+                "generation_s": round(self.generation_s, 1), "train_s_per_token": self.train_s_per_token,
                 "rented_series": self.rented_series, "decisions": self.decisions,
                 "rented_intervals": [[i.node, round(i.up_s, 1), round(i.down_s, 1), i.preempted] for i in fleet],
                 "series": [[r["t_end_s"], round(r["tokens"] / r["step_s"])] for r in self.rows]}
@@ -569,8 +571,10 @@ async def evaluate(a: argparse.Namespace, nats_url: str, redis_url: str, workdir
         for label, policy, ivs, mode, fleet in runs:
             print(f"{label}:", flush=True)
             t = time.monotonic()
-            duration = a.duration if policy == "hybrid" or not a.trace else min(a.duration, a.baseline_duration)
-            out[label] = await Emulation(a, c, nats_url, redis_url, workdir, label.replace("@", "-").replace(":", ""),
+            traced = a.trace or getattr(a, "traces", "")  # reserved-only runs do not depend on it: shorter
+            duration = a.duration if policy == "hybrid" or not traced else min(a.duration, a.baseline_duration)
+            out[label] = await Emulation(a, c, nats_url, redis_url, workdir,
+                                         label.replace("@", "-").replace(":", "").replace("|", "-"),
                                          policy, ivs, mode, fleet).run(duration)
             out[label]["wall_s"] = round(time.monotonic() - t, 1)
     return out
@@ -598,6 +602,9 @@ def summarise(policies: dict, ivs: list[Interval], a: argparse.Namespace) -> dic
     if "colocated" not in policies or not hybrids:
         return result
     c = policies["colocated"]
+    if not (c.get("throughput") and c.get("cost_efficiency")):  # nothing to compare against
+        result["note"] = "colocated finished no step: give it a longer --baseline-duration"
+        return result
     for k in hybrids:
         h = policies[k]
         o = oracle(c, rented_of(h), a.duration, a.prices)["throughput"]
@@ -606,14 +613,22 @@ def summarise(policies: dict, ivs: list[Interval], a: argparse.Namespace) -> dic
                   "oracle": o, "oracle_fraction": round(h["throughput"] / o, 3)})
         bound = h.get("bound") or TRAINER_BOUND  # (a run's own: trace_model.throughput_bound)
         h.update({"bound": bound, "bound_fraction": round(h["throughput"] / bound, 3)})
+        if h.get("tokens") and h.get("generation_s"):  # what the trace offered (maybe nothing), not what it rented
+            ab = availability_bound(ivs, a.duration, h["generation_s"] / h["tokens"], c["throughput"],
+                                    h.get("train_s_per_token", TRAIN_S_PER_TOKEN))
+            h.update({"availability_bound": round(ab["availability_bound"], 1),
+                      "availability_fraction": round(h["throughput"] / ab["availability_bound"], 3),
+                      "none_available_s": round(ab["none_available_s"])})
     policies["oracle"] = oracle(c, rented_of(policies[hybrids[0]]), a.duration, a.prices)
     result["oracle_all_available"] = oracle(c, ivs, a.duration, a.prices)
     for k in hybrids:  # the first fleet's runs under the keys of before (`throughput_ratio`, `async_oracle_fraction`, ...)
         base = k.partition("@")[0]
         prefix = "" if base == "hybrid" else base.removeprefix("hybrid-") + "_"
         if base.startswith("hybrid") and f"{prefix}throughput_ratio" not in result:
-            for key in ("throughput_ratio", "cost_efficiency_gain", "oracle_fraction", "bound", "bound_fraction"):
-                result[prefix + key] = policies[k][key]
+            for key in ("throughput_ratio", "cost_efficiency_gain", "oracle_fraction", "bound", "bound_fraction",
+                        "availability_bound", "availability_fraction"):
+                if key in policies[k]:
+                    result[prefix + key] = policies[k][key]
     return result
 
 
@@ -633,25 +648,9 @@ def _runs(a: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str]) ->
         events = parse_trace(a.trace)  # TraceError, OSError: the caller's one line
         nodes = sample_nodes(events, a.fraction, a.seed)
         ivs = intervals([e for e in events if e.node in nodes], a.start, a.duration)
-        fleets = [f for f in a.fleet.split(",") if f]
-        try:
-            for f in fleets:
-                fleet_settings(f, a.prices)
-        except ValueError as e:
-            p.error(str(e))
-        modes = [m for m in a.mode.split(",") if m]
-        if set(modes) - {"sync", "partial", "async"}:
-            p.error(f"--mode {a.mode}: use sync, partial, async (comma-separated)")
         names = [x for x in a.policies.split(",") if x]
-        unknown = set(names) - {"colocated", "disaggregated", "hybrid"}
-        if unknown:
-            p.error(f"unknown policies {sorted(unknown)}")
         runs = [(x, x, [], "sync", "all") for x in names if x != "hybrid"]
-        if "hybrid" in names:  # each rollout mode under each fleet policy, in the same table
-            for f in fleets:
-                for m in modes:
-                    label = ("hybrid" if m == "sync" else f"hybrid-{m}") + (f"@{f}" if len(fleets) > 1 else "")
-                    runs.append((label, "hybrid", ivs, m, f))
+        runs += [(label, "hybrid", ivs, m, f) for label, m, f in _hybrids(a, p)]
         print(f"trace {a.trace}: {len(nodes)} of {len({e.node for e in events})} nodes sampled (seed {a.seed}), "
               f"segment [{a.start:.0f}, {a.start + a.duration:.0f}) s: {len(ivs)} availability intervals, "
               f"{sum(i.preempted for i in ivs)} preemptions, {instance_seconds(ivs) / a.duration:.2f} instances up "
@@ -661,9 +660,34 @@ def _runs(a: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str]) ->
     return ivs, runs
 
 
+def _hybrids(a: argparse.Namespace, p: argparse.ArgumentParser) -> list[tuple[str, str, str]]:
+    """The hybrid runs asked for, (label, rollout mode, fleet spec): each rollout mode under each
+    fleet policy, in the same table (none where --policies leaves the hybrid out)."""
+    fleets = [f for f in a.fleet.split(",") if f]
+    try:
+        for f in fleets:
+            fleet_settings(f, a.prices)
+    except ValueError as e:
+        p.error(str(e))
+    modes = [m for m in a.mode.split(",") if m]
+    if set(modes) - {"sync", "partial", "async"}:
+        p.error(f"--mode {a.mode}: use sync, partial, async (comma-separated)")
+    names = [x for x in a.policies.split(",") if x]
+    unknown = set(names) - {"colocated", "disaggregated", "hybrid"}
+    if unknown:
+        p.error(f"unknown policies {sorted(unknown)}")
+    if "hybrid" not in names:
+        return []
+    return [(("hybrid" if m == "sync" else f"hybrid-{m}") + (f"@{f}" if len(fleets) > 1 else ""), m, f)
+            for f in fleets for m in modes]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlboost bench trace", description=__doc__.splitlines()[0])
     p.add_argument("--trace", help="a trace file: `ms,add|remove,nodeN` per line")
+    p.add_argument("--traces", default="", help="instead of --trace, a family: p3, g4dn (the bundled Bamboo traces), "
+                   "synthetic:SEED or synthetic:FIRST-LAST (benchmarks/trace_gen.py), trace files; comma-separated. "
+                   "Each row per trace, then the median and the worst (benchmarks/trace_family.py)")
     p.add_argument("--start", type=float, default=0.0, help="segment start (s into the trace)")
     p.add_argument("--duration", type=float, default=7200.0, help="segment length (modelled s)")
     p.add_argument("--fraction", type=float, default=0.5, help="share of the trace's nodes sampled")
@@ -706,6 +730,10 @@ def main(argv: list[str], s: Settings) -> int:
     a = p.parse_args(argv)
     configure_logging(json=s.log_json, level="warning")  # progress lines and the table are the output
     a.prices = Prices(a.reserved_gpu_hour, a.preemptible_gpu_hour)
+    if a.traces:
+        if a.trace or a.calibrate or a.static:
+            p.error("--traces replaces --trace (and is not for --calibrate / --static)")
+        return run_family(a, s, _hybrids(a, p), evaluate, summarise)
     t_wall = time.monotonic()
     try:
         ivs, runs = _runs(a, p, argv)

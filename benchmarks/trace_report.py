@@ -18,7 +18,7 @@ def print_table(policies: dict, published: dict[str, float] | None = None, model
     """`published`: the paper's figures; `model`: the timing model alone (no system overhead)."""
 
     def bounded(key: str):  # the columns against colocated and the bound: hybrid runs only
-        return lambda row: row[1][key] if "bound" in row[1] else None
+        return lambda row: row[1].get(key) if "bound" in row[1] else None
 
     columns = [("policy", "<20", lambda row: row[0]), ("tokens/s", ">10,.0f", lambda row: row[1]["throughput"]),
                ("$/h", ">9.2f", lambda row: row[1]["cost_per_hour"]),
@@ -26,6 +26,7 @@ def print_table(policies: dict, published: dict[str, float] | None = None, model
                ("rented", ">8.2f", lambda row: row[1].get("avg_instances_rented")),
                ("x coloc", ">9.2f", bounded("throughput_ratio")), ("cost eff", ">+9.0%", bounded("cost_efficiency_gain")),
                ("bound", ">8,.0f", bounded("bound")), ("of bound", ">9.0%", bounded("bound_fraction")),
+               ("of avail", ">9.0%", bounded("availability_fraction")),
                ("preempt", ">9", lambda row: row[1]["preemptions"]),
                ("regen", ">10", lambda row: row[1]["regenerated_tokens"]),
                ("hand-offs", ">10", lambda row: row[1].get("handoffs", 0))]

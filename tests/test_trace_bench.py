@@ -150,3 +150,50 @@ def test_an_async_run_stays_under_its_bound(services, tmp_path):
     assert out["steps"] >= 2
     assert 0 < out["throughput"] <= out["bound"] <= out["trainer_bound"]  # a true upper bound, on a real run
     assert out["generation_bound"] >= out["bound"]
+
+
+def test_a_family_is_judged_per_trace_with_its_median_and_worst():
+    from rlboost.benchmarks.trace_family import family_runs, per_trace, summary
+
+    col = {"throughput": 10_000.0, "cost_per_hour": 83.76, "cost_efficiency": 119.4}
+
+    def hybrid(throughput: float) -> dict:
+        return {"throughput": throughput, "cost_efficiency": throughput / 90.0, "bound": 25_000.0,
+                "tokens": 1e6, "generation_s": 200.0, "rented_intervals": [["a", 0.0, 3600.0, False]]}
+
+    traces = {"p3": [Interval("a", 0, 3600, False)], "synthetic:1": [Interval("a", 1800, 3600, False)],
+              "synthetic:2": [Interval("a", 0, 3600, False), Interval("b", 0, 3600, False)]}
+    policies = {"colocated": col, "p3|hybrid": hybrid(20_000.0), "synthetic:1|hybrid": hybrid(12_000.0),
+                "synthetic:2|hybrid": hybrid(22_000.0)}
+    rows = per_trace(policies, traces, args(duration=3600.0), bench.summarise)
+    assert set(rows) == set(traces) and rows["p3"]["hybrid"]["throughput_ratio"] == pytest.approx(2.0)
+    # half the segment with nothing to rent: the availability-aware bound is lower there
+    assert rows["synthetic:1"]["hybrid"]["none_available_s"] == 1800
+    assert rows["synthetic:1"]["hybrid"]["availability_bound"] < rows["p3"]["hybrid"]["availability_bound"]
+    s = summary(rows)["hybrid"]
+    assert s["traces"] == 3
+    assert s["throughput_ratio"] == {"median": 2.0, "worst": 1.2, "worst_trace": "synthetic:1"}
+    runs = family_runs(args(policies="colocated,hybrid"), traces, [("hybrid", "sync", "all")])
+    assert [r[0] for r in runs] == ["colocated", "p3|hybrid", "synthetic:1|hybrid", "synthetic:2|hybrid"]
+
+
+@pytest.mark.slow
+def test_the_family_command_runs_each_trace_and_reports_median_worst_and_a_plot(services, tmp_path, capsys):
+    import json
+
+    from rlboost.config import ServicesSettings, Settings
+
+    nats_url, redis_url = services
+    s = Settings(services=ServicesSettings(nats_url=nats_url, redis_url=redis_url))
+    rc = bench.main(["--traces", "g4dn,synthetic:3", "--duration", "300", "--baseline-duration", "300",
+                     "--speed", "100", "--prompts", "16", "--samples", "4", "--t-seed", "10",
+                     "--policies", "colocated,hybrid", "--mode", "async", "--fleet", "cost", "--hosts", "1",
+                     "--out", str(tmp_path / "out")], s)
+    assert rc == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(line["traces"]) == {"g4dn", "synthetic:3"}
+    for t in line["traces"].values():
+        assert t["hybrid-async"]["steps"] >= 1 and "availability_bound" in t["hybrid-async"]
+    judged = line["summary"]["hybrid-async"]
+    assert judged["traces"] == 2 and judged["throughput_ratio"]["worst_trace"] in line["traces"]
+    assert (tmp_path / "out" / "trace.png").stat().st_size > 0 and (tmp_path / "out" / "traces" / "synthetic-3.csv").exists()
