@@ -141,3 +141,28 @@ async def test_a_streamed_answer_cut_by_max_tokens_continues_the_token_stream(na
     base = cut["prompt_ids"] + cut["completion_ids"]
     assert nxt["extends"] == {"request_id": cut["request_id"], "prefix_tokens": len(base) + 1}
     assert session.episode()["request_ids"] == [cut["request_id"], nxt["request_id"]]
+
+
+async def test_a_slow_turn_keeps_the_stream_alive_and_a_late_one_ends_it_with_an_error_event(
+        nats_url, redis_url, js, tokenizer, model_dir, tmp_path, monkeypatch):
+    from rlboost.endpoint import stream
+
+    monkeypatch.setattr(stream, "KEEPALIVE_S", 0.05)
+    async with serving(nats_url, redis_url, tokenizer, model_dir, tmp_path, "oa-stream-slow", delay_s=0.2, k=4) \
+            as (ep, c, _):
+        body = {"messages": [{"role": "user", "content": "What is 2 * 3 + 4?"}], "tools": [CALC], "max_tokens": 200,
+                "stream": True}
+        async with httpx.AsyncClient(timeout=60) as h:
+            async with h.stream("POST", _url(ep) + "/v1/chat/completions", json=body,
+                                headers={"Authorization": f"Bearer {TOKEN}", "X-Session-Id": "st-slow"}) as r:
+                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+                raw = (await r.aread()).decode()
+        events = raw.split("\n\n")
+        assert events[0].startswith(": ")  # a comment while the turn was generated, before any chunk
+        assert [e for e in events if e.startswith("data: ")][-1] == "data: [DONE]"
+        # a turn not in within endpoint.request_timeout_s: the stream ends with an error event
+        ep.cfg.request_timeout_s = 0.3
+        client = openai.AsyncOpenAI(base_url=_url(ep) + "/v1", api_key=TOKEN, max_retries=0)
+        with pytest.raises(openai.APIError, match="no result within"):
+            await _streamed(client, body["messages"], "st-late", max_tokens=200)
+        await client.close()
