@@ -133,7 +133,7 @@ async def test_a_killed_server_is_restarted_and_its_episode_reopened_and_counted
         # the next turn waits (bounded by retry_s) for the supervisor's restart, then replays
         r2 = await env.respond([], ModelTurn(text=str(wrong[1])), r1.state, ctx(1))
         assert r2.state["server_losses"] == 1 and r2.state["reopens"] == 1, r2.state
-        assert len(list(pids.iterdir())) == 2 and env.server.restarts >= 1
+        assert len(list(pids.iterdir())) == 2 and env.server.downs[0] == "the server exited with -9"
         r3 = await env.respond([], ModelTurn(text=str(secret(11))), r2.state, ctx(2))
         assert r3.done and env.score([], r3.state, ctx()).reward == 1.0
         assert env.score([], r3.state, ctx()).metrics["server_losses"] == 1.0
@@ -141,6 +141,33 @@ async def test_a_killed_server_is_restarted_and_its_episode_reopened_and_counted
         env.server.close()
     _wait(lambda: all(not Path(f"/proc/{p.name}").exists() or _zombie(p.name) for p in pids.iterdir()), 30,
           "the started servers to end")
+
+
+@pytest.mark.slow  # a server of its own, frozen until three health probes fail
+async def test_a_frozen_server_is_killed_and_restarted_by_its_supervisor(tmp_path, monkeypatch):
+    """SIGSTOP: the process lives but answers nothing (a deadlock, a swapped-out box). Calls time
+    out (call_timeout_s); the supervisor's /health probes fail, it kills the server and starts
+    another; the episode's turn, retried meanwhile, re-opens there."""
+    from rlboost.envs.openenv_env import ManagedServer
+
+    monkeypatch.setattr(ManagedServer, "HEALTH_EVERY_S", 0.5)
+    monkeypatch.setattr(ManagedServer, "HEALTH_TIMEOUT_S", 0.5)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = load_env("openenv:frozen", command=f"python {SERVER} --port {{port}} --pid-dir {pids}", retry_s=120,
+                   call_timeout_s=2)
+    try:
+        opening = await env.start({"seed": 31}, ctx())
+        wrong = [g for g in range(1, 9) if g != secret(31)]
+        r1 = await env.respond([], ModelTurn(text=str(wrong[0])), opening.state, ctx(0))
+        (first,) = [int(p.name) for p in pids.iterdir()]
+        os.kill(first, signal.SIGSTOP)
+        r2 = await env.respond([], ModelTurn(text=str(wrong[1])), r1.state, ctx(1))
+        assert r2.state["server_losses"] == 1 and r2.state["reopens"] == 1, r2.state
+        assert "stopped answering /health" in env.server.downs[0], env.server.downs
+        assert len(list(pids.iterdir())) == 2
+    finally:
+        env.server.close()
 
 
 def _zombie(pid: str) -> bool:

@@ -58,7 +58,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import msgspec
@@ -183,14 +183,16 @@ class UrlServer:
 
 class ManagedServer:
     """A server this process starts from `command` and supervises from a thread of its own: a
-    server that exits is restarted with backoff (1 s doubling to 30 s, back to 1 s after a
-    minute up), one log line each time; calls wait (bounded) for it to answer /health again."""
+    server that exits, or stops answering /health (`_watch`), is restarted with backoff (1 s
+    doubling to 30 s, back to 1 s after a minute up), one log line each time; calls wait
+    (bounded) for it to answer /health again."""
 
     managed = True
 
     def __init__(self, name: str, argv: list[str], host: str, port: int, start_timeout_s: float) -> None:
         self.name, self.argv, self.host, self.port, self.start_timeout_s = name, argv, host, port, start_timeout_s
         self.url, self.restarts, self.last_error = "", 0, ""
+        self.downs: deque[str] = deque(maxlen=16)  # why the server went, the latest last
         self.log_path = os.path.join(tempfile.gettempdir(), f"rlboost-openenv-{name}-{os.getpid()}.log")
         self._ready, self._closing, self._lock = threading.Event(), threading.Event(), threading.Lock()
         self._thread: threading.Thread | None = None
@@ -258,9 +260,8 @@ class ManagedServer:
                     self._ready.set()
                     if not self.restarts:  # a restart's one line is the warning below
                         log.info("openenv server up", server=self.name, url=url, pid=proc.pid)
-                    rc = proc.wait()
+                    self.last_error = self._watch(proc, url)
                     self._ready.clear()
-                    self.last_error = f"the server exited with {rc}"
                 else:
                     proc.kill()
                     rc = proc.wait()
@@ -271,10 +272,31 @@ class ManagedServer:
             if time.monotonic() - started > 60:
                 backoff = 1.0
             self.restarts += 1
+            self.downs.append(self.last_error)
             log.warning("openenv server down, restarting", server=self.name, why=self.last_error, in_s=backoff,
                         output=self.log_path)
             self._closing.wait(backoff)
             backoff = min(2 * backoff, 30.0)
+
+    HEALTH_EVERY_S, HEALTH_TIMEOUT_S, HEALTH_MISSES = 5.0, 5.0, 3
+
+    def _watch(self, proc: subprocess.Popen, url: str) -> str:
+        """Until the server exits, or stops answering /health (HEALTH_MISSES probes in a row,
+        HEALTH_TIMEOUT_S each: a frozen or deadlocked server, whose calls would only time out),
+        then it is killed. Why it went."""
+        misses = 0
+        while True:
+            try:
+                return f"the server exited with {proc.wait(timeout=self.HEALTH_EVERY_S)}"
+            except subprocess.TimeoutExpired:
+                pass
+            if self._closing.is_set():
+                return "closed"
+            misses = 0 if _healthy(url, timeout=self.HEALTH_TIMEOUT_S) else misses + 1
+            if misses >= self.HEALTH_MISSES:
+                proc.kill()
+                proc.wait()
+                return f"the server stopped answering /health ({misses} probes of {self.HEALTH_TIMEOUT_S} s): killed"
 
     def _wait_healthy(self, proc: subprocess.Popen, url: str) -> bool:
         deadline = time.monotonic() + self.start_timeout_s
