@@ -531,10 +531,19 @@ class Emulation:
             await self.seeding.close()
         migration = await self._migration_latency() if self.policy == "hybrid" else None
         R = self.a.token_scale
-        counted = [w.counters() for w in [*self.fleet.workers.values(), *self.reserved_fleet.workers.values()]]
-        counted.append(self.counters.snapshot())
-        regenerated = R * sum(max(0, c["generated"] - c["checkpointed"]) for c in counted)
-        fenced = R * sum(c["fenced"] for c in counted)  # a live worker's lease lost (a spurious expiry)
+        counted = {w.worker_id: w.counters() for w in [*self.fleet.workers.values(), *self.reserved_fleet.workers.values()]}
+        counted["(seeding)"] = self.counters.snapshot()
+        regenerated = R * sum(max(0, c["generated"] - c["checkpointed"]) for c in counted.values())
+        fenced = R * sum(c["fenced"] for c in counted.values())  # a live worker's lease lost (a spurious expiry)
+        # Generated and never checkpointed, by why: its worker SIGKILLed (no notice, or the notice
+        # ran out: `killed_at`), its lease lapsed under it (fenced: a starved host), or neither
+        # (a worker that drained or stopped with tokens it never flushed: 0 on a healthy run)
+        by_cause = {"killed": 0, "lease_lapsed": 0, "unflushed": 0}
+        for wid, c in counted.items():
+            lost = max(0, c["generated"] - c["checkpointed"])
+            lapsed = min(c["fenced"], lost)
+            by_cause["lease_lapsed"] += R * lapsed
+            by_cause["killed" if wid in self.killed_at else "unflushed"] += R * (lost - lapsed)
         elapsed = (t_done - t0) * self.S
         fleet = self.rented_intervals(elapsed) if self.policy == "hybrid" else []
         inst_s = instance_seconds(fleet, until_s=elapsed)
@@ -546,6 +555,7 @@ class Emulation:
         return {"throughput": round(throughput, 1), "cost_per_hour": round(rate, 2),
                 "cost_efficiency": round(cost_efficiency(throughput, rate), 2) if rate else 0.0,
                 "preemptions": len(self.preempted), "regenerated_tokens": regenerated, "fenced_tokens": fenced,
+                "regenerated_by_cause": by_cause,
                 "steps": len(self.rows), "tokens": tokens, "modelled_s": round(elapsed),
                 "instance_hours": round(inst_s / 3600, 2), "handoffs": self.orchestrator.handoffs,
                 "migrated_from_preempted": self.migrated_from_preempted, "migration_latency": migration, "notice_exceeded": self.notice_exceeded,

@@ -40,6 +40,9 @@ def test_preempted_node_requests_finish_elsewhere(services, tmp_path, notice):
     out = asyncio.run(run(nats_url, redis_url, tmp_path, a, "preempt", "hybrid", ivs, 900.0))
     assert out["preemptions"] == 1
     assert out["steps"] >= 2  # every step completed: no request lost
+    assert sum(out["regenerated_by_cause"].values()) == out["regenerated_tokens"]
+    if notice:
+        assert out["regenerated_by_cause"]["killed"] == 0
     assert out["migrated_from_preempted"] > 0  # A's unfinished requests were finished by others
     moved = out["migration_latency"]
     if notice:
