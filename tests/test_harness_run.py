@@ -162,6 +162,9 @@ def test_the_task_is_chosen_from_settings_and_rows_come_from_data(tmp_path, mode
     s.data.train = ""
     with pytest.raises(Exception, match="--harness needs rows"):
         harness_rows(s)
+    s.env.ref = "calculator"  # without --data: the environment's own rows
+    row = harness_rows(s).next_batch(1)[0]
+    assert isinstance(row, dict) and "question" in row
 
 
 @contextlib.asynccontextmanager
