@@ -193,9 +193,9 @@ class Dataflow:
                                               kind="publish", offset=0, ts=now, detail=subject)),
                   {wire.HDR_MSG_ID: wire.event_msg_id(r.request_id, "publish", 0, 0)}) for r in reqs]
         outcomes = await bus.publish_batch(self.c.js, msgs, ack_timeout_s=5.0, deadline_s=30.0)
-        missing = [r.request_id for r, out in zip(reqs, outcomes[:len(reqs)], strict=True) if not out.ok]
-        if missing:
-            raise bus.PublishFailed("requests", missing, f"no ack within 30 s: {outcomes[0].error}")
+        failed = [(r.request_id, out.error) for r, out in zip(reqs, outcomes[:len(reqs)], strict=True) if not out.ok]
+        if failed:
+            raise bus.PublishFailed("requests", [rid for rid, _ in failed], f"no ack within 30 s: {failed[0][1]}")
 
     async def _finished(self, req: wire.RolloutRequest) -> wire.RolloutResult | None:
         """A retried call's request whose checkpoint is finished: its result, read back from the
