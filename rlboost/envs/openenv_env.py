@@ -18,8 +18,8 @@ textarena / gymnasium adapters do (rlboost/envs/adapters.py), with the server as
   restarted) as well (`server_losses`): both reach the step rows as `env/reopens` and
   `env/server_losses` (Score.metrics).
 - TARGET is a URL of a running server (`openenv:http://127.0.0.1:8000`), or a name whose server
-  this process starts and supervises (`[env.options] command = "python -m my_env.server"`): on
-  a free loopback port of its own, restarted with backoff when it dies (one log line), killed
+  this process starts when it loads the environment and supervises (`[env.options] command =
+  "python -m my_env.server"`): on a free loopback port of its own, restarted with backoff when it dies (one log line), killed
   with its process (PR_SET_PDEATHSIG). Every call is bounded (`call_timeout_s`), and a lost
   server is retried for `retry_s` (keep it under `env.tool_timeout_s`) before the episode ends
   with a one-line reason (the runner's `env_error`).
@@ -206,13 +206,17 @@ class ManagedServer:
         """The running server's process id (None before the first start)."""
         return None if self._proc is None else self._proc.pid
 
-    async def ready(self, timeout: float) -> str:
-        """The server's URL once it answers, waiting at most `timeout` (ServerLost after)."""
+    def start(self) -> None:
+        """Start the server (once; it boots while the process loads the rest of its work)."""
         with self._lock:
-            if self._thread is None:  # started on first use: a process that only scores never starts one
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._supervise, name=f"openenv-{self.name}", daemon=True)
                 self._thread.start()
                 atexit.register(self.close)
+
+    async def ready(self, timeout: float) -> str:
+        """The server's URL once it answers, waiting at most `timeout` (ServerLost after)."""
+        self.start()
         deadline = time.monotonic() + timeout
         while not self._ready.is_set():
             if time.monotonic() >= deadline:
@@ -713,4 +717,8 @@ def load(target: str, **options: Any) -> OpenEnvEnv:
         raise EnvError(f"openenv:{target}: name the server to start ([env.options] command = \"python -m ...\") "
                        f"or give its URL (openenv:http://HOST:PORT)")
     server = managed_server(target, _command(o.command), o.host, o.port, o.start_timeout_s)
+    # started now, not at the first call: a worker loads its environment before it takes work,
+    # so the server boots (openenv-core's imports take seconds) while the worker loads its model,
+    # and the first episode's call does not spend its env.tool_timeout_s waiting for it
+    server.start()
     return OpenEnvEnv(target, server, o)
