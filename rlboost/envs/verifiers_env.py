@@ -213,10 +213,64 @@ def _bare_env(env_cls: type, config: Any) -> Any:
     return env
 
 
-def load(target: str, **options: Any) -> "VerifiersEnv":
-    """The environment `verifiers:TARGET` names (rlboost.envs.SCHEMES), `options` from `[env.options]`."""
+def load(target: str, **options: Any) -> Any:
+    """The environment `verifiers:TARGET` names (rlboost.envs.SCHEMES), `options` from `[env.options]`.
+    Outside an event loop (the trainer, the CLI) it is built now, refusals and all; inside one (a
+    generation worker loads an environment when its first episode arrives) it is built on a
+    thread at its first call (`Deferred`)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return build(target, dict(options))
+    return Deferred(target, dict(options))
+
+
+class Deferred:
+    """A VerifiersEnv built at its first call, on a thread: importing verifiers and the user's
+    module takes seconds (12-20 s on a busy 2-core box), and in the event loop that would stop
+    the worker's heartbeats and let its leases lapse mid-claim (its episodes taken back). The run
+    has already built it once in the trainer, so a refusal surfaced here is no surprise."""
+
+    def __init__(self, target: str, options: dict[str, Any]) -> None:
+        self._target, self._options = target, options
+        self._env: VerifiersEnv | None = None
+        self._lock = threading.Lock()
+        self.name = f"verifiers/{target}"
+
+    def built(self) -> "VerifiersEnv":
+        with self._lock:
+            if self._env is None:
+                self._env = build(self._target, self._options)
+            return self._env
+
+    async def _ready(self) -> "VerifiersEnv":
+        return self._env if self._env is not None else await in_thread(self.built)
+
+    async def start(self, row: dict[str, Any], ctx: Context) -> Opening:
+        return await (await self._ready()).start(row, ctx)
+
+    async def call_tool(self, call: ToolCall, state: Any, ctx: Context) -> ToolResult:
+        return await (await self._ready()).call_tool(call, state, ctx)
+
+    async def respond(self, transcript: list[Message], turn: ModelTurn, state: Any, ctx: Context) -> Reply:
+        return await (await self._ready()).respond(transcript, turn, state, ctx)
+
+    async def score(self, transcript: list[Message], state: Any, ctx: Context) -> Score:
+        return await (await self._ready()).score(transcript, state, ctx)
+
+    def rows(self, split: str = "train", n: int = 256, seed: int = 0) -> list[dict[str, Any]]:
+        return self.built().rows(split, n, seed)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.built(), name)
+
+
+def build(target: str, options: dict[str, Any]) -> "VerifiersEnv":
+    """The VerifiersEnv `target` names, built now (the module imported, refusals checked)."""
     module = _module(target)
-    taskset, env_cls, env = _made(target, module, dict(options))
+    taskset, env_cls, env = _made(target, module, options)
     why = refusal(taskset, env_cls, module)
     if why:
         raise EnvError(f"verifiers:{target}: {why}")
