@@ -416,7 +416,7 @@ async def scenario_kill_during_pull(srv, workdir, a, rng) -> dict:
         pub = WeightPublisher(store, await VersionPointer.open(c.js), target_shard_bytes=8 << 20)
         g = torch.Generator().manual_seed(0)
         state = {f"layer{i}.weight": torch.randn(1024, 2048, generator=g) for i in range(a.pull_mb // 8)}
-        report = await pub.publish(state, version=1)
+        published = await pub.publish(state, version=1)
     cache = workdir / "kill_during_pull" / "cache"
     extra: dict = {}
 
@@ -442,7 +442,7 @@ async def scenario_kill_during_pull(srv, workdir, a, rng) -> dict:
     ctx_extra = {"extra": extra}
     out = await run_load(srv, workdir, "kill_during_pull", reqs, a.workers, fault, at=0.0, timeout_s=a.timeout,
                          worker_env={"RLBOOST_WORKER__CACHE_DIR": str(cache), "RLBOOST_WORKER__EMULATED_PULLS": "1"},
-                         weights={1: report.manifest_digest})
+                         weights={1: published.manifest_digest})
     out.update(ctx_extra["extra"])
     out["part_files_after"] = len(list(cache.glob("*/tmp/*.part")))
     return out
