@@ -273,7 +273,9 @@ class Host:
             inst.kill()
 
 
-def main(argv: list[str] | None = None) -> int:
+# Not named `main`: a module with a top-level `main` is a `rlboost bench NAME` (rlboost/cli.py),
+# and a host is a process the benches start, not a bench.
+def host_main(argv: list[str] | None = None) -> int:
     from rlboost.logs import configure_logging
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -398,4 +400,4 @@ class HostedFleet:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(host_main())

@@ -107,7 +107,7 @@ def _host_main(argv: list[str]) -> int:
 
     fleet_host.Host.serve = serve_and_time_the_loop  # type: ignore[method-assign]
     try:
-        return fleet_host.main(argv)
+        return fleet_host.host_main(argv)
     finally:
         log.close()
 

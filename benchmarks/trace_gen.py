@@ -194,7 +194,9 @@ def trace_file(name: str, hours: float, directory: Path) -> Path:
     return path
 
 
-def main() -> None:  # a look at the family: python -m rlboost.benchmarks.trace_gen
+# A look at the family: python -m rlboost.benchmarks.trace_gen. Not named `main`: a module with a
+# top-level `main` is a `rlboost bench NAME` (rlboost/cli.py), called as main(argv, settings).
+def show_family() -> None:
     import json
 
     for name in REAL:
@@ -206,4 +208,4 @@ def main() -> None:  # a look at the family: python -m rlboost.benchmarks.trace_
 
 
 if __name__ == "__main__":
-    main()
+    show_family()

@@ -46,3 +46,19 @@ def test_a_table_aligns_its_titles_with_their_columns_and_leaves_missing_values_
         "name     rate   share  twice",
         "a       1,234    +25% 2469.0",
         "bb          7           14.0"]
+
+
+def test_every_module_rlboost_bench_lists_takes_the_bench_arguments():
+    """`rlboost bench NAME` calls a bench module's top-level `main(argv, settings)`; a helper
+    with a `main` of another shape (a host process, a look at data) would be listed and crash."""
+    import importlib
+    import inspect
+
+    from rlboost import cli
+
+    for name, (package, _) in cli._benchmarks().items():
+        main = importlib.import_module(f"{package}.{name}").main
+        try:
+            inspect.signature(main).bind(["--help"], object())
+        except TypeError as e:
+            raise AssertionError(f"benchmarks/{name}.py: main cannot be called as main(argv, settings): {e}")
