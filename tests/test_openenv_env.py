@@ -399,3 +399,43 @@ def test_the_openenv_bench_plays_every_arm_and_survives_the_kill():
         assert out[arm]["solved"] == out[arm]["episodes"] == 8 and out[arm]["errors"] == 0, out[arm]
     assert out["held"]["reopens"] == 0 and out["handover"]["reopens"] > 0
     assert out["kill"]["restarts"] >= 1 and out["kill"]["server_losses"] >= 1 and out["kill"]["recovery_s"] > 0
+
+
+@pytest.mark.slow
+def test_rlboost_run_whose_url_server_dies_for_good_ends_its_episodes_and_stops(services, tmp_path,
+                                                                                short_turns_model_dir):
+    """A server the run does not own (a URL) is SIGKILLed mid-run and never comes back: the
+    episodes that needed it end `env_error` after `retry_s`, the next rows cannot open (each
+    fails at once: the server was found down), and the run stops with one line naming the
+    server, well within its bound; it does not wait for the server."""
+    nats_url, redis_url = services
+    port, steps_file = free_port(), tmp_path / "steps.txt"
+    server = subprocess.Popen([sys.executable, str(SERVER), "--port", str(port), "--steps-file", str(steps_file)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "RLBOOST_NATS_URL": nats_url, "RLBOOST_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    try:
+        _wait(lambda: _healthy(port) or server.poll() is not None, 120, "the openenv server")
+        run = subprocess.Popen(
+            [sys.executable, "-m", "rlboost.cli", "run", "--env", f"openenv:http://127.0.0.1:{port}", "--model-dir",
+             str(short_turns_model_dir), "--run-dir", str(tmp_path / "run"), "--steps", "50", "--prompts", "2",
+             "--samples", "2", "--workers", "1", "--eval-every", "100", "--eval-size", "2", "--max-response-tokens",
+             "24", "--env.max_turns", "4", "--env.options.retry_s", "3", "--t-seed", "0.5", "--t-seed-floor", "0.5"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            _wait(lambda: (steps_file.exists() and len(steps_file.read_text().splitlines()) >= 8)
+                  or run.poll() is not None, 400, "the game to serve a few steps")
+            assert run.poll() is None, run.communicate()[1][-3000:]
+            server.kill()
+            t0 = time.monotonic()
+            out, err = run.communicate(timeout=400)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.communicate()
+    finally:
+        server.kill()
+        server.wait()
+    last = err.strip().splitlines()[-1]
+    print(f"stopped {time.monotonic() - t0:.1f} s after the kill: {last}")
+    assert run.returncode == 2, err[-3000:]
+    assert f"127.0.0.1:{port}" in last and "unreachable" in last and "could not open an episode" in last, last
