@@ -7,6 +7,7 @@ error instead of a hang."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -17,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rlboost.envs import load_env
 from rlboost.envs.protocol import Context, EnvError, ModelTurn
@@ -106,6 +109,40 @@ async def test_another_process_reopens_the_episode_by_reset_and_replay(server_ur
     # the first process's session is behind the state now: used again, it is replaced, not trusted
     again = await first.respond([], ModelTurn(text=str(secret(5))), r1.state, ctx(1))
     assert again.done and again.state["reopens"] == 0  # its own session was at r1's position
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), plan=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2) | st.none()),
+                                                  min_size=4, max_size=4))
+def test_an_episode_resumed_anywhere_plays_what_an_undisturbed_one_plays(server_url, seed, plan):
+    """Each turn on any of three processes (environment objects), some turns played twice: once
+    by a process whose result is lost (it died before the turn was fenced: its session is now
+    ahead of the state), then again from the fenced state by another. The replies are those of
+    one process playing undisturbed, and the episode's state counts a re-open for each turn that
+    had to replay."""
+
+    async def play(players, turns):
+        state = (await players[0].start({"seed": seed}, ctx())).state
+        replies = []
+        for t, (who, lost) in enumerate(turns):
+            if len(replies) and replies[-1][2]:
+                break
+            if lost is not None:  # played, then lost with its process's fencing
+                await players[lost].respond([], ModelTurn(text=str(t + 1)), state, ctx(t))
+            r = await players[who].respond([], ModelTurn(text=str(t + 1)), state, ctx(t))
+            state = r.state
+            replies.append(([m.content for m in r.messages], r.turn_reward, r.done))
+        return replies, state
+
+    async def both():
+        alone = load_env(f"openenv:{server_url}")
+        expected, _ = await play([alone], [(0, None)] * 4)
+        got, state = await play([load_env(f"openenv:{server_url}") for _ in range(3)], plan)
+        return expected, got, state
+
+    expected, got, state = asyncio.run(both())
+    assert got == expected
+    assert state["reopens"] <= len(got) and state["server_losses"] == 0
 
 
 async def test_an_action_the_server_refuses_is_the_models_mistake(server_url):
