@@ -437,9 +437,11 @@ def test_rlboost_run_trains_the_verifiers_game_and_a_killed_worker_loses_no_epis
     worker SIGKILLed mid-run: every step trains its 4 episodes, the game answered turns (more than
     one model turn per episode), the reward recorded by run() reaches the step rows."""
     _, rows, _ = _train_and_kill(services, tmp_path / "run", short_turns_model_dir,
-                                 ["--max-response-tokens", "24", "--env.options.kind", "game"])
+                                 ["--max-response-tokens", "24", "--env.options.kind", "game",
+                                  "--env.options.guesses", "2"])  # the game ends within env.max_turns (3)
     assert sum(r["turns_mean"] for r in rows) / len(rows) > 1.2, [r["turns_mean"] for r in rows]
-    assert all("env/reward/solved" in r and "env/tries" in r for r in rows), rows[0]
+    assert all(r["episode_ends"] == {"done": 4} for r in rows), [r["episode_ends"] for r in rows]
+    assert all("env/reward/solved" in r and r["env/tries"] > 0 for r in rows), rows[0]
 
 
 def test_loaded_inside_an_event_loop_it_is_built_on_a_thread_at_its_first_call():
