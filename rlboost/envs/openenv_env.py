@@ -111,6 +111,10 @@ class ServerLost(Exception):
     """The server did not answer: refused, closed, timed out. The episode re-opens elsewhere."""
 
 
+class SessionLost(ServerLost):
+    """A session this process held broke: the server may already be back (a restart)."""
+
+
 class ServerBusy(ServerLost):
     """The server refused a new session: it is at capacity (openenv's max_concurrent_envs)."""
 
@@ -449,8 +453,9 @@ class OpenEnvEnv(Env):
         action = {"type": "call_tool", "tool_name": call.name, "arguments": call.arguments}
         try:
             obs, _, done = await self._retrying(ctx.episode_id, new, self._step, ctx.episode_id, new, action)
-        except ServerRefused as e:
-            return ToolResult(content=f"error: the environment refused the call: {e}", error=True)
+        except ServerRefused as e:  # nothing happened on the server (a re-open before it is counted)
+            return ToolResult(content=f"error: the environment refused the call: {e}", error=True, state=new,
+                              set_state=True)
         error = obs.get("error")
         if error:
             message = error.get("message", error) if isinstance(error, dict) else error
@@ -503,7 +508,8 @@ class OpenEnvEnv(Env):
                 # a server found down by a call that waited it out is not waited for again by the
                 # next one for retry_s (one try each): a run of rows against a dead server fails
                 # row by row in milliseconds, not retry_s each
-                recent = time.monotonic() - self._gave_up_at < self.o.retry_s
+                # (a held session that broke is not that: the server may be back, so re-open first)
+                recent = time.monotonic() - self._gave_up_at < self.o.retry_s and not isinstance(e, SessionLost)
                 if left <= 0 or recent:
                     if not recent:
                         self._gave_up_at = time.monotonic()
@@ -584,10 +590,11 @@ class OpenEnvEnv(Env):
             sess, _ = await self._open(episode_id, state)
         try:
             data = await sess.request({"type": "step", "data": action})
-        except ServerLost:
+        except ServerLost as e:
+            await sess.close()
             if held:
                 state["server_losses"] += 1  # this process had the episode open and the server lost it
-            await sess.close()
+                raise SessionLost(str(e)) from None
             raise
         except ServerRefused as e:
             if e.code in ("VALIDATION_ERROR", "INVALID_JSON"):
