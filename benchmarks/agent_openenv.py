@@ -1,6 +1,6 @@
-"""OpenEnv episodes through rlboost's adapter (rlboost/envs/openenv_env.py): episodes per second with
-sessions held, with every turn handed over (each re-opened by reset + replay), and what a server
-SIGKILL costs.
+"""OpenEnv episodes through rlboost's adapter: episodes per second with sessions held, with every turn handed over (re-opened by reset + replay), and what a server SIGKILL costs.
+
+The adapter is rlboost/envs/openenv_env.py (docs/guides/openenv.md).
 
 The workload: a number-guessing game (1..8, 4 tries, seeded; this module serves it with
 openenv-core's own app: `python -m rlboost.benchmarks.agent_openenv serve --port N`), each
