@@ -207,6 +207,34 @@ async def test_a_frozen_server_is_killed_and_restarted_by_its_supervisor(tmp_pat
         env.server.close()
 
 
+@pytest.mark.slow  # two servers, one after the other
+async def test_a_fixed_port_shares_a_running_server_and_takes_over_when_it_goes(tmp_path):
+    """`port = N`: a process that finds a server answering on N (another process's) uses it and
+    starts none; when it goes, this process starts its own there and the episode re-opens."""
+    port, pids = free_port(), tmp_path / "pids"
+    pids.mkdir()
+    command = f"python {SERVER} --port {{port}} --pid-dir {pids}"
+    other = subprocess.Popen([sys.executable, str(SERVER), "--port", str(port)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    env = None
+    try:
+        _wait(lambda: _healthy(port) or other.poll() is not None, 120, "the other process's server")
+        env = load_env("openenv:shared", command=command, port=port, retry_s=120)
+        opening = await env.start({"seed": 41}, ctx())
+        wrong = [g for g in range(1, 9) if g != secret(41)]
+        r1 = await env.respond([], ModelTurn(text=str(wrong[0])), opening.state, ctx(0))
+        assert env.server.pid is None and not list(pids.iterdir())  # it started nothing
+        other.kill()
+        r2 = await env.respond([], ModelTurn(text=str(wrong[1])), r1.state, ctx(1))
+        assert r2.state["server_losses"] == 1 and r2.state["reopens"] == 1
+        assert env.server.pid is not None and [p.read_text() for p in pids.iterdir()] == [str(port)]
+    finally:
+        other.kill()
+        other.wait()
+        if env is not None:
+            env.server.close()
+
+
 def _zombie(pid: str) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
