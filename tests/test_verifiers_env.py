@@ -472,3 +472,14 @@ def test_loaded_inside_an_event_loop_it_is_built_on_a_thread_at_its_first_call()
             await refused.start({"prompt": "x"}, Context(episode_id="y"))
 
     run(main())
+
+
+def test_the_bench_plays_the_same_episodes_natively_and_handed_over_with_each_call_once():
+    from rlboost.benchmarks import agent_verifiers
+
+    out = agent_verifiers.run(episodes=8, concurrency=4, arms="builtin,native,handover")
+    for name in ("builtin", "native", "handover"):
+        assert out[name]["solved"] == 8 and out[name]["episodes_per_s"] > 0, out[name]
+    assert out["native"]["tool_calls"] == out["builtin"]["tool_calls"] == out["handover"]["tool_calls"]
+    assert out["handover"]["tool_calls_run_twice"] == 0
+    assert out["handover"]["tool_calls_run"] == out["handover"]["tool_calls"]
