@@ -22,8 +22,6 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
-import nats.errors
-
 from rlboost import metrics, wire
 from rlboost.checkpoint import AlreadyFinished, LeaseLost
 from rlboost.workers.inflight import InFlight
@@ -109,26 +107,30 @@ class Liveness:
     async def watch_control(self, stop: asyncio.Event) -> None:
         """Follow the control keys until `stop`. A watch that cannot start or dies leaves
         `watching` false: the tick reads the keys instead."""
-        watchers = []
+        watchers, tasks = [], []
         try:
             for key in self.control_keys():
                 watchers.append(await self.control.watch(key))
             self.watching = True
-            await asyncio.gather(*(self._follow(key, w, stop) for key, w in zip(self.control_keys(), watchers)))
+            tasks = [asyncio.ensure_future(stop.wait()),
+                     *(asyncio.ensure_future(self._follow(key, w)) for key, w in zip(self.control_keys(), watchers))]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # a stop, or a watch that broke
+            for t in done:
+                if not t.cancelled() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
         except Exception as e:
-            self.st.log.warning("control watch down; reading the control keys every tick", error=str(e))
+            if not stop.is_set():
+                self.st.log.warning("control watch down; reading the control keys every tick", error=str(e))
         finally:
             self.watching = False
+            for t in tasks:
+                t.cancel()
             for w in watchers:
                 with contextlib.suppress(Exception):
                     await w.stop()
 
-    async def _follow(self, key: str, watcher, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                entry = await watcher.updates(timeout=0.5)  # local: the server pushes
-            except nats.errors.TimeoutError:
-                continue
+    async def _follow(self, key: str, watcher) -> None:
+        async for entry in watcher:  # pushed by the server; ends when the watcher is stopped
             if entry is not None and entry.value and entry.operation not in ("DEL", "PURGE"):
                 self.apply(key, entry.value)
 
