@@ -51,6 +51,7 @@ import inspect
 import json
 import sys
 import threading
+import weakref
 from typing import Any
 
 from rlboost import plugins
@@ -414,7 +415,9 @@ class VerifiersEnv:
         self._shared = list(type(taskset).toolsets(taskset.config))
         self._shared_ready: set[int] = set()
         self._lock = threading.Lock()
-        self._setup_lock: asyncio.Lock | None = None
+        # one lock per event loop (an asyncio.Lock belongs to the loop it first waits in)
+        self._setup_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._meta: dict[tuple, Any] = {}  # MCP's Tool (schema, argument model) per server class and tool
         self.tools = [spec for spec, _ in self._tool_table(self._servers_now())]  # a bad tool fails here, once
 
     # ------------------------------------------------ data
@@ -462,7 +465,9 @@ class VerifiersEnv:
     def _servers_now(self) -> list[Any]:
         return list(self.task_cls.toolsets(self.taskset.config.task)) + self._shared
 
-    def _tool_table(self, servers: list[Any]) -> list[tuple[ToolSpec, tuple[Any, Any]]]:
+    def _tool_table(self, servers: list[Any]) -> list[tuple[ToolSpec, tuple[Any, Any, Any]]]:
+        """Each tool of `servers`: its spec, and (its server, the method bound to it, MCP's Tool,
+        built once per server class: its argument model is a pydantic model made per build)."""
         from verifiers.v1.utils.decorators import discover_decorated
 
         out, seen = [], set()
@@ -473,22 +478,24 @@ class VerifiersEnv:
                 if name in seen:
                     raise EnvError(f"two tools named {name!r}")
                 seen.add(name)
-                tool = self._Tool.from_function(fn, name=name, description=(fn.__doc__ or "").strip())
+                tool = self._meta.get((type(server), fn.__name__, name))
+                if tool is None:
+                    tool = self._meta[(type(server), fn.__name__, name)] = self._Tool.from_function(
+                        fn, name=name, description=(fn.__doc__ or "").strip())
                 out.append((ToolSpec(name=name, description=tool.description, parameters=tool.parameters),
-                            (server, tool)))
+                            (server, fn, tool)))
         return out
 
     async def _servers_for(self, task: Any) -> list[Any]:
         """The call's tool servers: the task's built afresh for it (`setup`, `setup_task`: what
         verifiers does once per rollout, rebuilt here from the task alone), the shared ones set up
         once per process."""
-        if self._setup_lock is None:
-            self._setup_lock = asyncio.Lock()
+        lock = self._setup_locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
         fresh = list(self.task_cls.toolsets(self.taskset.config.task))
         for server in fresh:
             await server.setup()
             await server.setup_task(task)
-        async with self._setup_lock:
+        async with lock:
             for server in self._shared:
                 if id(server) not in self._shared_ready:
                     await server.setup()
@@ -503,7 +510,7 @@ class VerifiersEnv:
         table = dict((spec.name, impl) for spec, impl in self._tool_table(await self._servers_for(task)))
         if call.name not in table:
             return ToolResult(content=f"error: no tool named {call.name!r}", error=True)
-        server, tool = table[call.name]
+        server, fn, tool = table[call.name]
         try:
             kwargs = tool.fn_metadata.validate_arguments(call.arguments)
         except Exception as e:
@@ -516,7 +523,7 @@ class VerifiersEnv:
             # in the thread that runs the tool
             tokens = _call_state.set(vf_state), _CALL_KEY.set(key)
             try:
-                return tool.fn(**kwargs)
+                return fn(**kwargs)
             finally:
                 _CALL_KEY.reset(tokens[1])
                 _call_state.reset(tokens[0])
@@ -524,7 +531,7 @@ class VerifiersEnv:
         async def run_async() -> Any:
             tokens = _call_state.set(vf_state), _CALL_KEY.set(key)
             try:
-                return await tool.fn(**kwargs)
+                return await fn(**kwargs)
             finally:
                 _CALL_KEY.reset(tokens[1])
                 _call_state.reset(tokens[0])
