@@ -235,6 +235,35 @@ async def test_a_fixed_port_shares_a_running_server_and_takes_over_when_it_goes(
             env.server.close()
 
 
+HOLDER = """
+import asyncio, sys
+from rlboost.envs import load_env
+env = load_env("openenv:orphan", command=sys.argv[1])
+asyncio.run(env.server.ready(120))
+print("up", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.slow  # a process of its own that starts a server, then SIGKILL
+def test_a_sigkilled_process_leaks_no_server(tmp_path):
+    """The server is started with PR_SET_PDEATHSIG: the process that started it SIGKILLed (no
+    atexit runs), the server dies with it."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, f"python {SERVER} --port {{port}} --pid-dir {pids}"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "up"
+        (server,) = [p.name for p in pids.iterdir()]
+        holder.kill()
+        holder.wait()
+        _wait(lambda: _zombie(server), 30, "the server to die with its process")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def _zombie(pid: str) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

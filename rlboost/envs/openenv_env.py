@@ -148,15 +148,19 @@ def _healthy(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def _die_with_parent() -> None:
-    """In the server's process, before exec: killed with the thread that started it (the
-    supervisor's, which lives as long as this process), so a SIGKILLed worker leaks no server."""
+def _death_signal():
+    """A function for the server's process to run before exec: PR_SET_PDEATHSIG = SIGKILL, so it
+    is killed with the thread that started it (the supervisor's, which lives as long as this
+    process) and a SIGKILLed worker leaks no server. libc is loaded here, in the parent: the
+    child of a threaded process must not import (another thread may have held the import lock
+    at the fork). None where prctl is missing."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def _free_port(host: str) -> int:
@@ -258,7 +262,7 @@ class ManagedServer:
             with open(self.log_path, "ab") as out:
                 try:
                     proc = subprocess.Popen(self._argv(port), stdin=subprocess.DEVNULL, stdout=out,
-                                            stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                            stderr=subprocess.STDOUT, preexec_fn=_death_signal())
                 except OSError as e:
                     proc, self.last_error = None, f"cannot run {shlex.join(self.argv)}: {e}"
             if proc is not None:
