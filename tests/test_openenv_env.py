@@ -341,6 +341,51 @@ async def test_an_mcp_environments_tools_are_the_models_and_each_call_a_replayed
 
 
 @pytest.mark.slow  # a server of its own: ~15 s of openenv-core's imports
+async def test_an_mcp_episode_preempted_after_any_phase_resumes_elsewhere_to_the_same_end():
+    """The episode runner with an MCP environment's tools, in the fallback chat format of a
+    character tokenizer: a scripted policy calls `add(1)`, then `add(target - 1)`. Stopped after
+    any phase (its snapshot JSON-encoded, as a checkpoint stores it) and resumed by a runner on
+    another environment object (another process), it ends as an undisturbed run: the same
+    transcript, reward 1 (the last call's), ended `done` by the environment."""
+    import re
+
+    from rlboost.config import EnvSettings
+    from rlboost.envs import calculator
+    from rlboost.envs.chat import chat_format
+    from rlboost.envs.episode import EpisodeRunner, Snapshot
+    from rlboost.trainer.model import build_tokenizer
+
+    fmt = chat_format(build_tokenizer(calculator.ALPHABET))
+    command = f"python {SERVER} --port {{port}} --mcp"
+    envs = [load_env("openenv:counter", command=command, tools=True, retry_s=120) for _ in range(2)]
+    runners = [EpisodeRunner(env, fmt, EnvSettings(max_turns=4, max_episode_tokens=2048), max_turn_tokens=64)
+               for env in envs]
+
+    async def generate(ids, budget, stops):
+        context = fmt.tokenizer.decode(ids)
+        target = int(re.search(r"Reach (\d+) with add", context).group(1))
+        n = 1 if "<tool_response>" not in context else target - 1
+        new = fmt.encode(f'<tool_call>{{"name": "add", "arguments": {{"n": {n}}}}}</tool_call>') + [fmt.turn_end_id]
+        return new, [-0.5] * len(new), "stop"
+
+    try:
+        whole = await runners[0].run(generate, "mcp-0", {"seed": 5})
+        assert whole.end_reason == "done" and whole.reward == 1.0 and whole.tool_calls == 2, whole
+        resumed_at = []
+        for k in range(1, 8):
+            snap = await runners[0].run(generate, f"mcp-{k}", {"seed": 5}, stop_after=k)
+            if not isinstance(snap, Snapshot):
+                break  # the episode ended before k phases
+            resumed = await runners[1].run(generate, snapshot=Snapshot.decode(snap.encode()))
+            assert resumed.end_reason == whole.end_reason and resumed.reward == whole.reward, (k, resumed)
+            assert resumed.token_ids == whole.token_ids, k
+            resumed_at.append(snap.phase)
+        assert "tools" in resumed_at and len(resumed_at) >= 3, resumed_at
+    finally:
+        envs[0].server.close()
+
+
+@pytest.mark.slow  # a server of its own: ~15 s of openenv-core's imports
 async def test_a_server_at_capacity_gets_a_session_back_from_this_process():
     """openenv's template serves one session at a time: a second episode's open is refused
     (CAPACITY_REACHED), the process closes its least recently used session and retries; the

@@ -210,6 +210,10 @@ class ManagedServer:
         return f"{self.name} ({shlex.join(self.argv)}; its output: {self.log_path})"
 
     @property
+    def closed(self) -> bool:
+        return self._closing.is_set()
+
+    @property
     def pid(self) -> int | None:
         """The running server's process id (None before the first start)."""
         return None if self._proc is None else self._proc.pid
@@ -328,7 +332,7 @@ _SERVERS_LOCK = threading.Lock()
 def managed_server(name: str, argv: list[str], host: str, port: int, start_timeout_s: float) -> ManagedServer:
     with _SERVERS_LOCK:
         key = (tuple(argv), host, port)
-        if key not in _SERVERS:
+        if key not in _SERVERS or _SERVERS[key].closed:  # a closed one stays closed: a new one replaces it
             _SERVERS[key] = ManagedServer(name, argv, host, port, start_timeout_s)
         return _SERVERS[key]
 
