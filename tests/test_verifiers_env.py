@@ -189,6 +189,16 @@ def test_state_round_trips_as_json_between_every_call(exprs, notes):
     assert live["vf_state"]["calls"] == len(exprs) and live["vf_state"]["notes"] == notes
 
 
+def test_a_state_that_does_not_encode_is_an_error_result_naming_why_and_the_state_stays():
+    env = load_env(REF, kind="leaky")
+    state = run(env.start(env.rows("train", 10)[0] if env.rows("train", 10) else env.rows("test", 10)[0],
+                          Context(episode_id="l"))).state
+    got = run(env.call_tool(ToolCall(key="l/0/0", name="open_file", arguments={"path": "notes.txt"}), state,
+                            Context(episode_id="l", call_key="l/0/0")))
+    assert got.error and not got.set_state
+    assert "vf.State (LeakyState) does not encode as JSON, so it cannot be checkpointed" in got.content, got.content
+
+
 # ---------------------------------------------------------------- the game
 
 

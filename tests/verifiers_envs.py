@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 import verifiers.v1 as vf
@@ -183,6 +184,31 @@ class NeedsBoxTaskset(vf.Taskset[NeedsBox, vf.TasksetConfig]):
         yield NeedsBox(GuessData(prompt="hi"))
 
 
+class LeakyState(vf.State):
+    handle: object = None  # a live object: it cannot be checkpointed
+
+
+class Leaky(vf.Toolset[vf.ToolsetConfig, LeakyState]):
+    TOOL_PREFIX = None
+
+    @vf.tool
+    def open_file(self, path: str) -> str:
+        """Open a file and keep it open (in the state: what cannot be checkpointed)."""
+        self.state.handle = threading.Lock()
+        return "opened"
+
+
+class LeakyTask(vf.Task[GuessData, LeakyState, vf.TaskConfig]):
+    @classmethod
+    def toolsets(cls, config):
+        return [Leaky(vf.ToolsetConfig())]
+
+
+class LeakyTaskset(vf.Taskset[LeakyTask, vf.TasksetConfig]):
+    def load(self):
+        yield LeakyTask(GuessData(prompt="Open notes.txt"))
+
+
 # ---------------------------------------------------------------- the loader
 
 
@@ -197,6 +223,8 @@ def load_environment(kind: str = "tools", calls_file: str = "", n: int = 256, gu
     refused = {"two_seats": TwoSeats, "own_loop": OwnLoop, "grouped": Grouped}
     if kind in refused:
         return GuessTaskset(vf.TasksetConfig()), refused[kind]
+    if kind == "leaky":
+        return LeakyTaskset(vf.TasksetConfig())
     if kind == "needs_box":
         return NeedsBoxTaskset(vf.TasksetConfig())
     raise ValueError(f"kind {kind!r}")

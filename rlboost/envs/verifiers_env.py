@@ -546,8 +546,12 @@ class VerifiersEnv:
             error, content = False, mcp_content_to_chat_content(tool.fn_metadata.convert_result(out).content)
         except Exception as e:
             error, content = True, f"error: {type(e).__name__}: {e}"
+        try:
+            dumped = _dump(vf_state)
+        except EnvError as e:  # the call's effect on the state cannot be kept: the model is told, the state stays
+            return ToolResult(content=f"error: {e}", error=True)
         # a server's State type may know fewer fields than the task's: what it wrote replaces what it knows
-        new = {**state, "vf_state": {**state["vf_state"], **_dump(vf_state)}}
+        new = {**state, "vf_state": {**state["vf_state"], **dumped}}
         text = content if isinstance(content, str) else json.dumps(content)
         return ToolResult(content=text, error=error, state=new, set_state=True)
 
