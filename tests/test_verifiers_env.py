@@ -303,6 +303,20 @@ __all__ = ["Words"]
         load_env(f"verifiers:{tmp_path / 'nothing.py'}")
 
 
+def test_an_environment_written_for_verifiers_before_0_4_is_told_so(tmp_path):
+    (tmp_path / "old_env.py").write_text("import verifiers as vf\n\ndef load_environment():\n"
+                                         "    return vf.SingleTurnEnv(dataset=None, rubric=vf.Rubric())\n")
+    with pytest.raises(EnvError) as e:
+        load_env(f"verifiers:{tmp_path / 'old_env.py'}")
+    assert "load_environment() failed" in str(e.value) and "written for verifiers < 0.4" in str(e.value)
+    (tmp_path / "old_import.py").write_text("from verifiers import SingleTurnEnv\n")
+    with pytest.raises(EnvError, match="written for verifiers < 0.4") as e:
+        load_env(f"verifiers:{tmp_path / 'old_import.py'}")
+    assert "__name__" not in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(EnvError, match="no such file"):
+        load_env(f"verifiers:{tmp_path / 'missing.py'}")
+
+
 def test_a_row_from_a_data_file_becomes_a_task_of_the_tasksets_type():
     env = load_env(REF, kind="tools", n=8)
     opening = run(env.start({"prompt": "What is 2 plus 2?", "answer": "4"}, Context(episode_id="d")))

@@ -87,8 +87,18 @@ def _vf():
 def _module(target: str) -> Any:
     # plugins.load imports a module or a .py file (under a stable private name, the same in every
     # process) and returns an attribute; a module's `__name__` gives the module itself back
-    name = plugins.load(f"{target}:__name__", what="env", error=EnvError, callable_only=False)
+    try:
+        name = plugins.load(f"{target}:__name__", what="env", error=EnvError, callable_only=False)
+    except EnvError as e:
+        why = str(e).replace(f"{target}:__name__", f"verifiers:{target}")
+        raise EnvError(why + (OLD_API if any(n in why for n in _OLD_NAMES) else "")) from None
     return sys.modules[name]
+
+
+# what an environment written for verifiers before 0.4 uses (the classes rlboost does not play)
+_OLD_NAMES = ("SingleTurnEnv", "MultiTurnEnv", "ToolEnv", "StatefulToolEnv", "Rubric", "load_example_dataset")
+OLD_API = ("; written for verifiers < 0.4 (SingleTurnEnv / MultiTurnEnv / ToolEnv / Rubric)? rlboost pins verifiers "
+           "0.4, whose environments are verifiers.v1 tasksets (Taskset, Task, Toolset, @vf.reward)")
 
 
 def _exported(module: Any, base: type) -> list[type]:
@@ -106,7 +116,8 @@ def _made(target: str, module: Any, options: dict[str, Any]) -> tuple[Any, type 
         try:
             made = fn(**options)
         except Exception as e:
-            raise EnvError(f"verifiers:{target}: load_environment() failed ({e!r})") from None
+            hint = OLD_API if any(n in repr(e) for n in _OLD_NAMES) else ""
+            raise EnvError(f"verifiers:{target}: load_environment() failed ({e!r}){hint}") from None
         if isinstance(made, vf.Env):
             return made.taskset, type(made), made
         if (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], vf.Taskset)
@@ -117,8 +128,9 @@ def _made(target: str, module: Any, options: dict[str, Any]) -> tuple[Any, type 
         if isinstance(made, vf.Taskset):
             envs = _exported(module, vf.Env)
             return made, (envs[0] if len(envs) == 1 else None), None
-        raise EnvError(f"verifiers:{target}: load_environment() returned {type(made).__name__}, "
-                       "not a verifiers.v1 Taskset or Env")
+        old = any(n in {c.__name__ for c in type(made).__mro__} for n in _OLD_NAMES)
+        raise EnvError(f"verifiers:{target}: load_environment() returned {type(made).__name__}, not a verifiers.v1 "
+                       f"Taskset, Env or (Taskset, Env class[, its config])" + (OLD_API if old else ""))
     tasksets = _exported(module, vf.Taskset)
     if len(tasksets) != 1:
         raise EnvError(f"verifiers:{target}: define load_environment(**options) or export exactly one "
