@@ -199,6 +199,51 @@ def test_a_state_that_does_not_encode_is_an_error_result_naming_why_and_the_stat
     assert "vf.State (LeakyState) does not encode as JSON, so it cannot be checkpointed" in got.content, got.content
 
 
+def test_a_few_shot_messages_prompt_opens_with_its_roles_and_a_stop_on_the_trace_ends_the_episode():
+    env = load_env(REF, kind="fewshot")
+    rows = env.rows("train", 10) + env.rows("test", 10)
+    row = next(r for r in rows if r["answer"] == "7")
+    ctx = Context(episode_id="f")
+    opening = run(env.start(row, ctx))
+    assert [(m.role, m.content) for m in opening.messages] == [
+        ("system", "Use the calc tool."), ("user", "What is 2 plus 2?"), ("assistant", "Answer: 4"),
+        ("user", "What is 3 plus 4?")]
+    state, transcript = opening.state, list(opening.messages)
+    for i, expr in enumerate(["3+4", "7*1"]):
+        call = ToolCall(key=f"f/{i}/0", name="calc", arguments={"expression": expr})
+        got = run(env.call_tool(call, state, Context(episode_id="f", call_key=call.key)))
+        state = got.state
+        transcript += [Message(role="assistant", tool_calls=[call]),
+                       Message(role="tool", content=got.content, tool_call_id=call.key, name="calc")]
+        reply = run(env.respond(transcript, ModelTurn(tool_calls=[call]), state, ctx))
+        assert reply.done == (i == 1), i  # the stop fires on the second tool result
+
+
+_texts = st.text(max_size=12)
+_messages = st.lists(st.one_of(
+    st.builds(lambda t: {"role": "system", "content": t}, _texts),
+    st.builds(lambda t: {"role": "user", "content": t}, _texts),
+    st.builds(lambda t, c: {"role": "assistant", "content": t,
+                            **({"tool_calls": [{"id": "c1", "name": "calc", "arguments": c}]} if c else {})},
+              _texts, st.one_of(st.none(), st.just('{"expression": "1+1"}'))),
+    st.builds(lambda t: {"role": "tool", "tool_call_id": "c1", "content": t}, _texts)), max_size=4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(prompt=st.one_of(_texts, _messages), system=st.one_of(st.none(), _texts), answer=_texts,
+       idx=st.one_of(st.none(), st.integers(0, 10 ** 6)))
+def test_a_tasks_data_round_trips_through_its_json_row(prompt, system, answer, idx):
+    """Whatever a task's data holds (a string or a Messages prompt, defaults left out), its row's
+    JSON gives the same data back: what start rebuilds the task from, on any worker."""
+    import verifiers_envs
+    from rlboost.envs.verifiers_env import data_json
+
+    data = verifiers_envs.CalcData.model_validate({"prompt": prompt, "system_prompt": system, "answer": answer,
+                                                   "idx": idx})
+    row = json.loads(json.dumps(data_json(data)))
+    assert verifiers_envs.CalcData.model_validate(row) == data
+
+
 # ---------------------------------------------------------------- the game
 
 

@@ -184,6 +184,22 @@ class NeedsBoxTaskset(vf.Taskset[NeedsBox, vf.TasksetConfig]):
         yield NeedsBox(GuessData(prompt="hi"))
 
 
+class StoppingTask(CalcTask):
+    """A few-shot Messages prompt and a @vf.stop on the trace: two tool results end the episode."""
+
+    @vf.stop
+    async def two_calls(self, trace: vf.Trace) -> bool:
+        return len(trace.tool_messages) >= 2
+
+
+class FewShotTaskset(vf.Taskset[StoppingTask, CalcTasksetConfig]):
+    def load(self):
+        shot = [vf.SystemMessage(content="Use the calc tool."), vf.UserMessage(content="What is 2 plus 2?"),
+                vf.AssistantMessage(content="Answer: 4")]
+        for q, a in (("What is 3 plus 4?", "7"), ("What is 5 plus 6?", "11")):
+            yield StoppingTask(CalcData(prompt=[*shot, vf.UserMessage(content=q)], answer=a), self.config.task)
+
+
 class LeakyState(vf.State):
     handle: object = None  # a live object: it cannot be checkpointed
 
@@ -223,6 +239,8 @@ def load_environment(kind: str = "tools", calls_file: str = "", n: int = 256, gu
     refused = {"two_seats": TwoSeats, "own_loop": OwnLoop, "grouped": Grouped}
     if kind in refused:
         return GuessTaskset(vf.TasksetConfig()), refused[kind]
+    if kind == "fewshot":
+        return FewShotTaskset(CalcTasksetConfig())
     if kind == "leaky":
         return LeakyTaskset(vf.TasksetConfig())
     if kind == "needs_box":

@@ -455,7 +455,7 @@ class VerifiersEnv:
         return digest[0] % HELD_OUT == HELD_OUT - 1
 
     def row_of(self, task: Any) -> dict[str, Any]:
-        data = task.data.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
+        data = data_json(task.data)
         row = {"vf_task": data, "task": type(task).__name__, "data_source": self.name}
         for k in ("prompt", "answer", "info"):
             if k in data:
@@ -571,7 +571,7 @@ class VerifiersEnv:
 
     async def start(self, row: dict[str, Any], ctx: Context) -> Opening:
         task = self.task_of(row)
-        state = {"task": {"vf_task": task.data.model_dump(mode="json", exclude_none=True, exclude_defaults=True)},
+        state = {"task": {"vf_task": data_json(task.data)},
                  "vf_state": _dump(self._state_cls()()), "replies": [], "recorded": None}
         messages = opening_messages(task.data)
         if self.seat_env is not None:
@@ -657,6 +657,14 @@ class VerifiersEnv:
         metrics = {k: float(v) for k, v in trace.metrics.items() if v is not None}
         metrics.update({f"reward/{k}": float(r.score) for k, r in trace.rewards.items() if r is not None})
         return Score(reward=float(trace.reward), metrics=metrics)
+
+
+def data_json(data: Any) -> dict[str, Any]:
+    """A task's data as JSON: the fields it was given (a field left at its default comes back as
+    that default), each whole (a nested message keeps its `role`, the default its union is told
+    apart by)."""
+    full = data.model_dump(mode="json", exclude_none=True)
+    return {k: v for k, v in full.items() if k in data.model_fields_set or k == "idx"}
 
 
 def _dump(state: Any) -> Any:
