@@ -6,9 +6,9 @@ model turn and every tool result is fenced into the checkpoint like any rlboost 
 TARGET is an importable module or a path to a `.py` file. It names the environment one of two
 ways: a function `load_environment(**options)` (`[env.options]`) returning a `vf.Taskset`, a
 `vf.Env`, or `(taskset, EnvClass[, env_config])` (an Env whose taskset is not an installed
-verifiers plugin: verifiers' own Env constructor finds its taskset by plugin id), or (verifiers' own plugin convention) a module exporting its `Taskset` subclass in
-`__all__`, built from its config type with `[env.options]` as the config's fields. The module may
-also export an `Env` subclass with ONE seat whose `run(task, agents)` drives the seat turn by
+verifiers plugin: verifiers' own Env constructor finds its taskset by plugin id); or, verifiers'
+own plugin convention, a module exporting its `Taskset` subclass in `__all__`, built from its
+config type with `[env.options]` as the config's fields. The module may also export an `Env` subclass with ONE seat whose `run(task, agents)` drives the seat turn by
 turn (`async with agents.<seat>.interaction(task) as i: seg = await i.turn(message)`: a game, a
 feedback loop); anything else is refused at load, one line each (`refusal`). Loaded inside an
 event loop (a worker's first episode) it is built on a thread at its first call (`Deferred`).
@@ -160,7 +160,8 @@ def refusal(taskset: Any, env_cls: type | None, module: Any) -> str | None:
         name = env_cls.__name__
         own = [m for m in _MACHINERY if _overrides(env_cls, vf.Env, m)]
         if own:
-            return f"{name} overrides verifiers' rollout loop (Env.{own[0]}): rlboost cannot play it turn by turn; {ELSEWHERE}"
+            return (f"{name} overrides verifiers' rollout loop (Env.{own[0]}): rlboost cannot play it turn by "
+                    f"turn; {ELSEWHERE}")
         if _overrides(env_cls, vf.Env, "finalize"):
             return (f"{name}.finalize() judges an episode's traces together (a group-based reward); rlboost scores "
                     f"each episode on its own through the environment protocol (no group hook): {ELSEWHERE}")
@@ -174,7 +175,8 @@ def refusal(taskset: Any, env_cls: type | None, module: Any) -> str | None:
         return f"task {task_cls.__name__} has a {hooks[0]}() hook that runs in the agent's box (a runtime): {ELSEWHERE}"
     task = task_cls(task_cls.data_type().model_construct(), taskset.config.task)
     if task.config.judges:
-        return f"task {task_cls.__name__} is scored by judges (a model of their own), which the native path does not call: {ELSEWHERE}"
+        return (f"task {task_cls.__name__} is scored by judges (a model of their own), which the native path "
+                f"does not call: {ELSEWHERE}")
     for kind in ("reward", "metric"):
         for fn in task.hooks(kind):
             if not inspect.iscoroutinefunction(inspect.unwrap(fn)):
