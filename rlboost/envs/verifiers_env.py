@@ -9,9 +9,10 @@ ways: a function `load_environment(**options)` (`[env.options]`) returning a `vf
 verifiers plugin: verifiers' own Env constructor finds its taskset by plugin id); or, verifiers'
 own plugin convention, a module exporting its `Taskset` subclass in `__all__`, built from its
 config type with `[env.options]` as the config's fields. The module may also export an `Env`
-subclass with ONE seat whose `run(task, agents)` drives the seat turn by turn (`async with agents.<seat>.interaction(task) as i: seg = await i.turn(message)`: a game, a
-feedback loop); anything else is refused at load, one line each (`refusal`). Loaded inside an
-event loop (a worker's first episode) it is built on a thread at its first call (`Deferred`).
+subclass with ONE seat whose `run(task, agents)` drives the seat turn by turn (`async with
+agents.<seat>.interaction(task) as i: seg = await i.turn(message)`: a game, a feedback loop);
+anything else is refused at load, one line each (`refusal`). Loaded inside an event loop (a
+worker's first episode) it is built on a thread at its first call (`Deferred`).
 
 What maps to what:
 
