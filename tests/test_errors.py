@@ -12,7 +12,7 @@ import pytest
 from rlboost import cli
 from rlboost.errors import RlboostError
 
-PACKAGES = ("rlboost", "workers", "trainer", "benchmarks")
+PACKAGES = ("rlboost", "rlboost.workers", "rlboost.trainer", "rlboost.benchmarks")  # the installed names
 
 
 def project_errors() -> dict[str, type]:
@@ -35,7 +35,10 @@ def project_errors() -> dict[str, type]:
 def test_every_project_error_derives_from_the_root():
     errors = project_errors()
     assert len(errors) > 20  # the walk found them (wire, checkpoint, weights, data, rewards, ...)
-    assert sorted(name for name, e in errors.items() if not issubclass(e, RlboostError)) == []
+    # a private BaseException is a control-flow signal through user code, not an error (verifiers_env's
+    # _Suspend: a user's `except Exception` must not swallow it)
+    signals = {n for n, e in errors.items() if n.rpartition(".")[2].startswith("_") and not issubclass(e, Exception)}
+    assert sorted(n for n, e in errors.items() if not issubclass(e, RlboostError) and n not in signals) == []
 
 
 @pytest.mark.parametrize("debug", [False, True])

@@ -65,6 +65,7 @@ import msgspec
 
 from rlboost.envs.protocol import (Context, Env, EnvError, Message, ModelTurn, Opening, Reply, Score, ToolCall,
                                    ToolResult, ToolSpec, in_thread, system, user)
+from rlboost.errors import RlboostError
 from rlboost.logs import get_logger
 
 log = get_logger(component="openenv")
@@ -107,7 +108,7 @@ class OpenEnvOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"{key} = {getattr(self, key)!r}: must be {why}")
 
 
-class ServerLost(Exception):
+class ServerLost(RlboostError):
     """The server did not answer: refused, closed, timed out. The episode re-opens elsewhere."""
 
 
@@ -119,7 +120,7 @@ class ServerBusy(ServerLost):
     """The server refused a new session: it is at capacity (openenv's max_concurrent_envs)."""
 
 
-class ServerRefused(Exception):
+class ServerRefused(RlboostError):
     """The server answered an error message (`{"type": "error"}`), with openenv's code."""
 
     def __init__(self, code: str, message: str) -> None:
