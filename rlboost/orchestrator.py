@@ -104,6 +104,11 @@ MODES = ("sync", "partial", "async")
 GroupKey = tuple[int, int]  # (step the group was published in, group index in that step)
 
 
+class StepIncomplete(RlboostError, RuntimeError):
+    """A step whose results are all in but whose groups are not all complete (sync, async): a
+    bug to report, never a short step trained."""
+
+
 class StalenessExceeded(RlboostError, RuntimeError):
     """A result with tokens from a version further behind than the mode allows."""
 
@@ -469,8 +474,15 @@ class Orchestrator:
                         step, lambda: len(out.trained) + sum(1 for it in self._ready if eligible(it[0])) >= prompts
                         or self._collectors_done(), free_at)
                 if self._collectors_done() and not self._scoring:
-                    break  # partial: every request is in, nothing more will complete
+                    self._check_collectors()  # a collector that failed (meanwhile) says why
+                    # what completed meanwhile (a take-back waits there for the whole batch): before,
+                    # those groups were left untrained and the step ended short
+                    item = self._take(eligible)
+                    break  # every request is in: nothing more will complete
             if item is None:
+                if self.mode != "partial":  # never a short step: its trainer would train a part of it
+                    raise StepIncomplete(f"step {step}: every result is in and {len(out.trained)} of {prompts} "
+                                         "groups were trained; the others never completed")
                 break
             key, results, scores, ready_at = item
             out.trainer_wait_s += max(0.0, ready_at - free_at)
