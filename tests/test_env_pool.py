@@ -243,3 +243,19 @@ def test_an_environment_worker_without_a_model_directory_stops_with_the_reason(t
                        env={**os.environ, "RLBOOST_NATS_URL": "nats://127.0.0.1:1", "RLBOOST_REDIS_URL": "redis://127.0.0.1:1/0"},
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "no model directory" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_an_environment_worker_preloads_another_librarys_environment():
+    """`--env verifiers:...` / `openenv:...` on the environment pool: the worker imports the
+    scheme's loader at start (before, it took the ref for `module:fn` and refused to start)."""
+    from rlboost.config import EnvSettings
+    from rlboost.envs import calculator
+    from rlboost.trainer.model import build_tokenizer
+    from rlboost.workers.episodes import EpisodeHost, EpisodeRefused
+
+    for ref in ("verifiers:tests/verifiers_envs.py", "openenv:http://127.0.0.1:9"):
+        host = EpisodeHost(None, "", EnvSettings(ref=ref), "pool-w", tokenizer=build_tokenizer(calculator.ALPHABET))
+        host.preload(ref)  # imports the loader; nothing is started or connected yet
+    with pytest.raises(EpisodeRefused, match="cannot import"):
+        EpisodeHost(None, "", EnvSettings(ref="nosuchmodule:make"), "pool-w",
+                    tokenizer=build_tokenizer(calculator.ALPHABET)).preload("nosuchmodule:make")

@@ -37,13 +37,14 @@ which runs steps 2 and 3 and sends it back to the resume lane.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlboost import episodes, wire
-from rlboost.envs import BUILTIN_ENVS, load_env
+from rlboost.envs import BUILTIN_ENVS, SCHEMES, load_env
 from rlboost.envs.chat import ChatFormat, chat_format
 from rlboost.envs.episode import EpisodeRunner, Generation, Snapshot, Span
 from rlboost.config import EnvSettings
@@ -191,7 +192,9 @@ class EpisodeHost:
         from rlboost import plugins
 
         if ref:
-            plugins.load(ref, what="env", builtins=BUILTIN_ENVS, error=EpisodeRefused)
+            scheme, sep, _ = ref.partition(":")  # `verifiers:...`: the scheme's loader is the code to import
+            plugins.load(SCHEMES[scheme] if sep and scheme in SCHEMES else ref, what="env", builtins=BUILTIN_ENVS,
+                         error=EpisodeRefused)
         self.chat_format()
 
     def chat_format(self) -> ChatFormat:
@@ -213,7 +216,7 @@ class EpisodeHost:
                 raise EpisodeRefused(f"no chat format for this model: {e}") from None
         return self._fmt
 
-    def runner(self, req: wire.RolloutRequest) -> EpisodeRunner:
+    async def runner(self, req: wire.RolloutRequest) -> EpisodeRunner:
         spec = req.episode
         assert spec is not None
         if spec.env not in self.allowed:
@@ -224,8 +227,9 @@ class EpisodeHost:
             options = json.loads(spec.config)
             if not isinstance(options, dict):
                 raise EpisodeRefused(f"episode config {spec.config[:80]!r} is not a JSON object")
-            try:
-                env = load_env(spec.env, **options)
+            try:  # in a thread: an environment's first load imports its library (seconds), which in
+                # the event loop would stop this worker's heartbeats and every episode it holds
+                env = await asyncio.to_thread(load_env, spec.env, **options)
             except RlboostError as e:
                 raise EpisodeRefused(f"environment {spec.env!r} does not load: {e}") from None
             if len(self._envs) >= MAX_CACHED:  # bounded, whatever requests name
@@ -249,7 +253,7 @@ class EpisodeHost:
                    logprobs: list[float], put: Put) -> EpisodeRun:
         """The episode as its claim found it: a new one opens (`begin`, its opening checked against
         the request's prompt, its first state fenced in); a stored one continues from its state."""
-        runner = self.runner(req)
+        runner = await self.runner(req)
         assert req.episode is not None
         if stored is None:
             if token_ids:
