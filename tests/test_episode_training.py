@@ -357,6 +357,33 @@ async def test_greedy_episodes_play_every_row_to_its_end_in_batches():
     assert [d.reward for d in wrong] == [0.0] * 5
 
 
+async def test_each_held_out_evaluation_names_its_episodes_and_tool_calls_its_own():
+    """A tool that de-duplicates on its idempotency key must not answer one evaluation's call
+    from another's: the episode ids (and so the keys) carry the run, the life and the round."""
+    from rlboost.envs import calculator
+    from rlboost.trainer.episode_evaluation import EpisodeEvaluation
+
+    runner = _calc_runner()
+    rows = calculator.rows("test", 3, seed=0)
+    policy = _policy(runner, rows)
+
+    class Ops:  # the trainer's greedy generation, as the evaluation calls it
+        def call(self, what, prompts, max_new, stops, pad):
+            return policy(prompts, max_new, stops)
+
+    ids: list[str] = []
+    begin = runner.begin
+
+    async def recording(episode_id, row):
+        ids.append(episode_id)
+        return await begin(episode_id, row)
+
+    runner.begin = recording
+    evaluation = EpisodeEvaluation(rows, runner, Ops(), 0, run_id="r1", life="l2")
+    assert (await evaluation.evaluate()).accuracy == 1.0 and (await evaluation.evaluate()).accuracy == 1.0
+    assert ids == [f"r1-l2-eval{n}-{i}" for n in (1, 2) for i in range(3)]
+
+
 # ---------------------------------------------------------------- rlboost run --env, end to end
 
 

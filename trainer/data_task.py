@@ -119,7 +119,8 @@ def episode_task(s: Settings, data, tokenizer, stops: list[int], context: int, o
     return DataTask(EpisodeSource(data, runner, run_id=run_id, seed=s.run.seed, samples=ro.samples,
                                   temperature=ro.temperature, life=life),
                     EpisodeScorer(runner),
-                    EpisodeEvaluation(data.eval_samples(), runner, ops, pad_id(tokenizer, stops)))
+                    EpisodeEvaluation(data.eval_samples(), runner, ops, pad_id(tokenizer, stops), run_id=run_id,
+                                      life=life))
 
 
 def harness_task(s: Settings, data, tokenizer, stops: list[int], context: int, *, clients, run_dir, pool: str,

@@ -73,9 +73,14 @@ class EpisodeEvaluation:
     """Held-out success: the mean reward of the policy's greedy episodes on the held-out rows
     (generated on the trainer, every rank taking part), and their mean tool calls (`last`)."""
 
-    def __init__(self, rows: list[dict], runner: EpisodeRunner, ops, pad: int) -> None:
+    def __init__(self, rows: list[dict], runner: EpisodeRunner, ops, pad: int, *, run_id: str = "",
+                 life: str = "") -> None:
         self.rows, self.runner, self.ops, self.pad = rows, runner, ops, pad
         self.last: dict = {}
+        # Episode ids name their tool calls' idempotency keys (`<episode>/<turn>/<call>`): each
+        # evaluation's are its own (run, life, round), or a tool that de-duplicates on its key
+        # would answer a later evaluation's call from an earlier one's
+        self.tag, self.rounds = "-".join(x for x in (run_id, life) if x), 0
 
     def _generate(self, prompts: list[list[int]], max_new: int, stops: list[int]) -> list[list[int]]:
         return self.ops.call("greedy", prompts, max_new, stops, self.pad)
@@ -84,7 +89,9 @@ class EpisodeEvaluation:
         if not self.rows:
             return None
         t0 = time.monotonic()
-        done = await greedy_episodes(self.runner, self.rows, self._generate)
+        self.rounds += 1
+        prefix = f"{self.tag}-eval{self.rounds}" if self.tag else f"eval{self.rounds}"
+        done = await greedy_episodes(self.runner, self.rows, self._generate, prefix=prefix)
         n = len(done)
         self.last = {"eval_success": sum(d.reward for d in done) / n,
                      "eval_tool_calls": round(sum(d.tool_calls for d in done) / n, 3),
