@@ -470,10 +470,9 @@ def test_rlboost_run_trains_the_verifiers_tool_env_and_a_killed_worker_reruns_no
     _, rows, _ = _train_and_kill(services, tmp_path / "run", tool_calling_model_dir,
                                  ["--max-response-tokens", "40", "--env.options.kind", "tools",
                                   "--env.options.calls_file", str(calls), "--env.options.n", "64"])
-    # training episodes' keys only: the held-out evaluation's episodes are named `eval-<i>` in
-    # every evaluation (before RL, then each eval step), so their keys repeat across evaluations
-    # that are different episodes (reported; not this adapter's to fix)
-    per_key = Counter({k: n for k, n in keys(calls).items() if not k.startswith("eval-")})
+    # every key, the held-out evaluations' too: each evaluation names its episodes its own
+    # (`<run>-<life>-eval<round>-<i>`), so no key of one is another's
+    per_key = Counter(keys(calls))
     assert sum(r["tool_calls_mean"] for r in rows) > 0 and len(per_key) > 0
     twice = {k: n for k, n in per_key.items() if n > 1}
     assert len(twice) <= 1 and all(n == 2 for n in twice.values()), twice
