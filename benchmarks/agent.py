@@ -56,7 +56,7 @@ from rlboost.envs.protocol import Context, ToolCall, ToolResult
 from rlboost.logs import configure_logging, get_logger
 from rlboost.pool_client import PoolClient
 from rlboost.services import running_services
-from rlboost.benchmarks import report
+from rlboost.benchmarks import agent_paths, report
 from rlboost.workers.counters import Counters
 from rlboost.workers.engines.scripted import ScriptedEngine
 from rlboost.workers.fleet import Supervisor, WorkerFleet
@@ -300,6 +300,8 @@ def main(argv: list[str], s: Settings) -> int:
     p.add_argument("--kill-env-worker", action="store_true",
                    help="pool arm: SIGKILL its environment workers half-way; they are supervised and restarted")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--paths", default="", help="also a row for each other way in, of "
+                   f"{', '.join(agent_paths.PATHS)} (benchmarks/agent_paths.py): episodes/s and what a kill costs")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=7)
     report.add_out(p)
@@ -309,14 +311,28 @@ def main(argv: list[str], s: Settings) -> int:
         p.error(f"--arms: choose from {', '.join(ARMS)}")
     if not 0.0 <= a.tool_cpu <= 1.0:
         p.error("--tool-cpu: a share, 0..1")
+    a.paths = [x.strip() for x in a.paths.split(",") if x.strip()]
+    if any(x not in agent_paths.PATHS for x in a.paths):
+        p.error(f"--paths: choose from {', '.join(agent_paths.PATHS)}")
     if not (s.services.nats_url and s.services.redis_url):
         s.services.data_dir = tempfile.mkdtemp(prefix="rlboost-agent-")
     if "RLBOOST_LOG_LEVEL" not in os.environ:  # the workers run in this process: their warnings only
         configure_logging(json=s.log_json, level="warning")
     with running_services(s.services) as (nats_url, redis_url):
         out = asyncio.run(bench(a, nats_url, redis_url))
+        if a.paths:
+            out["paths"] = agent_paths.run(a.paths, a.episodes, a.workers * a.slots, nats_url, redis_url)
     ok = all(out[k]["finished"] == out[k]["solved"] == out[k]["episodes"]
              and out[k]["tool_calls_run_twice"] <= out[k].get("in_flight_at_kill", 0) for k in a.arms)
+    ok = ok and all(row["ok"] for row in out.get("paths", {}).values())
+    if a.paths:  # one row per way in: the native arms', then each other path's
+        rows = [(f"native ({k})", {"episodes_per_s": out[k]["episodes_per_s"],
+                                   "kill": {"no_consumer_s": out[k].get("no_consumer_s"),
+                                            "recovered_s": out[k].get("recovered_s")}
+                                   if "restarts" in out[k] else {}}) for k in a.arms]
+        rows += list(out["paths"].items())
+        report.print_table(rows, [("path", "<18", lambda r: r[0]), ("ep/s", ">9", lambda r: r[1]["episodes_per_s"]),
+                                  ("a kill costs", "<60", lambda r: agent_paths.kill_cost(r[1]) or "-")], sep="  ")
     arms = ", ".join(f"{k} {out[k]['episodes_per_s']} ep/s (slot use {out[k]['slot_use']}, engine step "
                      f"{out[k]['engine_step_s'] * 1000:.1f} ms)" for k in a.arms)
     print(f"{a.episodes} episodes, {a.workers} worker(s) x {a.slots} slots, tools p50 {out['tool_p50_s']} s / "
