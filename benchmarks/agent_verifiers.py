@@ -36,7 +36,7 @@ from typing import Any
 from rlboost.benchmarks import percentile, report
 from rlboost.config import EnvSettings, Settings
 from rlboost.envs import calculator, load_env
-from rlboost.envs.episode import EpisodeRunner, Snapshot
+from rlboost.episodes.runner import EpisodeRunner, Snapshot
 
 REF = "verifiers:rlboost.benchmarks.agent_verifiers"
 CALLS: Counter[str] = Counter()  # tool calls per idempotency key, in this process

@@ -58,7 +58,7 @@ from rlboost.config import EnvSettings, Settings, WorkerSettings
 from rlboost.envs import calculator
 from rlboost.envs.calculator import CALC, CalculatorEnv
 from rlboost.envs.chat import chat_format
-from rlboost.envs.episode import EpisodeRunner
+from rlboost.episodes.runner import EpisodeRunner
 from rlboost.envs.protocol import Context, ToolCall, ToolResult
 from rlboost.replay import read_subject
 from rlboost.services import running_services

@@ -16,7 +16,7 @@ from rlboost.benchmarks import agent, chaos_episodes
 from rlboost import episodes, wire
 from rlboost.envs.calculator import ALPHABET, CALC, CalculatorEnv
 from rlboost.envs.chat import chat_format
-from rlboost.envs.episode import EpisodeRunner
+from rlboost.episodes.runner import EpisodeRunner
 from rlboost.config import EnvSettings
 
 ENV_REF = "episode_env:make"

@@ -163,9 +163,9 @@ def test_rows_dropped_in_a_row_during_the_run_name_the_real_reason_not_none():
     from rlboost.config import EnvSettings
     from rlboost.envs.calculator import ALPHABET
     from rlboost.trainer.data import DataError
-    from rlboost.trainer.episode_data import EpisodeData
-    from rlboost.trainer.episode_runner import make_runner
-    from rlboost.trainer.episode_source import EpisodeSource
+    from rlboost.trainer.episodes.data import EpisodeData
+    from rlboost.trainer.episodes.runner import make_runner
+    from rlboost.trainer.episodes.source import EpisodeSource
     from rlboost.trainer.model import build_tokenizer
 
     # a character model's fallback format: fast to render a thousand times

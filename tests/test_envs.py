@@ -21,7 +21,7 @@ from rlboost import plugins
 from rlboost.envs import load_env
 from rlboost.envs import calculator as calc
 from rlboost.envs.chat import FallbackFormat, TemplateFormat, chat_format, parse_turn, Syntax
-from rlboost.envs.episode import EpisodeResult, EpisodeRunner, Generation, Snapshot
+from rlboost.episodes.runner import EpisodeResult, EpisodeRunner, Generation, Snapshot
 from rlboost.config import EnvSettings
 from rlboost.envs.protocol import (Context, Env, EnvError, Message, ModelTurn, Opening, Reply, Score,
                                    ToolCall, ToolResult, ToolSpec, user)

@@ -10,7 +10,7 @@ from rlboost import episodes, wire
 from rlboost.config import EnvSettings
 from rlboost.envs.calculator import ALPHABET
 from rlboost.envs.chat import chat_format
-from rlboost.envs.episode import EpisodeRunner
+from rlboost.episodes.runner import EpisodeRunner
 from rlboost.envs.protocol import Env, Opening, Score, ToolResult, ToolSpec, user
 
 LOOKUP = ToolSpec(name="lookup", description="a city's population",
@@ -70,7 +70,7 @@ async def _result(runner: EpisodeRunner, rid: str, turns: list[str]) -> wire.Rol
 
 
 async def test_step_rows_carry_the_environments_metrics_of_the_episodes_they_trained():
-    from rlboost.trainer.episode_scoring import EpisodeScorer
+    from rlboost.trainer.episodes.scoring import EpisodeScorer
 
     runner = _runner()
     call = '<tool_call>{{"name": "{}", "arguments": {{"{}": "Oslo"}}}}</tool_call>'

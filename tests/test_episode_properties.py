@@ -29,7 +29,7 @@ import stranger_models
 from rlboost import episodes, wire
 from rlboost.config import EnvSettings
 from rlboost.envs.chat import chat_format
-from rlboost.envs.episode import EpisodeResult, EpisodeRunner, Generation, Snapshot
+from rlboost.episodes.runner import EpisodeResult, EpisodeRunner, Generation, Snapshot
 from rlboost.envs.protocol import Message, ToolCall
 
 FAMILIES = ["qwen", "llama3", "mistral", "gemma", "fallback"]

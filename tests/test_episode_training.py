@@ -224,7 +224,7 @@ def test_sample_of_carries_the_trainable_mask_only_for_episodes():
 def _calc_runner(max_episode_tokens: int = 512):
     from rlboost.config import EnvSettings
     from rlboost.envs import calculator
-    from rlboost.trainer.episode_runner import make_runner
+    from rlboost.trainer.episodes.runner import make_runner
     from rlboost.trainer.model import build_tokenizer
 
     settings = EnvSettings(ref="calculator", options={"instructions": False}, describe_tools=False,
@@ -286,7 +286,7 @@ async def _result(runner, row, rid: str, wrong: bool = False, forged_score: bool
 
 async def test_an_episode_result_becomes_a_sample_scored_by_the_trainers_environment():
     from rlboost.envs import calculator
-    from rlboost.trainer.episode_scoring import EpisodeScorer, training_episode
+    from rlboost.trainer.episodes.scoring import EpisodeScorer, training_episode
 
     runner = _calc_runner()
     row = calculator.rows("train", 1, seed=4)[0]
@@ -322,8 +322,8 @@ async def test_an_episode_result_becomes_a_sample_scored_by_the_trainers_environ
 
 async def test_the_episode_source_makes_each_rows_episode_requests_inside_a_running_loop():
     from rlboost.envs import calculator
-    from rlboost.trainer.episode_data import EpisodeData
-    from rlboost.trainer.episode_source import EpisodeSource
+    from rlboost.trainer.episodes.data import EpisodeData
+    from rlboost.trainer.episodes.source import EpisodeSource
 
     runner = _calc_runner()
     data = EpisodeData(runner.env, "calculator", seed=3, eval_size=8)
@@ -346,7 +346,7 @@ async def test_the_episode_source_makes_each_rows_episode_requests_inside_a_runn
 
 async def test_greedy_episodes_play_every_row_to_its_end_in_batches():
     from rlboost.envs import calculator
-    from rlboost.trainer.episode_evaluation import greedy_episodes
+    from rlboost.trainer.episodes.evaluation import greedy_episodes
 
     runner = _calc_runner()
     rows = calculator.rows("test", 5, seed=0)
@@ -361,7 +361,7 @@ async def test_each_held_out_evaluation_names_its_episodes_and_tool_calls_its_ow
     """A tool that de-duplicates on its idempotency key must not answer one evaluation's call
     from another's: the episode ids (and so the keys) carry the run, the life and the round."""
     from rlboost.envs import calculator
-    from rlboost.trainer.episode_evaluation import EpisodeEvaluation
+    from rlboost.trainer.episodes.evaluation import EpisodeEvaluation
 
     runner = _calc_runner()
     rows = calculator.rows("test", 3, seed=0)
@@ -521,7 +521,7 @@ def test_a_saved_character_tokenizer_loads_with_its_spaces_and_newlines(calc_mod
 
 def test_worker_processes_get_the_runs_env_settings():
     from rlboost.config import EnvSettings, load_settings
-    from rlboost.trainer.episode_runner import worker_env
+    from rlboost.trainer.episodes.runner import worker_env
 
     env = EnvSettings(ref="calculator", options={"instructions": False}, describe_tools=False, max_turns=3,
                       tool_timeout_s=2.5)
@@ -536,7 +536,7 @@ def test_an_untooled_demonstration_is_the_opening_then_the_answer_at_once():
     """The guessing phase's demonstrations: a worked solution without its tool turns."""
     from rlboost.envs import calculator
     from rlboost.trainer.data import DataError
-    from rlboost.trainer.env_warm_start import untooled
+    from rlboost.trainer.episodes.warm_start import untooled
 
     row = calculator.rows("train", 1, level="small")[0]
     worked = calculator.solution(row, instructions=False)
@@ -552,7 +552,7 @@ def test_the_guessing_phase_runs_after_the_warm_start_and_names_the_model_it_bui
     """`run.bootstrap_guess_steps`: more steps after the warm start (its own model, recorded in
     the meta), and a demo model built with another guessing phase is not taken for this one."""
     from rlboost.config import EnvSettings, RunSettings
-    from rlboost.trainer.env_warm_start import check_demo_model, env_warm_start
+    from rlboost.trainer.episodes.warm_start import check_demo_model, env_warm_start
     from rlboost.trainer.model import read_meta
 
     env = EnvSettings(ref="calculator", describe_tools=False, options={"instructions": False, "level": "small"})
@@ -578,7 +578,7 @@ def test_the_env_warm_start_stops_at_its_step_cap_with_the_same_model_every_time
     """`run.bootstrap_steps`: a warm start that stops at a step, not a time, builds the same
     model on a loaded box as on an idle one (the documented calculator runs start from one)."""
     from rlboost.config import EnvSettings, RunSettings
-    from rlboost.trainer.env_warm_start import check_demo_model, env_warm_start
+    from rlboost.trainer.episodes.warm_start import check_demo_model, env_warm_start
     from rlboost.trainer.model import read_meta
 
     env = EnvSettings(ref="calculator", describe_tools=False, options={"instructions": False, "level": "small"})

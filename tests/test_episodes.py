@@ -24,7 +24,7 @@ from rlboost.clients import open_clients
 from rlboost.config import WorkerSettings
 from rlboost.envs import calculator
 from rlboost.envs.chat import chat_format
-from rlboost.envs.episode import EpisodeRunner
+from rlboost.episodes.runner import EpisodeRunner
 from rlboost.config import EnvSettings
 from rlboost.pool_client import PoolClient
 from rlboost.workers.counters import Counters

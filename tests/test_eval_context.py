@@ -49,9 +49,9 @@ async def test_greedy_episodes_of_a_gpt2_model_stay_inside_its_context(gpt2_mode
     short beside short ones with the whole turn budget. Generating the batch for its largest
     budget took the long row past position 96 (IndexError: index out of range in self)."""
     from rlboost.envs.chat import chat_format
-    from rlboost.envs.episode import EpisodeRunner
+    from rlboost.episodes.runner import EpisodeRunner
     from rlboost.trainer import distributed
-    from rlboost.trainer.episode_evaluation import EpisodeEvaluation, greedy_episodes
+    from rlboost.trainer.episodes.evaluation import EpisodeEvaluation, greedy_episodes
     from rlboost.trainer.grpo_trainer import GRPOTrainer
     from rlboost.trainer.model import pad_id
 

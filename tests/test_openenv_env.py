@@ -352,7 +352,7 @@ async def test_an_mcp_episode_preempted_after_any_phase_resumes_elsewhere_to_the
     from rlboost.config import EnvSettings
     from rlboost.envs import calculator
     from rlboost.envs.chat import chat_format
-    from rlboost.envs.episode import EpisodeRunner, Snapshot
+    from rlboost.episodes.runner import EpisodeRunner, Snapshot
     from rlboost.trainer.model import build_tokenizer
 
     fmt = chat_format(build_tokenizer(calculator.ALPHABET))

@@ -12,7 +12,7 @@ from rlboost import episodes, replay, wire
 from rlboost.config import EnvSettings
 from rlboost.envs.calculator import ALPHABET
 from rlboost.envs.chat import chat_format
-from rlboost.envs.episode import EpisodeRunner
+from rlboost.episodes.runner import EpisodeRunner
 from rlboost.envs.protocol import Env, Opening, Score, ToolResult, ToolSpec, user
 
 LOOKUP = ToolSpec(name="lookup", description="a city's population",

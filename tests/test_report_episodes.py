@@ -11,7 +11,7 @@ from rich.console import Console
 from rlboost.trainer.report import COLUMNS, RunReport
 
 SINGLE = {"step": 0, "reward": 0.5, "eval_acc": None, "tokens_per_s": 812.3, "live_workers": 2, "step_s": 4.1}
-# an episode run's row, as trainer/episode_scoring.py's EpisodeStats.row writes its fields
+# an episode run's row, as trainer/episodes/scoring.py's EpisodeStats.row writes its fields
 EPISODE = {**SINGLE, "episodes": 8, "tool_calls_mean": 1.375, "turns_mean": 2.5, "episode_success": 0.5,
            "episode_ends": {"done": 6, "env_error": 2}, "tool_errors_mean": 0.125, "tool_timeouts_mean": 0.0,
            "env_errors_mean": 0.25, "env/lookups": 1.5}

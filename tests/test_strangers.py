@@ -18,7 +18,7 @@ import stranger_env
 import stranger_models
 from rlboost.config import EnvSettings
 from rlboost.envs.chat import FallbackFormat, TemplateFormat, chat_format
-from rlboost.envs.episode import EpisodeRunner, Generation
+from rlboost.episodes.runner import EpisodeRunner, Generation
 from rlboost.envs.protocol import Message, ToolCall
 
 FAMILIES = stranger_models.FAMILIES

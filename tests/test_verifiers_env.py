@@ -29,7 +29,7 @@ from rlboost.config import EnvSettings  # noqa: E402
 from rlboost.envs import calculator as calc  # noqa: E402
 from rlboost.envs import load_env  # noqa: E402
 from rlboost.envs.chat import FallbackFormat  # noqa: E402
-from rlboost.envs.episode import EpisodeRunner, Generation, Snapshot  # noqa: E402
+from rlboost.episodes.runner import EpisodeRunner, Generation, Snapshot  # noqa: E402
 from rlboost.envs.protocol import Context, EnvError, Message, ModelTurn, ToolCall  # noqa: E402
 from rlboost.trainer.model import build_tokenizer  # noqa: E402
 

@@ -37,10 +37,10 @@ from rlboost.trainer import distributed
 from rlboost.trainer.data import DataError, FileData, PromptBudget, encode_prompt
 from rlboost.envs import load_env
 from rlboost.trainer.data_task import make_data, read_data
-from rlboost.trainer.env_warm_start import DEMO_ENV_CONTEXT, demo_model_dir, ensure_demo_model
-from rlboost.trainer.episode_data import make_episode_data
-from rlboost.trainer.episode_runner import max_turn_tokens
-from rlboost.trainer.episode_source import check_openings
+from rlboost.trainer.episodes.warm_start import DEMO_ENV_CONTEXT, demo_model_dir, ensure_demo_model
+from rlboost.trainer.episodes.data import make_episode_data
+from rlboost.trainer.episodes.runner import max_turn_tokens
+from rlboost.trainer.episodes.source import check_openings
 from rlboost.trainer.local_fleet import parse_chaos
 from rlboost.trainer.model import DEMO_CONTEXT, META_FILE, build_tokenizer, load_tokenizer, read_meta
 from rlboost.trainer.rewards import RewardError, load_function
@@ -113,7 +113,7 @@ def resolve_model(rs: RunSettings, s: Settings, env: EnvSettings | None = None) 
     (or with `--init-model`, for a folder of rlboost's own such as a container volume), the
     demo's model, built and warm-started on first use. `rs`: the run's section; `s`: where the
     demo's model lives (`services.data_dir`) and how to log its build. `env`: a run on episodes
-    (`--env`) gets the demo's model for that environment (trainer/env_warm_start.py)."""
+    (`--env`) gets the demo's model for that environment (trainer/episodes/warm_start.py)."""
     if rs.model_dir and not rs.init_model:
         return str(check_model_dir(rs.model_dir).path)
     if env is not None and env.ref:

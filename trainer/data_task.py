@@ -4,8 +4,8 @@
   and the data position a checkpoint keeps;
 - a scorer: a complete group's `GroupScores` (single-turn prompts: the user's reward in a
   process pool, `rlboost.trainer.scoring`; episodes: the environment on the trainer,
-  `rlboost.trainer.episode_scoring`);
-- a held-out evaluation (`rlboost.trainer.evaluation`, `rlboost.trainer.episode_evaluation`).
+  `rlboost.trainer.episodes.scoring`);
+- a held-out evaluation (`rlboost.trainer.evaluation`, `rlboost.trainer.episodes.evaluation`).
 
 Single-turn prompts (`prompt_task`), episodes (`episode_task`) and an agent harness's sessions
 (`harness_task`, `rlboost.trainer.harness_task`) are the same task with other parts, so the step
@@ -21,11 +21,11 @@ from rlboost import wire
 from rlboost.config import DataSettings, Settings
 from rlboost.orchestrator import Evaluated, GroupKey, GroupScores
 from rlboost.trainer.data import DataError, FieldMap, FileData, GeneratedData, PromptBudget
-from rlboost.trainer.episode_data import make_episode_data
-from rlboost.trainer.episode_evaluation import EpisodeEvaluation
-from rlboost.trainer.episode_runner import episode_runner
-from rlboost.trainer.episode_scoring import EpisodeScorer
-from rlboost.trainer.episode_source import EpisodeSource
+from rlboost.trainer.episodes.data import make_episode_data
+from rlboost.trainer.episodes.evaluation import EpisodeEvaluation
+from rlboost.trainer.episodes.runner import episode_runner
+from rlboost.trainer.episodes.scoring import EpisodeScorer
+from rlboost.trainer.episodes.source import EpisodeSource
 from rlboost.trainer.evaluation import Evaluation
 from rlboost.trainer.harness_task import harness_parts, harness_rows
 from rlboost.trainer.model import pad_id

@@ -1,5 +1,5 @@
 """Held-out evaluation of single-turn prompts: the mean reward of the trainer's greedy responses
-on the eval set (the episodes' is `rlboost.trainer.episode_evaluation.EpisodeEvaluation`, the same shape).
+on the eval set (the episodes' is `rlboost.trainer.episodes.evaluation.EpisodeEvaluation`, the same shape).
 
 The eval set is the data's held-out samples whose prompts fit the token budget (a prompt over
 it could not be answered within the context). Generation runs on the trainer itself, every rank

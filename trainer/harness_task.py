@@ -299,7 +299,7 @@ class HarnessEvaluation:
 def harness_rows(s: Settings):
     """The rows harness sessions start from: `--data` (JSONL / Parquet / a datasets folder, one
     object per row; held out: `--eval-data` or a seeded fraction), else the `--env`'s own rows."""
-    from rlboost.trainer.episode_data import EpisodeData, make_episode_data
+    from rlboost.trainer.episodes.data import EpisodeData, make_episode_data
 
     ds = s.data
     if not ds.train and s.env.ref:

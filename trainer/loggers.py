@@ -23,7 +23,7 @@ SECTIONS = {
                 "truncation_rate", "tokens_per_s", "step_s", "regenerated_tokens"),
     "fleet": ("live_workers", "fleet_desired", "t_seed", "handoffs", "trainer_wait_s", "spot_idle_s", "rollout_ahead_s",
               "dollars"),
-    # a run on episodes (trainer/episode_scoring.py `EpisodeStats.row`)
+    # a run on episodes (trainer/episodes/scoring.py `EpisodeStats.row`)
     "episode": ("episodes", "tool_calls_mean", "turns_mean", "episode_success", "tool_errors_mean",
                 "tool_timeouts_mean", "env_errors_mean", "eval_tool_calls"),
 }

@@ -4,7 +4,7 @@ The run's task (`rlboost.trainer.data_task.DataTask`, the orchestrator's `Rollou
 a step's requests (`await requests(step, version, groups)`), which row group `key` answers, to
 score it (`sample`), and forgets the row once the group is scored (`scored`). What a row becomes
 is the subclass's (`_draw`): a prompt's `samples` requests (`PromptSource`, here), a row's
-`samples` episodes (`rlboost.trainer.episode_source.EpisodeSource`); an outside environment's sessions
+`samples` episodes (`rlboost.trainer.episodes.source.EpisodeSource`); an outside environment's sessions
 can be another.
 
 What the base owns and why:

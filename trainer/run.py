@@ -52,7 +52,7 @@ from rlboost.trainer import training_checkpoint as ckpt
 from rlboost.trainer import distributed
 from rlboost.trainer.data import DataError, DataExhausted
 from rlboost.trainer.data_task import DataTask, make_task, read_data
-from rlboost.trainer.episode_runner import worker_env
+from rlboost.trainer.episodes.runner import worker_env
 from rlboost.trainer.grpo_trainer import GRPOTrainer
 from rlboost.trainer.local_fleet import Chaos, LocalFleet, parse_chaos
 from rlboost.trainer.loggers import Loggers

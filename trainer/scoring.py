@@ -1,5 +1,5 @@
 """The scorer of single-turn prompts: the user's reward for a group of results, and for the
-held-out set's greedy answers (the episodes' is `rlboost.trainer.episode_scoring.EpisodeScorer`, the same shape).
+held-out set's greedy answers (the episodes' is `rlboost.trainer.episodes.scoring.EpisodeScorer`, the same shape).
 
 It owns the reward function's process pool (`rlboost.trainer.rewards.RewardPool`: a slow or crashing
 reward never blocks or kills the trainer) and turns token ids back into the text a reward

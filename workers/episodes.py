@@ -4,7 +4,7 @@ A request with `episode` (schema 4) is generated like any request, one model tur
 the worker's batch extends it until the turn ends (a stop token of the chat format, or the
 turn's budget). Its tokens are checkpointed by the worker's flushes as usual. Then, off the
 generation loop (the engine serves the other requests meanwhile), the environment phase runs
-on the episode runner (rlboost/envs/episode.py):
+on the episode runner (rlboost/episodes/runner.py):
 
 1. the turn is recorded and parsed (`model_turn`); the state with its pending tool calls is
    fenced into the checkpoint (`put_episode`);
@@ -46,7 +46,7 @@ from typing import Any
 from rlboost import episodes, wire
 from rlboost.envs import BUILTIN_ENVS, SCHEMES, load_env
 from rlboost.envs.chat import ChatFormat, chat_format
-from rlboost.envs.episode import EpisodeRunner, Generation, Snapshot, Span
+from rlboost.episodes.runner import EpisodeRunner, Generation, Snapshot, Span
 from rlboost.config import EnvSettings
 from rlboost.errors import RlboostError
 from rlboost.logs import get_logger

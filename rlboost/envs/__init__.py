@@ -1,13 +1,14 @@
-"""Episodes: multi-turn, tool-using rollouts (docs/concepts/environments.md).
+"""Environments: what an episode plays in (docs/concepts/environments.md). The episode runner
+that calls them is `rlboost.episodes`.
 
 - `protocol`: the environment protocol and its messages (`Env`, `Opening`, `ToolResult`, ...);
   its settings are `rlboost.config.EnvSettings` ([env]), a section of the one settings tree;
 - `chat`: the tool-call format (the model's own chat template, or a documented fallback) and the
   parser of a model turn;
-- `episode`: the engine-agnostic episode runner, resumable from a snapshot after any turn;
 - `calculator`: a built-in multi-turn tool environment (arithmetic word problems);
 - `adapters`: environments from libraries users already have (reasoning-gym, textarena,
-  gymnasium).
+  gymnasium); `verifiers_env` and `openenv_env`: verifiers and OpenEnv environments
+  (`verifiers:...`, `openenv:...`).
 
 `load_env(ref)` loads an environment the way `--env` names it: `module:fn`, `path/to/file.py:fn`,
 a built-in name, or `SCHEME:TARGET` for an environment of another library (`verifiers:...`,

@@ -21,7 +21,7 @@ plain one runs in a thread, so a blocking tool can still be timed out). An envir
 keep per-episode state anywhere but in `state`: the same environment object serves many
 episodes at once, and an episode may continue in another process.
 
-Everything here is plain msgspec Structs so the runner can checkpoint it (rlboost/envs/episode.py).
+Everything here is plain msgspec Structs so the runner can checkpoint it (rlboost/episodes/runner.py).
 The protocol is stable: changes are named in commit messages.
 """
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlboost import episodes, wire
-from rlboost.envs.episode import EpisodeRunner, Snapshot
+from rlboost.episodes.runner import EpisodeRunner, Snapshot
 from rlboost.logs import get_logger
 from rlboost.orchestrator import GroupScores
 

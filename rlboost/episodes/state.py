@@ -1,4 +1,4 @@
-"""An episode's checkpoint form: the runner's snapshot (rlboost/envs/episode.py) in the fenced
+"""An episode's checkpoint form: the runner's snapshot (rlboost/episodes/runner.py) in the fenced
 episode state (`wire.EpisodeState`), without a second copy of its tokens.
 
 The tokens of an episode live once, in its token checkpoint (model and environment tokens after
@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from rlboost import wire
-from rlboost.envs.episode import EpisodeRunner, Snapshot
+from rlboost.episodes.runner import EpisodeRunner, Snapshot
 from rlboost.errors import RlboostError
 
 

@@ -11,10 +11,10 @@ import asyncio
 
 from rlboost import episodes, wire
 from rlboost.config import EnvSettings
-from rlboost.envs.episode import EpisodeRunner
+from rlboost.episodes.runner import EpisodeRunner
 from rlboost.trainer.data import DataError, DataExhausted
-from rlboost.trainer.episode_data import EpisodeData
-from rlboost.trainer.episode_runner import make_runner
+from rlboost.trainer.episodes.data import EpisodeData
+from rlboost.trainer.episodes.runner import make_runner
 from rlboost.trainer.request_source import RequestSource, request_seed
 
 DROPS_LOGGED = 3  # rows dropped in a row that each get a warning line; the rest are counted (`filtered`)

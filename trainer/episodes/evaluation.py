@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rlboost.envs.episode import EpisodeRunner, Generation, Snapshot
+from rlboost.episodes.runner import EpisodeRunner, Generation, Snapshot
 from rlboost.orchestrator import Evaluated
 
 

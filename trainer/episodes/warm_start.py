@@ -20,9 +20,9 @@ from rlboost.config import EnvSettings
 from rlboost.envs import load_env
 from rlboost.logs import get_logger
 from rlboost.trainer.data import DataError
-from rlboost.trainer.episode_data import EpisodeData
-from rlboost.trainer.episode_evaluation import greedy_episodes
-from rlboost.trainer.episode_runner import make_runner
+from rlboost.trainer.episodes.data import EpisodeData
+from rlboost.trainer.episodes.evaluation import greedy_episodes
+from rlboost.trainer.episodes.runner import make_runner
 
 log = get_logger(component="episodes")
 

@@ -1,9 +1,9 @@
 """The runner of a run's environment (`[env] ref`, `rlboost run --env`): its chat format, its
 bounds, one model turn's bound, and the `[env]` settings its worker processes need.
 
-The trainer's runner opens rows into episode requests (`rlboost.trainer.episode_source`), scores
-finished episodes (`rlboost.trainer.episode_scoring`) and plays the held-out ones
-(`rlboost.trainer.episode_evaluation`); the workers build their own from each request's `EpisodeSpec`.
+The trainer's runner opens rows into episode requests (`rlboost.trainer.episodes.source`), scores
+finished episodes (`rlboost.trainer.episodes.scoring`) and plays the held-out ones
+(`rlboost.trainer.episodes.evaluation`); the workers build their own from each request's `EpisodeSpec`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import msgspec
 from rlboost.config import EnvSettings
 from rlboost.envs import load_env
 from rlboost.envs.chat import ChatFormat, chat_format
-from rlboost.envs.episode import EpisodeRunner
+from rlboost.episodes.runner import EpisodeRunner
 
 
 def episode_format(tokenizer, env: EnvSettings) -> ChatFormat:
