@@ -151,3 +151,29 @@ def tool_calling_model_dir(tmp_path_factory):
         p_call = math.exp(-float(torch.nn.functional.cross_entropy(model(x).logits[0], y[0], reduction="sum")))
     assert p_call > 0.5, f"the tuned model makes its call with probability {p_call:.3f} (not tuned enough here)"
     return save(model, tok, tmp_path_factory.mktemp("m") / "caller", meta={"trained": True, "env": "calculator"})
+
+
+@pytest.fixture(scope="session")
+def short_turns_model_dir(tmp_path_factory):
+    """The calculator's character model (printable ASCII: reasoning-gym's questions fit), tuned
+    for a few steps to end a turn with <eos> about a third of the time: its turns end with a stop
+    token, not the turn's budget, so the environment answers them (an untrained model rarely
+    stops within 24 tokens, and a turn cut off ends its episode). The episode runs of
+    test_episode_training, test_verifiers_env and test_openenv_env play on it."""
+    import torch
+
+    from rlboost.envs import calculator
+    from rlboost.trainer.model import build_model, build_tokenizer, save
+
+    tok = build_tokenizer(calculator.ALPHABET)
+    model = build_model(len(tok), hidden=64, layers=2, heads=2, mlp=128, max_positions=512, seed=0,
+                        pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for i in range(5):
+        x = torch.randint(2, len(tok), (8, 64), generator=torch.Generator().manual_seed(i))
+        loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, len(tok)),
+                                                 torch.full((8 * 64,), tok.eos_token_id))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return save(model, tok, tmp_path_factory.mktemp("m") / "short", meta={"trained": True})

@@ -415,29 +415,6 @@ def test_rlboost_run_env_calculator_trains_two_steps_through_real_workers(servic
     assert out["eval_first"] is not None
 
 
-@pytest.fixture(scope="module")
-def short_turns_model_dir(tmp_path_factory):
-    """The calculator's character model (printable ASCII: reasoning-gym's questions fit), tuned
-    for a few steps to end a turn with <eos> about a third of the time: its turns end with a stop
-    token, not the turn's budget, so the environment answers them (an untrained model rarely
-    stops within 24 tokens, and a turn cut off ends its episode)."""
-    from rlboost.envs import calculator
-    from rlboost.trainer.model import build_model, build_tokenizer, save
-
-    tok = build_tokenizer(calculator.ALPHABET)
-    model = build_model(len(tok), hidden=64, layers=2, heads=2, mlp=128, max_positions=512, seed=0,
-                        pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for i in range(5):
-        x = torch.randint(2, len(tok), (8, 64), generator=torch.Generator().manual_seed(i))
-        loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, len(tok)),
-                                                 torch.full((8 * 64,), tok.eos_token_id))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return save(model, tok, tmp_path_factory.mktemp("m") / "short", meta={"trained": True})
-
-
 @pytest.mark.slow
 def test_rlboost_run_env_reasoning_gym_trains_two_steps_with_environment_turns(services, tmp_path,
                                                                               short_turns_model_dir):

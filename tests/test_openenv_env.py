@@ -441,30 +441,6 @@ async def test_the_text_goes_to_the_action_schemas_only_string_field_or_the_name
 # ---------------------------------------------------------------- acceptance: `rlboost run`
 
 
-@pytest.fixture(scope="module")
-def short_turns_model_dir(tmp_path_factory):
-    """The calculator's character model (printable ASCII: the game's texts fit), tuned for a few
-    steps to end a turn with <eos> often: its turns end with a stop token, so the game answers
-    them (a turn cut by its budget ends its episode). As tests/test_episode_training.py's."""
-    import torch
-
-    from rlboost.envs import calculator
-    from rlboost.trainer.model import build_model, build_tokenizer, save
-
-    tok = build_tokenizer(calculator.ALPHABET)
-    model = build_model(len(tok), hidden=64, layers=2, heads=2, mlp=128, max_positions=512, seed=0,
-                        pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for i in range(5):
-        x = torch.randint(2, len(tok), (8, 64), generator=torch.Generator().manual_seed(i))
-        loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, len(tok)),
-                                                 torch.full((8 * 64,), tok.eos_token_id))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return save(model, tok, tmp_path_factory.mktemp("m") / "short", meta={"trained": True})
-
-
 @pytest.mark.slow
 def test_rlboost_run_trains_on_an_openenv_server_that_is_sigkilled_mid_run(services, tmp_path,
                                                                            short_turns_model_dir):

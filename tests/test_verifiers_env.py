@@ -479,28 +479,6 @@ def test_rlboost_run_trains_the_verifiers_tool_env_and_a_killed_worker_reruns_no
     assert all("env/reward/correct" in r and "env/state_calls" in r for r in rows), rows[0]
 
 
-@pytest.fixture(scope="module")
-def short_turns_model_dir(tmp_path_factory):
-    """The calculator's character model tuned for a few steps to end a turn with <eos> about a
-    third of the time (tests/test_episode_training.py's): its turns end, so the game answers them."""
-    import torch
-
-    from rlboost.trainer.model import build_model, save
-
-    tok = build_tokenizer(calc.ALPHABET)
-    model = build_model(len(tok), hidden=64, layers=2, heads=2, mlp=128, max_positions=512, seed=0,
-                        pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for i in range(5):
-        x = torch.randint(2, len(tok), (8, 64), generator=torch.Generator().manual_seed(i))
-        loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, len(tok)),
-                                                 torch.full((8 * 64,), tok.eos_token_id))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return save(model, tok, tmp_path_factory.mktemp("m") / "short", meta={"trained": True})
-
-
 @pytest.mark.slow
 def test_rlboost_run_trains_the_verifiers_game_and_a_killed_worker_loses_no_episode(
         services, tmp_path, short_turns_model_dir):
