@@ -308,7 +308,7 @@ async def episode_reward(result: wire.RolloutResult, env: EnvSettings | None) ->
     if env is None or not env.ref or result.episode is None:
         return None
     from rlboost.envs import load_env
-    from rlboost.envs.episode import EpisodeRunner
+    from rlboost.episodes.runner import EpisodeRunner
 
     try:
         snap = episodes.snapshot(result.episode)
