@@ -2,7 +2,7 @@
 
 A real process per emulated instance costs a Python interpreter, its imports and its own event
 loop; nine of them fill this 2-core box, so the trace bench could rent only 3 of the ~14
-instances a spot trace offers. Here one `python -m benchmarks.fleet_host` process runs any number
+instances a spot trace offers. Here one `python -m rlboost.benchmarks.fleet_host` process runs any number
 of the product's own `RolloutWorker`s (workers/worker.py, unchanged), one per instance, each
 with its own worker id, engine, counters file and NATS / Redis connections, in one asyncio loop.
 

@@ -72,7 +72,7 @@ def test_a_cut_link_partitions_exactly_its_pair_and_restore_heals_it(tmp_path):
 def test_a_dead_runs_namespaces_and_processes_are_cleaned_up_by_the_next(tmp_path):
     """A bench SIGKILLed mid-run leaves its namespaces (and what runs in them): the next
     `Topology` removes those of runs whose pid is gone, and only those."""
-    code = ("import sys, time; from benchmarks import netns; t = netns.Topology(); t.add('x'); "
+    code = ("import sys, time; from rlboost.benchmarks import netns; t = netns.Topology(); t.add('x'); "
             f"p = t.spawn('x', ['sleep', '600'], __import__('pathlib').Path({str(tmp_path / 'x.log')!r})); "
             "print(p.pid, flush=True); time.sleep(600)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
