@@ -188,6 +188,16 @@ def test_dockerfile():
     assert cpu.index('pip install "torch==${TORCH_VERSION}"') < cpu.index("RUN pip install .")
     assert "vllm" in text[text.index("AS cuda"):text.index("AS cpu")]
     assert "USER rlboost" in cpu
+    # every folder the package installs from is in the image and its build context (a missing
+    # one fails `pip install .`: setuptools' package-dir names it)
+    import tomllib
+
+    folders = {"rlboost", *tomllib.loads((INFRA.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+               ["package-dir"].values()}
+    ignore = (INFRA / "Dockerfile.dockerignore").read_text()
+    for stage in (text[text.index("AS cuda"):text.index("AS cpu")], cpu):
+        assert all(f"COPY {f} ./{f}" in stage for f in folders), folders
+    assert all(f"!{f}/**" in ignore for f in folders)
 
 
 # ---------------------------------------------------------------- Kubernetes
