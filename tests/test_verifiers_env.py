@@ -371,12 +371,12 @@ def test_a_row_from_a_data_file_becomes_a_task_of_the_tasksets_type():
 # ---------------------------------------------------------------- rlboost run, end to end
 
 
-def _until(cond, timeout: float, what: str) -> None:
+def _until(cond, timeout: float, what: str, poll_s: float = 0.2) -> None:
     end = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > end:
             raise AssertionError(f"waited {timeout}s for {what}")
-        time.sleep(0.2)
+        time.sleep(poll_s)
 
 
 def _pid_of(worker_id: str) -> int | None:
@@ -431,8 +431,10 @@ def _train_and_kill(services, run_dir: Path, model_dir, options: list[str], step
         _until(lambda: steps_done() >= 1 or p.poll() is not None, 300, "the first step")
         assert p.poll() is None, p.communicate()[1][-3000:]
         # a request claimed and not yet answered: an episode under way on the first worker
+        # (polled closely: a game's episode is under way for a fraction of a second once the
+        # environment is loaded, and the run may be over in seconds)
         _until(lambda: first()["claims"] > first()["results"] or p.poll() is not None, 120,
-               "an episode under way on the first worker after step 0")
+               "an episode under way on the first worker after step 0", poll_s=0.005)
         assert p.poll() is None, f"the run ended before the kill: {steps_done()} steps"
         pid = _pid_of("l0w001")
         assert pid is not None, _worker_ids()

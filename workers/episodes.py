@@ -185,6 +185,7 @@ class EpisodeHost:
         self._fmt: ChatFormat | None = None
         self._envs: dict[tuple[str, str], Any] = {}
         self._runners: dict[tuple, EpisodeRunner] = {}
+        self._loading: asyncio.Lock | None = None  # made in the worker's loop, at its first load
 
     def preload(self, ref: str) -> None:
         """Import the code of environment `ref` and load the chat format now, not on the first
@@ -216,26 +217,36 @@ class EpisodeHost:
                 raise EpisodeRefused(f"no chat format for this model: {e}") from None
         return self._fmt
 
+    async def _load(self, ref: str, config: str) -> Any:
+        """The environment (ref, options), loaded once: in a thread (an environment's first load
+        imports its library, seconds, which in the event loop would stop this worker's heartbeats
+        and every episode it holds), one load at a time (the first episodes of a step arrive
+        together, and two threads executing the same user module at once each saw it half built)."""
+        if self._loading is None:
+            self._loading = asyncio.Lock()
+        async with self._loading:
+            if (env := self._envs.get((ref, config))) is not None:
+                return env  # loaded while this one waited
+            options = json.loads(config)
+            if not isinstance(options, dict):
+                raise EpisodeRefused(f"episode config {config[:80]!r} is not a JSON object")
+            try:
+                env = await asyncio.to_thread(load_env, ref, **options)
+            except RlboostError as e:
+                raise EpisodeRefused(f"environment {ref!r} does not load: {e}") from None
+            if len(self._envs) >= MAX_CACHED:  # bounded, whatever requests name
+                self._envs.clear()
+                self._runners.clear()
+            self._envs[(ref, config)] = env
+            return env
+
     async def runner(self, req: wire.RolloutRequest) -> EpisodeRunner:
         spec = req.episode
         assert spec is not None
         if spec.env not in self.allowed:
             raise EpisodeRefused(f"environment {spec.env!r} is not one this worker runs (built-in: "
                                  f"{', '.join(sorted(BUILTIN_ENVS))}; others: name it in the worker's [env] ref)")
-        env = self._envs.get((spec.env, spec.config))
-        if env is None:
-            options = json.loads(spec.config)
-            if not isinstance(options, dict):
-                raise EpisodeRefused(f"episode config {spec.config[:80]!r} is not a JSON object")
-            try:  # in a thread: an environment's first load imports its library (seconds), which in
-                # the event loop would stop this worker's heartbeats and every episode it holds
-                env = await asyncio.to_thread(load_env, spec.env, **options)
-            except RlboostError as e:
-                raise EpisodeRefused(f"environment {spec.env!r} does not load: {e}") from None
-            if len(self._envs) >= MAX_CACHED:  # bounded, whatever requests name
-                self._envs.clear()
-                self._runners.clear()
-            self._envs[(spec.env, spec.config)] = env
+        env = self._envs.get((spec.env, spec.config)) or await self._load(spec.env, spec.config)
         bounds = (spec.env, spec.config, spec.max_turns, spec.max_turn_tokens, spec.tool_timeout_s, spec.on_tool_error,
                   len(req.prompt_ids) + req.max_new_tokens)
         runner = self._runners.get(bounds)
