@@ -526,9 +526,13 @@ def test_loaded_inside_an_event_loop_it_is_built_on_a_thread_at_its_first_call()
 
 
 def test_the_bench_plays_the_same_episodes_natively_and_handed_over_with_each_call_once():
-    from rlboost.benchmarks import agent_verifiers
-
-    out = agent_verifiers.run(episodes=8, concurrency=4, arms="builtin,native,handover")
+    # in a process of its own, as `rlboost bench agent-verifiers` runs (once, in this test
+    # module's process after the others, an arm came back with an episode unsolved; not seen alone)
+    p = subprocess.run([sys.executable, "-m", "rlboost.cli", "bench", "agent-verifiers", "--episodes", "8",
+                        "--concurrency", "4", "--arms", "builtin,native,handover"],
+                       capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    out = json.loads(p.stdout.strip().splitlines()[-1])
     for name in ("builtin", "native", "handover"):
         assert out[name]["solved"] == 8 and out[name]["episodes_per_s"] > 0, out[name]
     assert out["native"]["tool_calls"] == out["builtin"]["tool_calls"] == out["handover"]["tool_calls"]
