@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from pathlib import Path
@@ -133,3 +134,16 @@ class PassThroughStore:
     async def read(self, key):
         async for chunk in self.inner.read(key):
             yield chunk
+
+
+def pid_of(worker_id: str) -> int | None:
+    """The pid of the process started with `--worker-id worker_id` (a child of the run)."""
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                argv = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"--worker-id" in argv and argv[argv.index(b"--worker-id") + 1:][:1] == [worker_id.encode()]:
+                return int(d)
+    return None

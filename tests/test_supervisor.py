@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+from helpers import pid_of
 import structlog
 
 from rlboost.workers.fleet import Supervisor, WorkerFleet
@@ -95,19 +96,6 @@ def test_a_replacement_that_lived_long_resets_the_backoff(fleet):
 # ---------------------------------------------------------------- rlboost run, end to end
 
 
-def _pid_of(worker_id: str) -> int | None:
-    """The pid of the process started with `--worker-id worker_id` (a child of the run)."""
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                argv = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
-            except OSError:
-                continue
-            if b"--worker-id" in argv and argv[argv.index(b"--worker-id") + 1:][:1] == [worker_id.encode()]:
-                return int(d)
-    return None
-
-
 @pytest.mark.slow
 def test_a_run_whose_only_env_worker_and_a_generation_worker_are_sigkilled_finishes_every_step(
         services, tmp_path, tool_calling_model_dir):
@@ -137,7 +125,7 @@ def test_a_run_whose_only_env_worker_and_a_generation_worker_are_sigkilled_finis
         _until(lambda: steps_done() >= 1 or p.poll() is not None, timeout=240)
         assert p.poll() is None, p.communicate()[1][-3000:]
         for wid in ("l0e001", "l0w001"):  # the only env worker, then the generation worker
-            pid = _pid_of(wid)
+            pid = pid_of(wid)
             assert pid is not None, wid
             os.kill(pid, signal.SIGKILL)
         out, err = p.communicate(timeout=300)
@@ -149,7 +137,7 @@ def test_a_run_whose_only_env_worker_and_a_generation_worker_are_sigkilled_finis
     assert summary["steps"] == steps and steps_done() == steps
     restarts = [line for line in err.splitlines() if "a supervised process exited" in line]
     assert len(restarts) == 2 and any("l0e001" in line for line in restarts), restarts
-    assert _pid_of("l0e002") is None  # the restarted ones went with the run
+    assert pid_of("l0e002") is None  # the restarted ones went with the run
 
 
 class _NoEngines:

@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers import pid_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -379,19 +380,6 @@ def _until(cond, timeout: float, what: str, poll_s: float = 0.2) -> None:
         time.sleep(poll_s)
 
 
-def _pid_of(worker_id: str) -> int | None:
-    """The pid of the process started with `--worker-id worker_id` (a child of the run)."""
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                argv = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
-            except OSError:
-                continue
-            if b"--worker-id" in argv and argv[argv.index(b"--worker-id") + 1:][:1] == [worker_id.encode()]:
-                return int(d)
-    return None
-
-
 def _worker_ids() -> list[str]:
     out = []
     for d in os.listdir("/proc"):
@@ -436,7 +424,7 @@ def _train_and_kill(services, run_dir: Path, model_dir, options: list[str], step
         _until(lambda: first()["claims"] > first()["results"] or p.poll() is not None, 120,
                "an episode under way on the first worker after step 0", poll_s=0.005)
         assert p.poll() is None, f"the run ended before the kill: {steps_done()} steps"
-        pid = _pid_of("l0w001")
+        pid = pid_of("l0w001")
         assert pid is not None, _worker_ids()
         os.kill(pid, signal.SIGKILL)
         out, err = p.communicate(timeout=420)
